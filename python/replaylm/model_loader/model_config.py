@@ -86,11 +86,6 @@ class ModelConfig:
                 raise ValueError(f"{path} is not valid JSON: {e}") from e
         return cls.from_dict(cfg)
 
-    @property
-    def kv_elements_per_token(self) -> int:
-        """Elements of K and V stored per token over all layers (multiply by the dtype size)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
-
 
 def is_hf_folder(path: str) -> bool:
     """True when `path` is a folder holding an HF `config.json`."""

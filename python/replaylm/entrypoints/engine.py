@@ -1,0 +1,121 @@
+"""Offline Engine: load a model once, then generate for batches of prompts in-process.
+
+    engine = Engine(model_path="smollm2-135m-instruct")
+    out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+    out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_loader.builtin_models import DEFAULT_MODEL
+from replaylm.model_loader.tokenizer import load_tokenizer
+from replaylm.runtime.offline_loop import OfflineGenerationLoop
+from replaylm.runtime.request import Req, truncate_at_stop
+from replaylm.sampling_params import SamplingParams
+from replaylm.server_args import ServerArgs
+
+Prompt = str | list[str] | None
+TokenIds = list[int] | list[list[int]] | None
+ParamsArg = dict[str, Any] | list[dict[str, Any]] | None
+
+
+class Engine:
+    """`Engine(model_path=..., **server_args)`; keyword arguments are ServerArgs fields."""
+
+    def __init__(self, model_path: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        self.server_args.validate()
+        self.runner = ModelRunner(self.server_args)
+        self.tokenizer = load_tokenizer(self.server_args.tokenizer_path or model_path)
+        eos = set(self.runner.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._seed_rng = random.Random(self.server_args.seed)
+        self._next_rid = 0
+        self.loop = OfflineGenerationLoop(self.runner, self.eos_token_ids, self._decode)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
+        self._require_tokenizer()
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def generate(
+        self, prompt: Prompt = None, sampling_params: ParamsArg = None, input_ids: TokenIds = None
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (returns a dict) or a list (returns a list, same order).
+
+        Give either `prompt` (text) or `input_ids`. `sampling_params` is one dict for all
+        requests or one per request (SamplingParams fields). Each result holds `text`,
+        `output_ids` and `meta_info` (prompt/completion token counts, finish_reason).
+        """
+        single, id_lists = self._inputs(prompt, input_ids)
+        params_list = self._params(sampling_params, len(id_lists))
+        reqs = [self._make_req(ids, p) for ids, p in zip(id_lists, params_list, strict=True)]
+        self.loop.run(reqs)
+        results = [self._result(r) for r in reqs]
+        return results[0] if single else results
+
+    def _require_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"model '{self.server_args.model_path}' has no tokenizer: pass input_ids, "
+                "or --tokenizer-path"
+            )
+
+    def _inputs(self, prompt: Prompt, input_ids: TokenIds) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            self._require_tokenizer()
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+            return isinstance(prompt, str), ids
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        return single, [list(input_ids)] if single else [list(x) for x in input_ids]
+
+    @staticmethod
+    def _params(sampling_params: ParamsArg, n: int) -> list[SamplingParams]:
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != n:
+                raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
+            return [SamplingParams.from_dict(p) for p in sampling_params]
+        return [SamplingParams.from_dict(sampling_params or {}) for _ in range(n)]
+
+    def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
+        context = self.runner.context_len
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= context:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the context length is {context}"
+            )
+        vocab = self.runner.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"input_ids must be in [0, {vocab})")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        max_new = min(params.max_new_tokens, context - len(ids))
+        return Req(rid, list(ids), params, seed, max_new)
+
+    def _result(self, req: Req) -> dict[str, Any]:
+        text = self._decode(req.output_ids) if self.tokenizer is not None else None
+        if text is not None:
+            text = truncate_at_stop(text, req.finish_reason)
+        return {
+            "text": text,
+            "output_ids": list(req.output_ids),
+            "meta_info": {
+                "prompt_tokens": len(req.input_ids),
+                "completion_tokens": len(req.output_ids),
+                "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+            },
+        }

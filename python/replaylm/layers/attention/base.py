@@ -1,0 +1,72 @@
+"""The attention-backend interface.
+
+A backend computes attention over the paged KV pool. `forward` first stores this step's K and V at
+`batch.out_cache_loc`, then attends from the pool, so new tokens see themselves and their prefix.
+`init_forward_metadata` runs once per batch (before the layers) and prepares whatever every layer
+shares (index tables, masks). Backends usable inside a `full` CUDA graph also implement the three
+`*_cuda_graph` hooks of `CudaGraphAttentionBackend`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from replaylm.layers.attention.layer import Attention
+    from replaylm.model_executor.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Eager attention over the paged KV cache. q is `[T, H, D]`, k and v `[T, Hkv, D]`."""
+
+    name: str
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Prepare per-batch state shared by all layers."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Store K/V of the new tokens, then attend; returns `[T, H, D]`."""
+        batch.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        if batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, batch)
+        return self.forward_extend(q, k, v, layer, batch)
+
+    @abstractmethod
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Causal attention of the new tokens over prefix + new tokens (K/V already stored)."""
+
+    @abstractmethod
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """One query token per request over its whole sequence (K/V already stored)."""
+
+
+class CudaGraphAttentionBackend(AttentionBackend):
+    """A backend whose metadata can live in static buffers, as a `full` CUDA graph needs.
+
+    Launch grids must not depend on values that change between replays.
+    """
+
+    @abstractmethod
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate every metadata buffer a captured graph will read, once."""
+
+    @abstractmethod
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Point the kernels at the static buffers for a capture of `batch`'s shape."""
+
+    @abstractmethod
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Refresh the static buffers' contents in place for `batch`, before a replay."""

@@ -1,0 +1,40 @@
+"""The attention layer a model calls; the computation is delegated to the batch's backend."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.forward_batch import ForwardBatch
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer. Inputs are `[T, H*D]` (q) and `[T, Hkv*D]` (k, v)."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float, layer_id: int
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.layer_id = layer_id
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        t = q.shape[0]
+        out = batch.attn_backend.forward(
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+            self,
+            batch,
+        )
+        return out.reshape(t, self.num_heads * self.head_dim)

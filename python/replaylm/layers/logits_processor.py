@@ -1,0 +1,24 @@
+"""Selects the hidden state that predicts each request's next token and projects it to logits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.forward_batch import ForwardBatch
+
+
+class LogitsProcessor(nn.Module):
+    """`hidden [T, H] -> logits [B, V]` (float32): the last new token of every request."""
+
+    def forward(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if not batch.forward_mode.is_decode():
+            last = batch.extend_start_loc + batch.extend_seq_lens - 1
+            hidden = hidden[last]
+        return F.linear(hidden, lm_head_weight).float()

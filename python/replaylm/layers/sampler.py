@@ -1,0 +1,139 @@
+"""Batched token sampling with per-request counter-based randomness.
+
+A request's sampled token is a pure function of (its logits row, its SamplingParams, its seed,
+its step): the noise comes from an integer hash of (seed, step, vocab index), not from torch's
+global RNG, so the result does not depend on batch position, batch companions or device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replaylm.sampling_params import SamplingParams
+
+# splitmix64 constants, as signed int64 (torch int64 arithmetic wraps around).
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+_UNIFORM_BITS = 23  # 23 bits keep (k + 0.5) / 2**23 exact in float32 and strictly inside (0, 1)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 `x` by `n` (torch's `>>` is arithmetic on signed ints)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer on int64 tensors: a bijective avalanche mix of 64 bits."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def seeded_uniform(
+    seeds: torch.Tensor, steps: torch.Tensor, vocab_ids: torch.Tensor
+) -> torch.Tensor:
+    """Uniform floats in the open interval (0, 1), a pure function of (seed, step, vocab id).
+
+    `seeds` and `steps` are int64 [B]; `vocab_ids` is int64 [V] or [B, V]. Returns float32
+    [B, V]. Only integer ops are used, so values are bit-identical on every device.
+    """
+    row = _mix64(_mix64(seeds) + steps * _GOLDEN).unsqueeze(1)
+    bits = _shr(_mix64(row + (vocab_ids + 1) * _GOLDEN), 64 - _UNIFORM_BITS)
+    return (bits.to(torch.float32) + 0.5) * (2.0**-_UNIFORM_BITS)
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-batch sampling tensors, all on one device, plus flags computed once at build time.
+
+    temperatures: float32 [B], 0.0 marks a greedy row (temperature 0 or top_k 1).
+    top_ps: float32 [B]; top_ks: int64 [B], vocab size where top-k is off; min_ps: float32 [B];
+    seeds: int64 [B]. The flags only consider sampled (non-greedy) rows: `all_greedy` means no
+    row samples, `need_top_p_top_k` / `need_min_p` mean some sampled row filters that way.
+    """
+
+    temperatures: torch.Tensor
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    seeds: torch.Tensor
+    all_greedy: bool
+    need_top_p_top_k: bool
+    need_min_p: bool
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatchInfo:
+        """Build from validated params and one resolved seed (int in [0, 2**63)) per request."""
+        if len(seeds) != len(params):
+            raise ValueError(f"got {len(seeds)} seeds for {len(params)} requests")
+        sampled = [p for p in params if not p.is_greedy]
+        top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        return cls(
+            temperatures=torch.tensor(
+                [0.0 if p.is_greedy else p.temperature for p in params],
+                dtype=torch.float32, device=device,
+            ),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            all_greedy=not sampled,
+            need_top_p_top_k=any(p.top_p < 1 or 0 < p.top_k < vocab_size for p in sampled),
+            need_min_p=any(p.min_p > 0 for p in sampled),
+        )
+
+
+class Sampler(torch.nn.Module):
+    """Pick one token per row: argmax for greedy rows, filtered seeded sampling for the rest."""
+
+    def forward(
+        self, logits: torch.Tensor, info: SamplingBatchInfo, steps: torch.Tensor
+    ) -> torch.Tensor:
+        """Sample from float32 `logits` [B, V]; `steps` int64 [B] is each row's output index.
+
+        Sampled rows: softmax(logits / temperature), then top-k, top-p on the top-k-renormalised
+        distribution, min-p relative to the top probability, then argmax(probs / E) with
+        E = -log(U) and U = seeded_uniform(seed, step, vocab id). Returns int64 [B].
+        No host sync beyond the flags in `info`.
+        """
+        greedy_ids = logits.argmax(dim=-1)
+        if info.all_greedy:
+            return greedy_ids
+        greedy = info.temperatures == 0
+        temperatures = torch.where(greedy, 1.0, info.temperatures).unsqueeze(1)
+        probs = torch.softmax(logits / temperatures, dim=-1)
+        vocab_ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(probs)
+        if info.need_top_p_top_k or info.need_min_p:
+            probs, vocab_ids = probs.sort(dim=-1, descending=True)
+            probs = _filter_sorted(probs, info)
+        noise = -torch.log(seeded_uniform(info.seeds, steps, vocab_ids))
+        choice = (probs / noise).argmax(dim=-1, keepdim=True)
+        sampled_ids = vocab_ids.gather(1, choice).squeeze(1)
+        return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def _filter_sorted(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero the filtered-out entries of descending-sorted `probs` [B, V]; the top one survives.
+
+    top-p keeps the smallest prefix whose mass reaches top_p of the top-k mass (rows with
+    top_p == 1 are left alone, so float rounding of the cumsum cannot drop tail tokens).
+    """
+    if info.need_top_p_top_k:
+        ranks = torch.arange(probs.shape[-1], device=probs.device)
+        probs = probs.masked_fill(ranks >= info.top_ks.unsqueeze(1), 0.0)
+        cum = probs.cumsum(dim=-1)
+        before = cum - probs  # mass strictly above each token; exactly 0 for the top one
+        drop = (before >= info.top_ps.unsqueeze(1) * cum[:, -1:]) & (info.top_ps < 1).unsqueeze(1)
+        probs = probs.masked_fill(drop, 0.0)
+    if info.need_min_p:
+        probs = probs.masked_fill(probs < info.min_ps.unsqueeze(1) * probs[:, :1], 0.0)
+    return probs

@@ -1,0 +1,50 @@
+"""Request-to-token table: row r lists the KV slot of every token of the request in row r."""
+
+from __future__ import annotations
+
+import torch
+
+from replaylm.mem_cache.errors import OutOfRequestSlotsError
+
+
+class ReqToTokenPool:
+    """A `[max_reqs, max_context_len]` int32 table plus a free list of rows.
+
+    Row contents are written by the caller (`write`) as tokens get KV slots; a freed row is reused
+    as is (stale contents are overwritten before they are read again).
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str) -> None:
+        if max_reqs < 1 or max_context_len < 1:
+            raise ValueError("request table needs at least one row and one column")
+        self.max_reqs = max_reqs
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros(
+            (max_reqs, max_context_len), dtype=torch.int32, device=device
+        )
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self, need: int = 1) -> list[int]:
+        """Reserve `need` rows; raises OutOfRequestSlotsError when too few are free."""
+        if need > len(self._free_rows):
+            raise OutOfRequestSlotsError(need, len(self._free_rows))
+        return [self._free_rows.pop() for _ in range(need)]
+
+    def free(self, row: int) -> None:
+        if not 0 <= row < self.max_reqs or row in self._free_rows:
+            raise ValueError(f"request row {row} is not allocated")
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record `slots` as the KV slots of tokens start..start+len(slots)-1 of request `row`."""
+        end = start + int(slots.numel())
+        if end > self.max_context_len:
+            raise ValueError(f"position {end} exceeds the context length {self.max_context_len}")
+        self.req_to_token[row, start:end] = slots.to(torch.int32)
+
+    def slots(self, row: int, start: int, end: int) -> torch.Tensor:
+        """KV slots of tokens start..end-1 of request `row` (int64)."""
+        return self.req_to_token[row, start:end].to(torch.int64)

@@ -1,0 +1,93 @@
+"""ModelRunner: owns the model, the KV memory, the attention backend and the sampler.
+
+`forward(batch) -> logits` is the single entry for a forward pass (the CUDA-graph runners hook in
+here once they land: graph replay when they can run the batch, eager otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from replaylm.layers.attention.registry import create_attention_backend
+from replaylm.layers.sampler import Sampler, SamplingBatchInfo
+from replaylm.mem_cache.kv_pool import KVPool
+from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
+from replaylm.mem_cache.token_allocator import TokenSlotAllocator
+from replaylm.model_executor.forward_batch import ForwardBatch
+from replaylm.model_loader.builtin_models import resolve_model_path
+from replaylm.model_loader.loader import load_model, load_model_config
+from replaylm.server_args import ServerArgs
+from replaylm.utils import resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU when --max-total-tokens is not given
+
+
+class ModelRunner:
+    """Loads the model and sizes memory at construction; then runs forward passes and sampling."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        path = resolve_model_path(args.model_path)
+        self.config = load_model_config(path)
+        self.dtype = resolve_dtype(args.dtype, self.device, self.config.torch_dtype)
+        self.model = load_model(
+            path, self.config, args.load_format, self.dtype, self.device, args.seed
+        )
+        self.context_len = args.context_length or self.config.max_position_embeddings
+        self._init_memory()
+        backend = "torch_native" if args.attention_backend == "auto" else args.attention_backend
+        self.attn_backend = create_attention_backend(backend)
+        self.sampler = Sampler()
+        logger.info(
+            "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s",
+            self.dtype, self.device, self.max_total_tokens,
+            self.kv_pool.memory_bytes() / 2**30, backend,
+        )
+
+    def _kv_budget_tokens(self) -> int:
+        cfg = self.config
+        per_token = KVPool.bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+        )
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES // per_token
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.args.mem_fraction_static - (total - free)
+        if budget < per_token:
+            raise RuntimeError(
+                f"--mem-fraction-static {self.args.mem_fraction_static} leaves no room for the KV "
+                f"cache after the weights ({(total - free) / 2**30:.1f} GiB used of "
+                f"{total / 2**30:.1f} GiB); raise it"
+            )
+        return int(budget // per_token)
+
+    def _init_memory(self) -> None:
+        cfg = self.config
+        budget = self._kv_budget_tokens()
+        self.max_total_tokens = min(budget, self.args.max_total_tokens or budget)
+        self.kv_pool = KVPool(
+            self.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
+            cfg.head_dim, self.dtype, self.device,
+        )
+        self.token_allocator = TokenSlotAllocator(self.max_total_tokens, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            self.args.max_running_requests, self.context_len, self.device
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Next-token logits `[B, V]` (float32) for every request of the batch."""
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    @torch.inference_mode()
+    def sample(
+        self, logits: torch.Tensor, info: SamplingBatchInfo, steps: torch.Tensor
+    ) -> torch.Tensor:
+        """Next token id per request (`[B]` int64); `steps` = tokens each request generated."""
+        return self.sampler(logits, info, steps)

@@ -1,0 +1,27 @@
+"""Random weights of the right shapes for benchmarks (`--load-format dummy`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replaylm.layers.layernorm import RMSNorm
+
+DUMMY_STD = 0.02  # HF's usual initializer_range: keeps activations and logits finite
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Norm weights 1, biases 0, every other weight N(0, 0.02^2), reproducible from `seed`."""
+    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if id(param) in norm_params:
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            gen = generators.setdefault(
+                param.device, torch.Generator(device=param.device).manual_seed(seed)
+            )
+            param.normal_(0.0, DUMMY_STD, generator=gen)

@@ -1,0 +1,101 @@
+"""Model loading: resolve the path, read the config, build the model, fill its weights.
+
+Accepted `model_path`: a built-in name (see builtin_models), an HF folder (config.json +
+safetensors), a single `.gguf` file, or — with `load_format="dummy"` — a folder or a `.json` file
+holding only a config.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from replaylm.model_loader.dummy_weights import fill_dummy_weights
+from replaylm.model_loader.gguf_loader import iter_gguf_weights, read_gguf_config
+from replaylm.model_loader.model_config import ModelConfig, is_hf_folder
+from replaylm.model_loader.safetensors_loader import (
+    count_safetensors_tensors,
+    iter_safetensors_weights,
+    safetensors_files,
+)
+from replaylm.models.registry import get_model_class
+from replaylm.utils import default_dtype
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def is_gguf_file(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
+def load_model_config(model_path: str) -> ModelConfig:
+    """Read the config of a resolved model path; clear errors for missing or unusable paths."""
+    if not os.path.exists(model_path):
+        raise FileNotFoundError(f"model path '{model_path}' does not exist")
+    if is_gguf_file(model_path):
+        return ModelConfig.from_dict(read_gguf_config(model_path))
+    if is_hf_folder(model_path):
+        return ModelConfig.from_json_file(os.path.join(model_path, "config.json"))
+    if os.path.isfile(model_path) and model_path.endswith(".json"):
+        return ModelConfig.from_json_file(model_path)
+    raise ValueError(
+        f"model path '{model_path}' is neither a folder with config.json, a .gguf file, "
+        "nor a config .json file"
+    )
+
+
+def resolve_load_format(model_path: str, load_format: str) -> str:
+    """`auto` -> gguf for .gguf files, else safetensors."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format '{load_format}'; choose one of {LOAD_FORMATS}")
+    if load_format == "auto":
+        return "gguf" if is_gguf_file(model_path) else "safetensors"
+    return load_format
+
+
+def load_model(
+    path: str,
+    config: ModelConfig,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> nn.Module:
+    """Build the model of `config` on `device` in `dtype` and fill its weights from `path`
+    (a resolved model path, see `resolve_model_path`)."""
+    fmt = resolve_load_format(path, load_format)
+    model_cls = get_model_class(config.architecture)
+    with torch.device(device), default_dtype(dtype):
+        model = model_cls(config)
+    if fmt == "dummy":
+        fill_dummy_weights(model, seed)
+    else:
+        weights, count = _checkpoint_tensors(path, fmt)
+        model.load_weights(tqdm(weights, total=count, desc="Loading weights", unit="tensor"))
+    model.eval()
+    logger.info(
+        "loaded %s (%s, %s) from %s: %.1fM parameters, %s on %s",
+        config.architecture, fmt, "tied" if config.tie_word_embeddings else "untied", path,
+        sum(p.numel() for p in model.parameters()) / 1e6, dtype, device,
+    )
+    return model
+
+
+def _checkpoint_tensors(
+    path: str, fmt: str
+) -> tuple[Iterator[tuple[str, torch.Tensor]], int | None]:
+    if fmt == "gguf":
+        if not is_gguf_file(path):
+            raise ValueError(f"--load-format gguf needs a .gguf file, got '{path}'")
+        return iter_gguf_weights(path), None
+    if os.path.isfile(path):
+        raise ValueError(f"--load-format safetensors needs an HF folder, got the file '{path}'")
+    files = safetensors_files(path)
+    return iter_safetensors_weights(files), count_safetensors_tensors(files)

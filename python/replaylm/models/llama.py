@@ -1,0 +1,201 @@
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM); Qwen2 and Qwen3 reuse it with two switches.
+
+`qkv_bias` adds biases to the fused QKV projection (Qwen2); `qk_norm` applies a per-head RMSNorm
+to q and k before rope (Qwen3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from replaylm.layers.activation import SiluAndMul
+from replaylm.layers.attention.layer import Attention
+from replaylm.layers.layernorm import RMSNorm
+from replaylm.layers.linear import Linear, MergedLinear
+from replaylm.layers.logits_processor import LogitsProcessor
+from replaylm.layers.rotary_embedding import RotaryEmbedding
+from replaylm.layers.vocab_embedding import VocabEmbedding
+from replaylm.model_executor.forward_batch import ForwardBatch
+from replaylm.model_loader.model_config import ModelConfig
+
+# checkpoint projection name -> (fused module name, shard)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        h, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": h * d, "k": hkv * d, "v": hkv * d}, bias=qkv_bias
+        )
+        self.o_proj = Linear(h * d, config.hidden_size)
+        self.rotary = rotary
+        self.head_dim = d
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(h, hkv, d, d**-0.5, layer_id)
+
+    def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape[0], -1)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None:
+            q = self._per_head_norm(q, self.q_norm)
+            k = self._per_head_norm(k, self.k_norm)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate": intermediate_size, "up": intermediate_size}
+        )
+        self.act = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_scaling,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary, qkv_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM: `forward(input_ids, positions, batch) -> next-token logits [B, V]` (float32)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.uses_qkv_bias(config), self.uses_qk_norm())
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size)
+        )
+        self.logits_processor = LogitsProcessor()
+
+    @staticmethod
+    def uses_qkv_bias(config: ModelConfig) -> bool:
+        return config.attention_bias
+
+    @staticmethod
+    def uses_qk_norm() -> bool:
+        return False
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return (self.lm_head or self.model.embed_tokens).weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, batch)
+        return self.logits_processor(hidden, self.lm_head_weight, batch)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors. Raises ValueError naming the tensor on a shape mismatch, an
+        unexpected name, or parameters the checkpoint did not provide."""
+        params = dict(self.named_parameters())
+        pending = {name: 1 for name in params}
+        for name, layer in self.named_modules():
+            if isinstance(layer, MergedLinear):
+                for suffix in ("weight", "bias"):
+                    if f"{name}.{suffix}" in pending:
+                        pending[f"{name}.{suffix}"] = len(layer.shard_sizes)
+        modules = dict(self.named_modules())
+        for ckpt_name, tensor in weights:
+            if ckpt_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if ckpt_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the LM head
+            target, shard = self._map_name(ckpt_name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor '{ckpt_name}' has no parameter in the model")
+            param = params[target]
+            if shard is None:
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"shape mismatch for '{ckpt_name}': checkpoint has "
+                        f"{tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+            else:
+                modules[target.rsplit(".", 1)[0]].load_shard(param, shard, tensor, ckpt_name)
+            pending[target] -= 1
+        missing = sorted(name for name, left in pending.items() if left > 0)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    @staticmethod
+    def _map_name(ckpt_name: str) -> tuple[str, str | None]:
+        """Map a checkpoint name to (model parameter name, fused shard or None)."""
+        parts = ckpt_name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+            fused, shard = _FUSED_SHARDS[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return ckpt_name, None

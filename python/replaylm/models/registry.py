@@ -1,0 +1,26 @@
+"""Model classes by HF architecture name (`config.json` -> `architectures[0]`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from replaylm.models.llama import LlamaForCausalLM
+from replaylm.models.qwen2 import Qwen2ForCausalLM
+from replaylm.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class for an architecture; ValueError names it and lists the supported ones."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_REGISTRY))
+        raise ValueError(
+            f"unsupported architecture '{architecture}'; supported: {supported}"
+        ) from None

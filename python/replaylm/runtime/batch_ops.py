@@ -1,0 +1,79 @@
+"""Turning requests into ForwardBatches: KV-slot allocation, request-table writes, release.
+
+These are the only functions that build a ForwardBatch, so the generation loop (and later the
+scheduler) stays the single place where batches are formed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.model_runner import ModelRunner
+    from replaylm.runtime.request import Req
+
+
+def prepare_extend(
+    reqs: list[Req], runner: ModelRunner, chunk_sizes: list[int] | None = None
+) -> ForwardBatch:
+    """An EXTEND batch of each request's next `chunk_sizes[i]` uncached tokens (default: all).
+
+    Allocates KV slots first, so OutOfKVCacheError leaves every request untouched.
+    """
+    new_ids = []
+    for i, req in enumerate(reqs):
+        todo = req.all_ids[req.kv_len :]
+        new_ids.append(todo if chunk_sizes is None else todo[: chunk_sizes[i]])
+    slots = runner.token_allocator.alloc(sum(len(t) for t in new_ids))
+    rows_needed = [r for r in reqs if r.req_pool_idx is None]
+    try:
+        rows = runner.req_to_token_pool.alloc(len(rows_needed))
+    except Exception:
+        runner.token_allocator.free(slots)
+        raise
+    for req, row in zip(rows_needed, rows, strict=True):
+        req.req_pool_idx = row
+    prefix_lens, offset = [], 0
+    for req, ids in zip(reqs, new_ids, strict=True):
+        runner.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[offset : offset + len(ids)])
+        prefix_lens.append(req.kv_len)
+        req.kv_len += len(ids)
+        offset += len(ids)
+    return _create(ForwardMode.EXTEND, reqs, new_ids, prefix_lens, slots, runner)
+
+
+def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
+    """A DECODE batch: each request's last token (the one not yet in the cache)."""
+    slots = runner.token_allocator.alloc(len(reqs))
+    rows = torch.tensor([r.req_pool_idx for r in reqs], device=slots.device)
+    cols = torch.tensor([r.kv_len for r in reqs], device=slots.device)
+    runner.req_to_token_pool.req_to_token[rows, cols] = slots.to(torch.int32)
+    prefix_lens = [r.kv_len for r in reqs]
+    for req in reqs:
+        req.kv_len += 1
+    new_ids = [[r.all_ids[-1]] for r in reqs]
+    return _create(ForwardMode.DECODE, reqs, new_ids, prefix_lens, slots, runner)
+
+
+def release(req: Req, runner: ModelRunner) -> None:
+    """Free the request's KV slots and its request-table row."""
+    if req.req_pool_idx is None:
+        return
+    runner.token_allocator.free(runner.req_to_token_pool.slots(req.req_pool_idx, 0, req.kv_len))
+    runner.req_to_token_pool.free(req.req_pool_idx)
+    req.req_pool_idx = None
+    req.kv_len = 0
+
+
+def _create(
+    mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]], prefix_lens: list[int],
+    slots: torch.Tensor, runner: ModelRunner,
+) -> ForwardBatch:
+    return ForwardBatch.create(
+        mode, new_ids, prefix_lens, [r.req_pool_idx for r in reqs], slots,
+        runner.req_to_token_pool, runner.kv_pool, runner.attn_backend,
+    )

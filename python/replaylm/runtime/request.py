@@ -1,0 +1,70 @@
+"""Req: one generation request's state as it moves through prefill and decode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from replaylm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request stopped: `length` (max_new_tokens or context) or `stop` (EOS, a stop token
+    id, or a stop string: `matched` says which)."""
+
+    type: Literal["length", "stop"]
+    matched: int | str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"type": self.type, "matched": self.matched}
+
+
+@dataclass
+class Req:
+    """`kv_len` counts the tokens of `input_ids + output_ids` whose K/V are in the cache."""
+
+    rid: int
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token: int, eos_ids: frozenset[int], output_text: str | None) -> None:
+        """Record a sampled token and decide whether the request is finished.
+
+        `output_text` (the decoded output so far) is needed only when the request has stop
+        strings; pass None otherwise.
+        """
+        self.output_ids.append(token)
+        params = self.sampling_params
+        if token in params.stop_token_ids or token in eos_ids and not params.ignore_eos:
+            self.finish_reason = FinishReason("stop", token)
+        elif output_text is not None and (hit := _first_stop(output_text, params.stop)):
+            self.finish_reason = FinishReason("stop", hit)
+        elif len(self.output_ids) >= self.max_new_tokens:
+            self.finish_reason = FinishReason("length")
+
+
+def _first_stop(text: str, stops: list[str]) -> str | None:
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    return min(hits)[1] if hits else None
+
+
+def truncate_at_stop(text: str, reason: FinishReason | None) -> str:
+    """Drop a matched stop string and everything after it (stop strings are not emitted)."""
+    if reason is not None and isinstance(reason.matched, str):
+        return text[: text.find(reason.matched)]
+    return text

@@ -1,0 +1,41 @@
+"""Small helpers shared across the package."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu. Asking for cuda without a GPU is a clear error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but no CUDA GPU is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, config_dtype: str | None) -> torch.dtype:
+    """`auto` -> float32 on CPU; on a GPU the checkpoint's 16-bit dtype, else bfloat16."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype '{dtype}'; choose auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if config_dtype == "float16" else torch.bfloat16
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Temporarily set torch's default floating dtype (for allocation-at-construction)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

