@@ -97,6 +97,6 @@ class ServerArgs:
 
 
 def _optional_type(annotation: str) -> type:
-    """`'int | None'` -> int (annotations are strings under `from __future__ import annotations`)."""
+    """`'int | None'` -> int (annotations are strings under postponed evaluation)."""
     base = annotation.replace("| None", "").strip()
     return {"int": int, "float": float, "str": str, "bool": bool}[base]

@@ -10,9 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from typing import Any
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
 from replaylm.model_loader.builtin_models import (
     BUILTIN_MODELS,
     _packaged_file,
@@ -24,8 +28,6 @@ from replaylm.model_loader.gguf_loader import (
     read_gguf_config,
 )
 from replaylm.model_loader.model_config import ModelConfig
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -36,18 +38,19 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(gguf_path: str) -> tuple[PretrainedConfig, set[str], dict[str, torch.Tensor]]:
-    """HF config, HF parameter names and transformers' dequantized tensors for the file."""
+def hf_reference(gguf_path: str) -> tuple[PretrainedConfig, set[str], dict[str, Any]]:
+    """HF config, HF parameter names and transformers' parse of the file (tensors, tokenizer)."""
     folder, name = os.path.split(gguf_path)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)
-    return config, set(model.state_dict()), parsed["tensors"]
+    return config, set(model.state_dict()), parsed
 
 
 def test_weights_match_transformers(gguf_path, hf_reference):
-    _, hf_names, hf_tensors = hf_reference
+    _, hf_names, parsed = hf_reference
+    hf_tensors = parsed["tensors"]
     ours: set[str] = set()
     for name, tensor in iter_gguf_weights(gguf_path):
         assert name not in ours, f"{name} yielded twice"
@@ -75,17 +78,18 @@ def test_config_matches_transformers(gguf_path, hf_reference):
     assert not model_config.attention_bias
 
 
-def test_tokenizer_matches_transformers(gguf_path):
-    ours = load_gguf_tokenizer(gguf_path)
-    folder, name = os.path.split(gguf_path)
-    hf = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+def test_tokenizer_matches_gguf_vocab(gguf_path, hf_reference):
+    vocab = hf_reference[2]["tokenizer"]["tokens"]
+    tokenizer = load_gguf_tokenizer(gguf_path)
     text = "The capital of France is"
-    assert ours.encode(text) == hf.encode(text)
-    assert ours.decode(ours.encode(text)) == text
-    assert ours.chat_template
-    prompt = ours.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                      add_generation_prompt=True)
-    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer.encode(text)
+    expected = ["The"] + ["\u0120" + w for w in ("capital", "of", "France", "is")]  # \u0120: space
+    assert [vocab[i] for i in ids] == expected
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.chat_template
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_builtin_name_resolves_to_existing_file():

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo, seeded_uniform
 from replaylm.sampling_params import SamplingParams
 

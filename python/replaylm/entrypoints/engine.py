@@ -45,7 +45,9 @@ class Engine:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
         self._require_tokenizer()
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def generate(

@@ -27,7 +27,9 @@ class KVPool:
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         """Bytes one token's K and V take over all layers."""
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 

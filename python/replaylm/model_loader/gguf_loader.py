@@ -8,6 +8,7 @@ here so every tensor comes out in the layout HF's modeling code expects.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -76,7 +77,7 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     hidden = int(meta(Keys.LLM.EMBEDDING_LENGTH))
     heads = int(meta(Keys.Attention.HEAD_COUNT))
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    vocab = int(embd.shape[-1]) if embd is not None else meta(Keys.LLM.VOCAB_SIZE)
+    vocab = embd.shape[-1] if embd is not None else meta(Keys.LLM.VOCAB_SIZE)
     if vocab is None:
         raise ValueError(f"{path}: no 'token_embd.weight' tensor and no '{arch}.vocab_size' key")
     head_dim = meta(Keys.Attention.KEY_LENGTH) or meta(Keys.Rope.DIMENSION_COUNT)
@@ -139,8 +140,19 @@ def _check_magic(path: str) -> None:
 
 
 def _open_reader(path: str) -> gguf.GGUFReader:
-    """Memory-map `path`; ValueError naming it when it is not a readable GGUF file."""
+    """Memory-mapped reader for `path`; ValueError naming it when it is not a readable GGUF file.
+
+    Parsing the metadata (100k+ vocabulary strings) takes seconds, so the last file's reader is
+    reused while the file is unchanged (same size and mtime).
+    """
     _check_magic(path)
+    stat = os.stat(path)
+    return _cached_reader(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    """Parse `path`; `size` and `mtime_ns` only key the cache."""
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError) as e:

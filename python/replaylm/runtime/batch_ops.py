@@ -39,7 +39,8 @@ def prepare_extend(
         req.req_pool_idx = row
     prefix_lens, offset = [], 0
     for req, ids in zip(reqs, new_ids, strict=True):
-        runner.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[offset : offset + len(ids)])
+        new_slots = slots[offset : offset + len(ids)]
+        runner.req_to_token_pool.write(req.req_pool_idx, req.kv_len, new_slots)
         prefix_lens.append(req.kv_len)
         req.kv_len += len(ids)
         offset += len(ids)

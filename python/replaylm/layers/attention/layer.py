@@ -19,7 +19,9 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+            raise ValueError(
+                f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+            )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -1,0 +1,81 @@
+"""Shared scenarios comparing our ModelRunner with HF transformers on tiny random checkpoints.
+
+`test/unit` runs them in float32 on the CPU (to 1e-4), `test/gpu` in bfloat16 on CUDA (relative
+error by norm). Each scenario takes `close(ours, ref)`, which asserts one logits row is close.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
+from replaylm.runtime.request import Req
+from replaylm.sampling_params import SamplingParams
+from replaylm.server_args import ServerArgs
+
+PROMPT_LENS = [7, 1, 19, 12]
+Close = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def make_runner(folder: str, device: str, dtype: str) -> ModelRunner:
+    return ModelRunner(ServerArgs(
+        model_path=folder, device=device, dtype=dtype, max_total_tokens=1024,
+        max_running_requests=8,
+    ))
+
+
+def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """||ours - ref|| / ||ref|| in float32."""
+    ours, ref = ours.float().cpu(), ref.float().cpu()
+    return float((ours - ref).norm() / ref.norm())
+
+
+def _hf_next_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    device = next(hf_model.parameters()).device
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids], device=device)).logits[0, -1].float().cpu()
+
+
+def _make_reqs(vocab: int, seed: int) -> list[Req]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        Req(i, torch.randint(3, vocab, (n,), generator=gen).tolist(), SamplingParams(), 0, 64)
+        for i, n in enumerate(PROMPT_LENS)
+    ]
+
+
+def _check(hf_model, runner: ModelRunner, reqs: list[Req], logits: torch.Tensor, close: Close):
+    assert logits.shape == (len(reqs), runner.config.vocab_size)
+    for req, row in zip(reqs, logits, strict=True):
+        close(row.float().cpu(), _hf_next_logits(hf_model, req.all_ids))
+
+
+def prefill_then_decode(hf_model, runner: ModelRunner, close: Close, steps: int = 8) -> None:
+    """Ragged prefill, then `steps` paged-KV decode steps; every step checked; KV freed after."""
+    reqs = _make_reqs(runner.config.vocab_size, seed=1)
+    logits = runner.forward(prepare_extend(reqs, runner))
+    _check(hf_model, runner, reqs, logits, close)
+    for _ in range(steps):
+        for req, token in zip(reqs, logits.argmax(-1).tolist(), strict=True):
+            req.output_ids.append(token)
+        logits = runner.forward(prepare_decode(reqs, runner))
+        _check(hf_model, runner, reqs, logits, close)
+    for req in reqs:
+        release(req, runner)
+    assert runner.token_allocator.available_size() == runner.max_total_tokens
+    assert runner.req_to_token_pool.available_size() == 8
+
+
+def chunked_prefill_over_prefix(hf_model, runner: ModelRunner, close: Close) -> None:
+    """A first chunk, then the rest of each prompt attending to its cached prefix."""
+    reqs = _make_reqs(runner.config.vocab_size, seed=2)
+    runner.forward(prepare_extend(reqs, runner, chunk_sizes=[3, 1, 10, 12]))
+    rest = [r for r in reqs if r.kv_len < len(r.input_ids)]
+    assert [r.kv_len for r in rest] == [3, 10]  # a mixed batch: prefixes of different lengths
+    logits = runner.forward(prepare_extend(rest, runner))
+    _check(hf_model, runner, rest, logits, close)
+    for req in reqs:
+        release(req, runner)
