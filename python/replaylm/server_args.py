@@ -25,6 +25,13 @@ ATTENTION_BACKEND_CHOICES = ("auto", "torch_native")
 
 @dataclass
 class ServerArgs:
+    # HTTP server
+    host: str = field(default="127.0.0.1", metadata=_opt("address the HTTP server binds"))
+    port: int = field(default=30000, metadata=_opt("port the HTTP server listens on"))
+    served_model_name: str | None = field(default=None, metadata=_opt(
+        "model name in the API (/v1/models, the `model` field); default: --model-path"))
+    api_key: str | None = field(default=None, metadata=_opt(
+        "if set, requests must send `Authorization: Bearer <key>`"))
     # model and loading
     model_path: str = field(default=DEFAULT_MODEL, metadata=_opt(
         "HF folder, .gguf file, config .json (dummy load) or built-in model name"))
@@ -47,6 +54,11 @@ class ServerArgs:
         "most requests held in the request table at once"))
     context_length: int | None = field(default=None, metadata=_opt(
         "longest sequence (prompt + output); default: the model's max_position_embeddings"))
+    # scheduling
+    chunked_prefill_size: int = field(default=2048, metadata=_opt(
+        "prompts longer than this are prefilled in chunks of this many tokens"))
+    max_prefill_tokens: int = field(default=8192, metadata=_opt(
+        "most new tokens in one prefill batch (one prompt chunk is always admitted)"))
     # kernels
     attention_backend: str = field(default="auto", metadata=_opt(
         "attention implementation", ATTENTION_BACKEND_CHOICES))
@@ -56,7 +68,8 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending flag."""
-        for name in ("max_total_tokens", "context_length"):
+        for name in ("max_total_tokens", "context_length", "chunked_prefill_size",
+                     "max_prefill_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -64,6 +77,8 @@ class ServerArgs:
             raise ValueError(
                 f"--max-running-requests must be >= 1, got {self.max_running_requests}"
             )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in [1, 65535], got {self.port}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"

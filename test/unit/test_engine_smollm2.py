@@ -99,9 +99,9 @@ def test_kv_is_released_after_generation(engine):
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"prompt": ""}, "empty"),
-    ({"input_ids": [1] * 9000}, "context length"),
+    ({"input_ids": [1] * 9000}, "prompt has 9000 tokens"),
     ({"prompt": "a", "input_ids": [1]}, "exactly one"),
-    ({"input_ids": [10**9]}, "input_ids must be in"),
+    ({"input_ids": [10**9]}, "input_ids must be ints in"),
     ({"prompt": "a", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"prompt": "a", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
 ])

@@ -10,11 +10,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
-from replaylm.model_loader.tokenizer import load_tokenizer
-from replaylm.runtime.offline_loop import OfflineGenerationLoop
+from replaylm.runtime.model_setup import load_runner_and_tokenizer
 from replaylm.runtime.request import Req, truncate_at_stop
+from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
+from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
@@ -29,15 +29,15 @@ class Engine:
     def __init__(self, model_path: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         self.server_args = ServerArgs(model_path=model_path, **kwargs)
         self.server_args.validate()
-        self.runner = ModelRunner(self.server_args)
-        self.tokenizer = load_tokenizer(self.server_args.tokenizer_path or model_path)
-        eos = set(self.runner.config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.runner, self.tokenizer, self.eos_token_ids = load_runner_and_tokenizer(
+            self.server_args
+        )
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
-        self.loop = OfflineGenerationLoop(self.runner, self.eos_token_ids, self._decode)
+        self.scheduler = Scheduler(
+            self.runner, self.eos_token_ids, self._decode if self.tokenizer else None,
+            self.server_args.chunked_prefill_size, self.server_args.max_prefill_tokens,
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -62,7 +62,9 @@ class Engine:
         single, id_lists = self._inputs(prompt, input_ids)
         params_list = self._params(sampling_params, len(id_lists))
         reqs = [self._make_req(ids, p) for ids, p in zip(id_lists, params_list, strict=True)]
-        self.loop.run(reqs)
+        for req in reqs:
+            self.scheduler.add(req)
+        self.scheduler.run_to_completion()
         results = [self._result(r) for r in reqs]
         return results[0] if single else results
 
@@ -93,19 +95,13 @@ class Engine:
         return [SamplingParams.from_dict(sampling_params or {}) for _ in range(n)]
 
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
-        context = self.runner.context_len
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= context:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; the context length is {context}"
-            )
-        vocab = self.runner.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"input_ids must be in [0, {vocab})")
+        runner = self.runner
+        check_input_ids(ids, runner.config.vocab_size, runner.context_len, runner.max_total_tokens)
+        max_new = clamp_max_new_tokens(
+            len(ids), params.max_new_tokens, runner.context_len, runner.max_total_tokens
+        )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         rid, self._next_rid = self._next_rid, self._next_rid + 1
-        max_new = min(params.max_new_tokens, context - len(ids))
         return Req(rid, list(ids), params, seed, max_new)
 
     def _result(self, req: Req) -> dict[str, Any]:

@@ -10,10 +10,10 @@ from replaylm.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class FinishReason:
-    """Why a request stopped: `length` (max_new_tokens or context) or `stop` (EOS, a stop token
-    id, or a stop string: `matched` says which)."""
+    """Why a request stopped: `length` (max_new_tokens or context), `stop` (EOS, a stop token
+    id, or a stop string: `matched` says which) or `abort` (`matched` holds the reason)."""
 
-    type: Literal["length", "stop"]
+    type: Literal["length", "stop", "abort"]
     matched: int | str | None = None
 
     def to_dict(self) -> dict[str, object]:
@@ -33,6 +33,7 @@ class Req:
     req_pool_idx: int | None = None
     kv_len: int = 0
     finish_reason: FinishReason | None = None
+    top_logprobs: int | None = None  # None: no logprobs; k: sampled token's + k alternatives
 
     @property
     def all_ids(self) -> list[int]:

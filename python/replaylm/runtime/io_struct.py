@@ -1,0 +1,125 @@
+"""Messages between the HTTP layer, the tokenizer manager and the scheduler process.
+
+Everything here is a plain picklable dataclass: the tokenizer manager (main process) sends
+`TokenizedGenerateReq` / `AbortReq` to the scheduler (child process), which answers each step with
+one `BatchTokenOut`. The tokenizer manager turns those into `GenerateOutput`s (text deltas) for
+the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from replaylm.runtime.request import FinishReason
+from replaylm.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class GenerateRequest:
+    """What the HTTP layer asks for: token ids (already tokenized / chat-templated).
+
+    `top_logprobs`: None = no logprobs; k >= 0 = the sampled token's logprob plus the k most likely
+    alternatives (k <= MAX_TOP_LOGPROBS) for every generated token.
+    """
+
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    top_logprobs: int | None = None
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class GenerateOutput:
+    """One increment of a request's output: the text and tokens new since the previous one.
+
+    The last increment has `finish_reason` set (type `stop`, `length` or `abort`). Text never
+    includes a matched stop string, and no text that might still turn out to be the start of a
+    stop string is released before it is decided.
+    """
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+# ---- main process -> scheduler process ----------------------------------------------------
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    max_new_tokens: int
+    top_logprobs: int | None
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class ShutdownReq:
+    pass
+
+
+# ---- scheduler process -> main process ----------------------------------------------------
+
+
+@dataclass
+class SchedulerReady:
+    """Sent once the model is loaded; sizes the tokenizer manager validates requests against."""
+
+    max_total_tokens: int
+    context_len: int
+    vocab_size: int
+    max_running_requests: int
+
+
+@dataclass
+class SchedulerFailed:
+    """Sent instead of SchedulerReady (or later) when the scheduler process cannot go on."""
+
+    error: str
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    num_retractions: int
+
+
+@dataclass
+class ReqTokenOut:
+    """A request's tokens produced in one step (or its abort / finish)."""
+
+    rid: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+
+
+@dataclass
+class BatchTokenOut:
+    outputs: list[ReqTokenOut]
+    stats: SchedulerStats

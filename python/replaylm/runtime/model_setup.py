@@ -1,0 +1,20 @@
+"""Loading what generation needs, shared by the offline Engine and the scheduler process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_loader.tokenizer import load_tokenizer
+from replaylm.server_args import ServerArgs
+
+
+def load_runner_and_tokenizer(args: ServerArgs) -> tuple[ModelRunner, Any, frozenset[int]]:
+    """The ModelRunner, the tokenizer (None for a weights-only folder) and the EOS token ids
+    (the model config's plus the tokenizer's)."""
+    runner = ModelRunner(args)
+    tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+    eos = set(runner.config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return runner, tokenizer, frozenset(eos)

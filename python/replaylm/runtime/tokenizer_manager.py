@@ -1,0 +1,284 @@
+"""TokenizerManager: the main process's side of serving.
+
+It starts the scheduler child process and waits for the model, tokenizes and validates requests,
+sends them to the scheduler, and turns the scheduler's per-step token outputs into text deltas
+for the HTTP layer. A reader thread receives from the child; it hands each message to the event
+loop, so all request state is touched on the loop's thread only. If the child dies, every pending
+request fails with ServiceUnavailableError and `healthy()` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import random
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from replaylm.model_loader.tokenizer import load_tokenizer
+from replaylm.runtime.detokenizer import IncrementalDetokenizer
+from replaylm.runtime.errors import RequestError, ServiceUnavailableError
+from replaylm.runtime.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    GenerateOutput,
+    GenerateRequest,
+    ReqTokenOut,
+    SchedulerFailed,
+    SchedulerReady,
+    ShutdownReq,
+    TokenizedGenerateReq,
+)
+from replaylm.runtime.metrics import ServerMetrics
+from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
+from replaylm.runtime.scheduler_process import run_scheduler_process
+from replaylm.sampling_params import SamplingParams
+from replaylm.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _ReqState:
+    """A request in flight: its output queue, detokenizer and timing for metrics."""
+
+    queue: asyncio.Queue
+    detok: IncrementalDetokenizer | None
+    prompt_tokens: int
+    created: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    completion_tokens: int = 0
+    sent_chars: int = 0
+    finished: bool = False
+
+
+class TokenizerManager:
+    """See the module docstring. Construct it, then use `generate` from one asyncio loop."""
+
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.server_args = server_args
+        self.served_model_name = server_args.served_model_name or server_args.model_path
+        self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+        self.metrics = ServerMetrics()
+        self._states: dict[str, _ReqState] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._seed_rng = random.Random(server_args.seed)
+        self._send_lock = threading.Lock()
+        self._dead_reason: str | None = None
+        self._closing = False
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(
+            target=run_scheduler_process, args=(server_args, child_conn), daemon=True,
+            name="replaylm-scheduler",
+        )
+        self._proc.start()
+        child_conn.close()
+        ready = self._wait_ready()
+        self.context_len = ready.context_len
+        self.vocab_size = ready.vocab_size
+        self.max_total_tokens = ready.max_total_tokens
+        self._reader = threading.Thread(target=self._read_loop, daemon=True, name="tm-reader")
+        self._reader.start()
+
+    def _wait_ready(self) -> SchedulerReady:
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            msg = SchedulerFailed(f"the scheduler process exited (code {self._proc.exitcode})")
+        if isinstance(msg, SchedulerFailed):
+            self._proc.join(timeout=5)
+            raise RuntimeError(f"the scheduler process failed to start:\n{msg.error}")
+        return msg
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        return self._dead_reason is None and self._proc.is_alive()
+
+    def encode(self, text: str) -> list[int]:
+        self._require_tokenizer()
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
+        self._require_tokenizer()
+        try:
+            out = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+        except Exception as err:  # template errors (bad roles, missing content) are input errors
+            raise RequestError(f"cannot apply the chat template: {err}", "messages") from err
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Yield output increments until the request finishes; see GenerateOutput.
+
+        Raises RequestError for bad input and ServiceUnavailableError when the scheduler is
+        gone, before yielding anything. Closing the generator early aborts the request.
+        """
+        self._check_alive()
+        params = req.sampling_params
+        try:
+            params.validate()
+        except ValueError as err:
+            raise RequestError(str(err), str(err).split(" ", 1)[0]) from err
+        check_input_ids(req.input_ids, self.vocab_size, self.context_len, self.max_total_tokens)
+        max_new = clamp_max_new_tokens(
+            len(req.input_ids), params.max_new_tokens, self.context_len, self.max_total_tokens
+        )
+        if req.rid in self._states:
+            raise RequestError(f"request id {req.rid} is already in flight", "rid")
+        self._loop = asyncio.get_running_loop()
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        state = _ReqState(asyncio.Queue(), detok, len(req.input_ids))
+        self._states[req.rid] = state
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        self.metrics.prompt_tokens.inc(len(req.input_ids))
+        try:
+            self._send(TokenizedGenerateReq(
+                req.rid, list(req.input_ids), params, seed, max_new, req.top_logprobs
+            ))
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._states.pop(req.rid, None)
+            if not state.finished and self.healthy():
+                self._send(AbortReq(req.rid))
+                self.metrics.requests.labels("abort").inc()
+
+    async def health_generate(self) -> bool:
+        """Generate one token; False if that fails or takes longer than the timeout."""
+        req = GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0))
+
+        async def one_token() -> None:
+            async for _ in self.generate(req):
+                pass
+
+        try:
+            await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        except (ServiceUnavailableError, TimeoutError, asyncio.TimeoutError):
+            return False
+        return True
+
+    def server_info(self) -> dict[str, Any]:
+        """Resolved ServerArgs (API key redacted) and the sizes the server runs with."""
+        args = dataclasses.asdict(self.server_args)
+        if args.get("api_key"):
+            args["api_key"] = "<set>"
+        return {
+            **args,
+            "served_model_name": self.served_model_name,
+            "context_len": self.context_len,
+            "max_total_tokens": self.max_total_tokens,
+            "vocab_size": self.vocab_size,
+            "healthy": self.healthy(),
+        }
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the scheduler process to exit; terminate it if it does not in time."""
+        self._closing = True
+        if self._proc.is_alive():
+            with contextlib.suppress(ServiceUnavailableError):
+                self._send(ShutdownReq())
+            self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout_s)
+        self._conn.close()
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _require_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise RequestError(
+                "this model has no tokenizer: send input_ids (POST /generate)", "prompt"
+            )
+
+    def _check_alive(self) -> None:
+        if self._closing:
+            raise ServiceUnavailableError("the server is shutting down")
+        if not self.healthy():
+            raise ServiceUnavailableError(
+                f"the scheduler process is not running: {self._dead_reason or 'it exited'}"
+            )
+
+    def _send(self, msg: object) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (OSError, EOFError) as err:
+            raise ServiceUnavailableError(f"cannot reach the scheduler process: {err}") from err
+
+    def _read_loop(self) -> None:
+        """Reader thread: forward every message to the event loop; report the child's death."""
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                reason = "the scheduler process exited" + (
+                    f" (code {self._proc.exitcode})" if self._proc.exitcode is not None else ""
+                )
+                break
+            if isinstance(msg, SchedulerFailed):
+                reason = f"the scheduler process crashed:\n{msg.error}"
+                break
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._on_batch, msg)
+        if not self._closing:
+            logger.error("%s", reason)
+        self._dead_reason = reason.splitlines()[0]
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all)
+
+    def _fail_all(self) -> None:
+        for state in self._states.values():
+            state.queue.put_nowait(ServiceUnavailableError(self._dead_reason or "scheduler gone"))
+
+    def _on_batch(self, batch: BatchTokenOut) -> None:
+        self.metrics.set_scheduler_stats(batch.stats)
+        now = time.perf_counter()
+        for out in batch.outputs:
+            state = self._states.get(out.rid)
+            if state is not None:
+                state.queue.put_nowait(self._increment(state, out, now))
+
+    def _increment(self, state: _ReqState, out: ReqTokenOut, now: float) -> GenerateOutput:
+        """Advance one request by one scheduler output; observe latencies; build the delta."""
+        if out.new_token_ids:
+            if state.last_token is None:
+                self.metrics.ttft.observe(now - state.created)
+            else:
+                self.metrics.itl.observe(now - state.last_token)
+            state.last_token = now
+            state.completion_tokens += len(out.new_token_ids)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        reason = out.finish_reason
+        text = ""
+        if state.detok is not None:
+            state.detok.add(out.new_token_ids)
+            matched = reason.matched if reason and isinstance(reason.matched, str) else None
+            full = state.detok.final_text(matched) if reason else state.detok.releasable()
+            text, state.sent_chars = full[state.sent_chars :], max(state.sent_chars, len(full))
+        if reason is not None:
+            state.finished = True
+            self.metrics.requests.labels(reason.type).inc()
+            self.metrics.e2e.observe(now - state.created)
+        return GenerateOutput(
+            rid=out.rid, text=text, token_ids=list(out.new_token_ids), logprobs=out.logprobs,
+            finish_reason=reason, prompt_tokens=out.prompt_tokens,
+            completion_tokens=state.completion_tokens,
+        )
