@@ -8,37 +8,78 @@ logged once it is ready. SIGINT/SIGTERM stop the HTTP server, then the scheduler
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
-import uvicorn
-
-from replaylm.entrypoints.http_server import create_app
-from replaylm.runtime.tokenizer_manager import TokenizerManager
+from replaylm.cuda_graph_config import (
+    CudaGraphConfig,
+    resolve_cuda_graph_config,
+)
 from replaylm.server_args import ServerArgs
 
 logger = logging.getLogger("replaylm.launch_server")
 
 
-def parse_args(argv: list[str] | None = None) -> ServerArgs:
+def _usage_error(message: str) -> None:
+    """A bad command line: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, CudaGraphConfig, bool]:
+    """(server args, the resolved CUDA-graph config, whether to only print that config)."""
     parser = argparse.ArgumentParser(prog="python -m replaylm.launch_server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
-    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    parser.add_argument("--print-cuda-graph-config", action="store_true",
+                        help="print the resolved per-phase CUDA-graph config as JSON and exit "
+                             "(no model is loaded; use --device to resolve for another device)")
+    ns = parser.parse_args(argv)
+    args = ServerArgs.from_cli_args(ns)
     try:
         args.validate()
+        graphs = resolve_cuda_graph_config(args, _graph_device(args.device))
     except ValueError as err:
-        parser.error(str(err))  # one line, exit code 2
-    return args
+        _usage_error(str(err))
+    return args, graphs, ns.print_cuda_graph_config
+
+
+def _graph_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch  # only here: --print-cuda-graph-config with an explicit device needs no torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def log_cuda_graph_config(graphs: CudaGraphConfig) -> None:
+    for warning in graphs.warnings:
+        logger.warning("%s", warning)
+    for note in graphs.notes:
+        logger.info("%s", note)
+    logger.info("CUDA graphs: %s (decode from %s, prefill from %s)", graphs.summary(),
+                graphs.decode.source, graphs.prefill.source)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args, graphs, print_only = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if print_only:
+        for warning in graphs.warnings:
+            logger.warning("%s", warning)
+        print(json.dumps(graphs.to_dict()))
+        return 0
+    import uvicorn
+
+    from replaylm.entrypoints.http_server import create_app
+    from replaylm.runtime.tokenizer_manager import TokenizerManager
+
     logger.info("server args: %s", args)
+    log_cuda_graph_config(graphs)
     try:
-        manager = TokenizerManager(args)
+        manager = TokenizerManager(args, graphs)
     except (RuntimeError, FileNotFoundError, ValueError) as err:
         logger.error("%s", err)
         return 1

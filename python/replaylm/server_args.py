@@ -62,7 +62,34 @@ class ServerArgs:
     # kernels
     attention_backend: str = field(default="auto", metadata=_opt(
         "attention implementation", ATTENTION_BACKEND_CHOICES))
-    # CUDA-graph flags go here (see cuda_graph_config.py once it lands)
+    # CUDA graphs: resolved per phase by cuda_graph_config.py (precedence: JSON > per-phase >
+    # legacy > defaults)
+    cuda_graph_mode: str | None = field(default=None, metadata=_opt(
+        'per-phase modes as JSON, e.g. \'{"decode": "full", "prefill": "breakable"}\'; '
+        "modes: full, breakable, tc_piecewise, disabled"))
+    decode_cuda_graph_mode: str | None = field(default=None, metadata=_opt(
+        "decode mode: full, breakable, tc_piecewise or disabled"))
+    prefill_cuda_graph_mode: str | None = field(default=None, metadata=_opt(
+        "prefill mode: breakable, tc_piecewise or disabled"))
+    decode_disable_cuda_graph: bool = field(default=False, metadata=_opt(
+        "run decode eagerly"))
+    prefill_disable_cuda_graph: bool = field(default=False, metadata=_opt(
+        "run prefill eagerly"))
+    disable_cuda_graph: bool = field(default=False, metadata=_opt(
+        "deprecated: both phases eager (use --cuda-graph-mode)"))
+    disable_piecewise_cuda_graph: bool = field(default=False, metadata=_opt(
+        "deprecated: prefill eager (use --prefill-disable-cuda-graph)"))
+    enable_breakable_cuda_graph: bool = field(default=False, metadata=_opt(
+        "deprecated: prefill breakable (use --prefill-cuda-graph-mode breakable)"))
+    decode_cuda_graph_bs: list[int] | None = field(default=None, metadata=_opt(
+        "decode batch sizes to capture (default 1 2 4 8 16 24 ... 256, clipped to "
+        "--max-running-requests)"))
+    decode_cuda_graph_max_bs: int | None = field(default=None, metadata=_opt(
+        "largest decode batch size to capture (with the default list)"))
+    prefill_cuda_graph_tokens: list[int] | None = field(default=None, metadata=_opt(
+        "prefill token counts to capture (default up to --chunked-prefill-size)"))
+    prefill_cuda_graph_max_tokens: int | None = field(default=None, metadata=_opt(
+        "largest prefill token count to capture (with the default list)"))
     log_level: str = field(default="info", metadata=_opt(
         "logging level", ("debug", "info", "warning", "error")))
 
@@ -98,7 +125,9 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             kind = type(f.default) if f.default is not None else _optional_type(f.type)
             kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
-            if kind is bool:
+            if f.type.startswith("list[int]"):
+                kwargs.update(type=int, nargs="+")
+            elif kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = kind
@@ -114,4 +143,4 @@ class ServerArgs:
 def _optional_type(annotation: str) -> type:
     """`'int | None'` -> int (annotations are strings under postponed evaluation)."""
     base = annotation.replace("| None", "").strip()
-    return {"int": int, "float": float, "str": str, "bool": bool}[base]
+    return {"int": int, "float": float, "str": str, "bool": bool, "list[int]": list}[base]

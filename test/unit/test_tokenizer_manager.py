@@ -11,6 +11,7 @@ from replaylm.runtime.io_struct import GenerateRequest
 from replaylm.runtime.tokenizer_manager import TokenizerManager
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
+
 from tiny_checkpoints import write_tiny_checkpoint
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

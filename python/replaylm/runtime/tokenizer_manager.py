@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from replaylm.cuda_graph_config import CudaGraphConfig
 from replaylm.model_loader.tokenizer import load_tokenizer
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
@@ -63,8 +64,12 @@ class _ReqState:
 class TokenizerManager:
     """See the module docstring. Construct it, then use `generate` from one asyncio loop."""
 
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(
+        self, server_args: ServerArgs, cuda_graphs: CudaGraphConfig | None = None
+    ) -> None:
+        """`cuda_graphs`: the resolved CUDA-graph config, reported by `server_info`."""
         self.server_args = server_args
+        self.cuda_graphs = cuda_graphs
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
         self.metrics = ServerMetrics()
@@ -185,6 +190,7 @@ class TokenizerManager:
             "context_len": self.context_len,
             "max_total_tokens": self.max_total_tokens,
             "vocab_size": self.vocab_size,
+            "cuda_graph": self.cuda_graphs.to_dict() if self.cuda_graphs else None,
             "healthy": self.healthy(),
         }
 
