@@ -8,10 +8,12 @@ from replaylm.mem_cache.errors import OutOfRequestSlotsError
 
 
 class ReqToTokenPool:
-    """A `[max_reqs, max_context_len]` int32 table plus a free list of rows.
+    """A `[max_reqs + 1, max_context_len]` int32 table plus a free list of rows.
 
     Row contents are written by the caller (`write`) as tokens get KV slots; a freed row is reused
-    as is (stale contents are overwritten before they are read again).
+    as is (stale contents are overwritten before they are read again). The extra last row,
+    `padding_row`, is never allocated and stays all zeros (KV slot 0, the padding slot): padding
+    requests of a CUDA graph point at it.
     """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str) -> None:
@@ -19,8 +21,9 @@ class ReqToTokenPool:
             raise ValueError("request table needs at least one row and one column")
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
+        self.padding_row = max_reqs
         self.req_to_token = torch.zeros(
-            (max_reqs, max_context_len), dtype=torch.int32, device=device
+            (max_reqs + 1, max_context_len), dtype=torch.int32, device=device
         )
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 

@@ -10,12 +10,18 @@ import logging
 
 import torch
 
+from replaylm.cuda_graph_config import resolve_cuda_graph_config
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
 from replaylm.mem_cache.token_allocator import TokenSlotAllocator
+from replaylm.model_executor.cuda_graph.backend.factory import create_graph_backend
+from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
+from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
 from replaylm.model_executor.forward_batch import ForwardBatch
+from replaylm.model_executor.forward_stats import ForwardStats
 from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.model_loader.loader import load_model, load_model_config
 from replaylm.server_args import ServerArgs
@@ -23,7 +29,10 @@ from replaylm.utils import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU when --max-total-tokens is not given
+CPU_KV_CACHE_BYTES = 1 << 30
+GRAPH_RUNNERS: dict[str, type[BaseCudaGraphRunner]] = {
+    "decode": DecodeCudaGraphRunner, "prefill": PrefillCudaGraphRunner,
+}  # default KV budget on CPU when --max-total-tokens is not given
 
 
 class ModelRunner:
@@ -48,6 +57,21 @@ class ModelRunner:
             self.dtype, self.device, self.max_total_tokens,
             self.kv_pool.memory_bytes() / 2**30, backend,
         )
+        self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)
+        self.forward_stats = ForwardStats()
+        self.graph_runners = self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> dict[str, BaseCudaGraphRunner]:
+        """One graph runner per enabled phase, captured now."""
+        logger.info("CUDA graphs: %s", self.cuda_graphs.summary())
+        runners: dict[str, BaseCudaGraphRunner] = {}
+        for phase, runner_cls in GRAPH_RUNNERS.items():
+            phase_config = self.cuda_graphs.phase(phase)
+            if phase_config.enabled:
+                backend = create_graph_backend(phase, phase_config.mode, self.attn_backend)
+                runners[phase] = runner_cls(self, backend, phase_config.shapes)
+                runners[phase].capture()
+        return runners
 
     def _kv_budget_tokens(self) -> int:
         cfg = self.config
@@ -81,7 +105,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Next-token logits `[B, V]` (float32) for every request of the batch."""
+        """Next-token logits `[B, V]` (float32) for every request of the batch: replayed from
+        the phase's CUDA graph when it can run the batch, else eager."""
+        phase = "decode" if batch.forward_mode.is_decode() else "prefill"
+        runner = self.graph_runners.get(phase)
+        if runner is not None and runner.can_run(batch):
+            logits, padding = runner.replay(batch)
+            self.forward_stats.record(phase, graph=True, padding_tokens=padding)
+            return logits
+        self.forward_stats.record(phase, graph=False, padding_tokens=0)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from replaylm.model_executor.forward_stats import ForwardStats
 from replaylm.runtime.request import FinishReason
 from replaylm.sampling_params import SamplingParams
 
@@ -106,6 +107,7 @@ class SchedulerStats:
     kv_used_tokens: int
     kv_total_tokens: int
     num_retractions: int
+    forward_stats: ForwardStats = field(default_factory=ForwardStats)
 
 
 @dataclass

@@ -36,6 +36,13 @@ class ServerMetrics:
         self.kv_total = Gauge("replaylm_kv_total_tokens", "KV cache slots", registry=r)
         self.kv_usage = Gauge("replaylm_kv_usage_ratio", "KV slots in use / all", registry=r)
         self.retractions = Gauge("replaylm_retractions", "requests retracted so far", registry=r)
+        self.forward_batches = Gauge(
+            "replaylm_forward_batches", "forward passes so far, by phase and by path "
+            "(graph = CUDA-graph replay, eager = fallback or graphs off)", ["phase", "path"],
+            registry=r)
+        self.padding_tokens = Gauge(
+            "replaylm_graph_padding_tokens", "tokens computed only to pad a batch up to a "
+            "captured graph shape, so far", ["phase"], registry=r)
         self.ttft = Histogram("replaylm_time_to_first_token_seconds", "time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("replaylm_inter_token_latency_seconds", "time between tokens",
@@ -50,6 +57,10 @@ class ServerMetrics:
         self.kv_total.set(stats.kv_total_tokens)
         self.kv_usage.set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
         self.retractions.set(stats.num_retractions)
+        for phase, counts in stats.forward_stats.phases.items():
+            self.forward_batches.labels(phase, "graph").set(counts.graph)
+            self.forward_batches.labels(phase, "eager").set(counts.eager)
+            self.padding_tokens.labels(phase).set(counts.padding_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

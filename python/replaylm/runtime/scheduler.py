@@ -85,6 +85,7 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_used_tokens=total - self.runner.token_allocator.available_size(),
             kv_total_tokens=total, num_retractions=self.num_retractions,
+            forward_stats=self.runner.forward_stats,
         )
 
     def run_to_completion(self) -> None:

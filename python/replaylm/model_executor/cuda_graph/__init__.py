@@ -1,0 +1,1 @@
+"""CUDA-graph subsystem: phase runners (what shapes, which buffers) x backends (how to capture)."""

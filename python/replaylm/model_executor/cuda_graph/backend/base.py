@@ -1,0 +1,59 @@
+"""BaseCudaGraphBackend: how one shape of a phase is captured and replayed.
+
+A backend never knows which phase it serves: the runner hands it a shape key, a ForwardBatch
+whose tensors are views of the runner's static buffers, and a `forward_fn(batch) -> logits` to
+capture. Call order: `prepare(runner)` once; inside `capture_session()`, `capture_one(...)` per
+shape (largest first); then per step `can_run(batch)` and, inside `runtime_session()`,
+`replay(shape, batch)`; `cleanup()` frees every graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+    from replaylm.model_executor.forward_batch import ForwardBatch
+
+ForwardFn = Callable[["ForwardBatch"], torch.Tensor]
+
+
+class BaseCudaGraphBackend(ABC):
+    mode: str
+
+    @abstractmethod
+    def prepare(self, runner: BaseCudaGraphRunner) -> None:
+        """Once before capture: size whatever the captured shapes share (e.g. attention
+        metadata buffers for the runner's largest shape)."""
+
+    @contextlib.contextmanager
+    def capture_session(self) -> Iterator[None]:
+        """Context around the whole capture loop."""
+        yield
+
+    @abstractmethod
+    def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
+        """Capture `forward_fn(batch)` for `shape` into the runner's memory pool."""
+
+    @abstractmethod
+    def replay(self, shape: int, batch: ForwardBatch) -> torch.Tensor:
+        """Run the graph of `shape` on `batch` (static buffers already filled, padding
+        included); returns the output of the padded batch."""
+
+    @contextlib.contextmanager
+    def runtime_session(self) -> Iterator[None]:
+        """Context around each replay."""
+        yield
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Whether this backend can replay `batch` (the runner already checked its shape)."""
+        return True
+
+    @abstractmethod
+    def cleanup(self) -> None:
+        """Free every captured graph and the outputs they own."""

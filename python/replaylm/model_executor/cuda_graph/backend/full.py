@@ -1,0 +1,62 @@
+"""`full`: the whole forward in one CUDA graph per shape, attention included.
+
+Attention reads its metadata from static buffers that the attention backend allocates once
+(`init_cuda_graph_state`), points the kernels at during capture, and refreshes in place before
+every replay; so the attention backend must implement CudaGraphAttentionBackend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from replaylm.layers.attention.base import CudaGraphAttentionBackend
+from replaylm.model_executor.cuda_graph.backend.base import BaseCudaGraphBackend, ForwardFn
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+    from replaylm.model_executor.forward_batch import ForwardBatch
+
+WARMUP_RUNS = 2  # eager runs before capture: lazy init, autotuning, allocator warm-up
+
+
+class FullCudaGraphBackend(BaseCudaGraphBackend):
+    mode = "full"
+
+    def __init__(self, attn_backend: CudaGraphAttentionBackend) -> None:
+        if not isinstance(attn_backend, CudaGraphAttentionBackend):
+            raise ValueError(
+                f"the full CUDA-graph backend needs an attention backend with CUDA-graph hooks; "
+                f"'{attn_backend.name}' has none"
+            )
+        self.attn = attn_backend
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._runner: BaseCudaGraphRunner | None = None
+
+    def prepare(self, runner: BaseCudaGraphRunner) -> None:
+        self._runner = runner
+        self.attn.init_cuda_graph_state(runner.max_batch_size, runner.max_num_tokens)
+
+    def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
+        assert self._runner is not None, "prepare() first"
+        self.attn.init_forward_metadata_capture_cuda_graph(batch)
+        stream = self._runner.capture_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                forward_fn(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._runner.memory_pool, stream=stream):
+            out = forward_fn(batch)
+        self._graphs[shape] = (graph, out)
+
+    def replay(self, shape: int, batch: ForwardBatch) -> torch.Tensor:
+        graph, out = self._graphs[shape]
+        self.attn.init_forward_metadata_replay_cuda_graph(batch)
+        graph.replay()
+        return out
+
+    def cleanup(self) -> None:
+        self._graphs.clear()

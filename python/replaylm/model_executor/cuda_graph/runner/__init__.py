@@ -1,0 +1,1 @@
+"""Graph runners: one per phase; shapes, static buffers, padding, capture loop, replay."""

@@ -1,0 +1,134 @@
+"""BaseCudaGraphRunner: the backend-agnostic half of CUDA-graph execution for one phase.
+
+It owns the shapes to capture, the static input buffers, the memory pool that every graph of the
+phase shares, and the capture loop (largest shape first, gc frozen, progress bar, time and memory
+logged). At run time it pads a live batch up to the next captured shape (padding requests use the
+request table's zero padding row and KV slot 0, so they read and write nothing live), asks its
+backend to replay, and slices the output back to the live batch. Subclasses say what a shape key
+is and how a live batch is copied into the buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gc
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from replaylm.model_executor.cuda_graph.runner.static_buffers import StaticBuffers
+from replaylm.model_executor.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.cuda_graph.backend.base import BaseCudaGraphBackend
+    from replaylm.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """No garbage collection during capture (a collection could free tensors a graph uses,
+    and walking the heap per shape is slow): collect once, freeze, unfreeze after."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+class BaseCudaGraphRunner(ABC):
+    phase: str
+
+    def __init__(
+        self, model_runner: ModelRunner, backend: BaseCudaGraphBackend, shapes: Sequence[int]
+    ) -> None:
+        if not shapes:
+            raise ValueError(f"{self.phase} graph runner needs at least one shape")
+        self.model_runner = model_runner
+        self.backend = backend
+        self.shapes = tuple(sorted(set(shapes)))
+        self.max_batch_size, self.max_num_tokens = self.buffer_sizes()
+        self.buffers = StaticBuffers.allocate(
+            self.max_batch_size, self.max_num_tokens, model_runner.device
+        )
+        self.padding_row = model_runner.req_to_token_pool.padding_row
+        self.memory_pool = None  # graph pool handle: owned for as long as graphs may be captured
+        self.capture_stream: torch.cuda.Stream | None = None
+
+    # ---- per phase --------------------------------------------------------------------------
+
+    @abstractmethod
+    def buffer_sizes(self) -> tuple[int, int]:
+        """(max requests, max tokens) the static buffers must hold."""
+
+    @abstractmethod
+    def shape_key(self, batch: ForwardBatch) -> int | None:
+        """The size a live batch is matched on (None: this phase does not serve the batch)."""
+
+    @abstractmethod
+    def fill(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
+        """Copy `batch` into the static buffers, padded to `shape`; return the padded batch
+        (a view of the buffers). `batch=None` builds the all-padding batch used at capture."""
+
+    # ---- shared -----------------------------------------------------------------------------
+
+    def shape_for(self, key: int) -> int | None:
+        """The smallest captured shape >= key, or None when key exceeds the largest."""
+        i = bisect.bisect_left(self.shapes, key)
+        return self.shapes[i] if i < len(self.shapes) else None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        key = self.shape_key(batch)
+        return key is not None and self.shape_for(key) is not None and self.backend.can_run(batch)
+
+    def forward_fn(self, batch: ForwardBatch) -> torch.Tensor:
+        """What is captured: the model's forward (attention metadata comes from the backend)."""
+        return self.model_runner.model(batch.input_ids, batch.positions, batch)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every shape, largest first, into one memory pool."""
+        device = self.model_runner.device
+        if self.memory_pool is None:
+            self.memory_pool = torch.cuda.graph_pool_handle()
+            self.capture_stream = torch.cuda.Stream(device)
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        start = time.perf_counter()
+        self.backend.prepare(self)
+        with frozen_gc(), self.backend.capture_session():
+            shapes = sorted(self.shapes, reverse=True)
+            desc = f"capturing {self.phase} CUDA graphs ({self.backend.mode})"
+            for shape in tqdm(shapes, desc=desc, unit="shape"):
+                self.backend.capture_one(shape, self.fill(None, shape), self.forward_fn)
+        torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info(
+            "captured %d %s CUDA graphs (%s) in %.1f s, %.0f MiB of graph memory; shapes %s",
+            len(shapes), self.phase, self.backend.mode, self.capture_seconds,
+            self.capture_bytes / 2**20, list(self.shapes),
+        )
+
+    def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, int]:
+        """(logits of the live requests, padding tokens this replay computed)."""
+        key = self.shape_key(batch)
+        shape = self.shape_for(key) if key is not None else None
+        if shape is None:
+            raise ValueError(f"{self.phase} batch of size {key} has no captured graph")
+        padded = self.fill(batch, shape)
+        with self.backend.runtime_session():
+            logits = self.backend.replay(shape, padded)
+        return logits[: batch.batch_size], padded.num_tokens - batch.num_tokens
+
+    def cleanup(self) -> None:
+        """Free every graph (the memory pool handle stays, for a later capture)."""
+        self.backend.cleanup()

@@ -1,0 +1,41 @@
+"""Decode graphs: one per batch size; each request feeds exactly one token."""
+
+from __future__ import annotations
+
+import torch
+
+from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+
+class DecodeCudaGraphRunner(BaseCudaGraphRunner):
+    """Shape key: the batch size. Padding requests sit at the end: seq_len 1 over the padding
+    row, writing their one token to KV slot 0."""
+
+    phase = "decode"
+
+    def buffer_sizes(self) -> tuple[int, int]:
+        return self.shapes[-1], self.shapes[-1]
+
+    def shape_key(self, batch: ForwardBatch) -> int | None:
+        return batch.batch_size if batch.forward_mode.is_decode() else None
+
+    def fill(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
+        buf = self.buffers
+        live = batch.batch_size if batch is not None else 0
+        if batch is not None:
+            for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices",
+                         "seq_lens", "prefix_lens"):
+                getattr(buf, name)[:live].copy_(getattr(batch, name), non_blocking=True)
+        pad = slice(live, shape)
+        buf.input_ids[pad] = 0
+        buf.positions[pad] = 0
+        buf.out_cache_loc[pad] = 0
+        buf.req_pool_indices[pad] = self.padding_row
+        buf.seq_lens[pad] = 1
+        buf.prefix_lens[pad] = 0
+        buf.extend_seq_lens[:shape] = 1
+        torch.arange(shape, out=buf.extend_start_loc[:shape])
+        seq_cpu = (batch.seq_lens_cpu if batch is not None else []) + [1] * (shape - live)
+        return buf.view(ForwardMode.DECODE, shape, shape, seq_cpu, [1] * shape,
+                        self.model_runner)

@@ -1,0 +1,53 @@
+"""Prefill graphs: one per token-count bucket; any mix of requests whose new tokens sum to at
+most the bucket."""
+
+from __future__ import annotations
+
+import torch
+
+from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+
+class PrefillCudaGraphRunner(BaseCudaGraphRunner):
+    """Shape key: the number of new tokens. The padding tokens form one extra request at the end
+    (over the padding row, positions 0.., all writing KV slot 0), so the padded batch has one
+    more request than the live one whenever the bucket is not met exactly."""
+
+    phase = "prefill"
+
+    def buffer_sizes(self) -> tuple[int, int]:
+        return self.model_runner.args.max_running_requests + 1, self.shapes[-1]
+
+    def shape_key(self, batch: ForwardBatch) -> int | None:
+        if not batch.forward_mode.is_extend() or batch.batch_size >= self.max_batch_size:
+            return None
+        return batch.num_tokens
+
+    def fill(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
+        buf = self.buffers
+        live_tokens = batch.num_tokens if batch is not None else 0
+        live_reqs = batch.batch_size if batch is not None else 0
+        if batch is not None:
+            for name in ("input_ids", "positions", "out_cache_loc"):
+                getattr(buf, name)[:live_tokens].copy_(getattr(batch, name), non_blocking=True)
+            for name in ("req_pool_indices", "seq_lens", "prefix_lens", "extend_seq_lens",
+                         "extend_start_loc"):
+                getattr(buf, name)[:live_reqs].copy_(getattr(batch, name), non_blocking=True)
+        seq_cpu = list(batch.seq_lens_cpu) if batch is not None else []
+        ext_cpu = list(batch.extend_seq_lens_cpu) if batch is not None else []
+        pad = shape - live_tokens
+        if pad:
+            tokens, i = slice(live_tokens, shape), live_reqs
+            buf.input_ids[tokens] = 0
+            torch.arange(pad, out=buf.positions[tokens])
+            buf.out_cache_loc[tokens] = 0
+            buf.req_pool_indices[i] = self.padding_row
+            buf.seq_lens[i] = pad
+            buf.prefix_lens[i] = 0
+            buf.extend_seq_lens[i] = pad
+            buf.extend_start_loc[i] = live_tokens
+            seq_cpu.append(pad)
+            ext_cpu.append(pad)
+        return buf.view(ForwardMode.EXTEND, len(seq_cpu), shape, seq_cpu, ext_cpu,
+                        self.model_runner)

@@ -1,0 +1,101 @@
+"""Graph runners' padding, checked eagerly on the CPU: a live batch copied into the static
+buffers and padded up to a captured shape must give the live requests the same logits, and the
+padding must touch no live KV slot or request row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replaylm.model_executor.cuda_graph.backend.factory import create_graph_backend
+from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
+from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
+from replaylm.runtime.request import Req
+from replaylm.sampling_params import SamplingParams
+from replaylm.server_args import ServerArgs
+
+from tiny_checkpoints import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ModelRunner:
+    folder = tmp_path_factory.mktemp("tiny_qwen3")
+    write_tiny_checkpoint("qwen3", folder)
+    return ModelRunner(ServerArgs(model_path=str(folder), device="cpu", max_total_tokens=512,
+                                  max_running_requests=8))
+
+
+def _reqs(lens: list[int]) -> list[Req]:
+    return [Req(i, [(5 * i + j) % 300 + 3 for j in range(n)], SamplingParams(), 0, 16)
+            for i, n in enumerate(lens)]
+
+
+def _kv_snapshot(runner: ModelRunner, skip: torch.Tensor) -> list[torch.Tensor]:
+    """Every KV slot except padding slot 0 and the slots in `skip`."""
+    keep = torch.ones(runner.kv_pool.k_buffers[0].shape[0], dtype=torch.bool)
+    keep[0] = False
+    keep[skip] = False
+    return [k[keep].clone() for k in runner.kv_pool.k_buffers]
+
+
+def test_decode_padding_is_harmless(runner):
+    reqs = _reqs([5, 9, 3])
+    runner.forward(prepare_extend(reqs, runner))
+    for r in reqs:
+        r.output_ids.append(7)
+    live = prepare_decode(reqs, runner)
+    expected = runner.forward(live)
+    kv_before = _kv_snapshot(runner, live.out_cache_loc)  # live slots get rewritten
+    graph_runner = DecodeCudaGraphRunner(runner, None, shapes=[1, 4, 8])
+    assert graph_runner.shape_for(3) == 4
+    padded = graph_runner.fill(live, 8)
+    assert padded.batch_size == 8 and padded.seq_lens_cpu[3:] == [1] * 5
+    runner.attn_backend.init_forward_metadata(padded)
+    got = runner.model(padded.input_ids, padded.positions, padded)
+    torch.testing.assert_close(got[:3], expected, atol=1e-5, rtol=1e-5)
+    for before, after in zip(kv_before, _kv_snapshot(runner, live.out_cache_loc), strict=True):
+        assert torch.equal(before, after)  # padding wrote only slot 0
+    assert not runner.req_to_token_pool.req_to_token[graph_runner.padding_row].any()
+    for r in reqs:
+        release(r, runner)
+
+
+def test_prefill_padding_is_harmless(runner):
+    reqs = _reqs([6, 11])
+    batch = prepare_extend(reqs, runner)
+    expected = runner.forward(batch)
+    graph_runner = PrefillCudaGraphRunner(runner, None, shapes=[16, 32])
+    assert graph_runner.shape_for(batch.num_tokens) == 32
+    padded = graph_runner.fill(batch, 32)
+    assert padded.batch_size == 3 and padded.extend_seq_lens_cpu == [6, 11, 15]
+    runner.attn_backend.init_forward_metadata(padded)
+    got = runner.model(padded.input_ids, padded.positions, padded)
+    torch.testing.assert_close(got[:2], expected, atol=1e-5, rtol=1e-5)
+    exact = graph_runner.fill(batch, 17)  # bucket met exactly: no padding request
+    assert exact.batch_size == 2
+    for r in reqs:
+        release(r, runner)
+
+
+def test_shapes_and_fallback_decisions(runner):
+    graph_runner = DecodeCudaGraphRunner(runner, None, shapes=[4, 1, 2, 4])
+    assert graph_runner.shapes == (1, 2, 4)
+    assert [graph_runner.shape_for(k) for k in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    reqs = _reqs([3])
+    extend = prepare_extend(reqs, runner)
+    assert graph_runner.shape_key(extend) is None  # the decode runner never serves prefill
+    release(reqs[0], runner)
+
+
+def test_factory_errors_are_clear(runner):
+    with pytest.raises(NotImplementedError, match="breakable CUDA-graph backend is not "
+                       "implemented yet"):
+        create_graph_backend("prefill", "breakable", runner.attn_backend)
+    with pytest.raises(NotImplementedError, match="tc_piecewise"):
+        create_graph_backend("decode", "tc_piecewise", runner.attn_backend)
+    with pytest.raises(ValueError, match="'torch_native' has none"):
+        create_graph_backend("decode", "full", runner.attn_backend)
+    with pytest.raises(ValueError, match="prefill: mode 'full' is not supported"):
+        create_graph_backend("prefill", "full", runner.attn_backend)
