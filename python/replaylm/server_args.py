@@ -20,7 +20,7 @@ def _opt(help_text: str, choices: tuple[str, ...] | None = None) -> Any:
     return {"help": help_text, "choices": choices}
 
 
-ATTENTION_BACKEND_CHOICES = ("auto", "torch_native")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 
 
 @dataclass
@@ -90,6 +90,9 @@ class ServerArgs:
         "prefill token counts to capture (default up to --chunked-prefill-size)"))
     prefill_cuda_graph_max_tokens: int | None = field(default=None, metadata=_opt(
         "largest prefill token count to capture (with the default list)"))
+    debug_cuda_graph: bool = field(default=False, metadata=_opt(
+        "breakable graphs capture nothing and run eagerly through the same path (to bisect "
+        "wrong outputs)"))
     log_level: str = field(default="info", metadata=_opt(
         "logging level", ("debug", "info", "warning", "error")))
 

@@ -11,7 +11,10 @@ import logging
 import torch
 
 from replaylm.cuda_graph_config import resolve_cuda_graph_config
-from replaylm.layers.attention.registry import create_attention_backend
+from replaylm.layers.attention.registry import (
+    create_attention_backend,
+    resolve_attention_backend,
+)
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -49,7 +52,7 @@ class ModelRunner:
         )
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
-        backend = "torch_native" if args.attention_backend == "auto" else args.attention_backend
+        backend = resolve_attention_backend(args.attention_backend, self.device.type)
         self.attn_backend = create_attention_backend(backend)
         self.sampler = Sampler()
         logger.info(
@@ -68,7 +71,9 @@ class ModelRunner:
         for phase, runner_cls in GRAPH_RUNNERS.items():
             phase_config = self.cuda_graphs.phase(phase)
             if phase_config.enabled:
-                backend = create_graph_backend(phase, phase_config.mode, self.attn_backend)
+                backend = create_graph_backend(
+                    phase, phase_config.mode, self.attn_backend, self.args.debug_cuda_graph
+                )
                 runners[phase] = runner_cls(self, backend, phase_config.shapes)
                 runners[phase].capture()
         return runners

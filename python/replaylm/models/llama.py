@@ -152,7 +152,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, batch)
+        return self.compute_logits(self.forward_hidden(input_ids, positions, batch), batch)
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Final-norm hidden states `[T, H]` of every token (token-indexed only: no per-request
+        shapes, so a prefill graph can capture it for a token bucket)."""
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Next-token logits `[B, V]` (float32) from `forward_hidden`'s output."""
         return self.logits_processor(hidden, self.lm_head_weight, batch)
 
     @torch.no_grad()

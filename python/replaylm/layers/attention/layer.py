@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from replaylm.model_executor.cuda_graph.breakable_graph import break_point
+
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
 
@@ -32,7 +34,7 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = q.shape[0]
-        out = batch.attn_backend.forward(
+        out = attention_op(
             q.view(t, self.num_heads, self.head_dim),
             k.view(t, self.num_kv_heads, self.head_dim),
             v.view(t, self.num_kv_heads, self.head_dim),
@@ -40,3 +42,12 @@ class Attention(nn.Module):
             batch,
         )
         return out.reshape(t, self.num_heads * self.head_dim)
+
+
+@break_point
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
+) -> torch.Tensor:
+    """Store K/V and attend through the batch's backend. A break point: under a breakable CUDA
+    graph it runs eagerly between graph segments, with fresh attention metadata."""
+    return batch.attn_backend.forward(q, k, v, layer, batch)

@@ -62,6 +62,7 @@ class BaseCudaGraphRunner(ABC):
         self.padding_row = model_runner.req_to_token_pool.padding_row
         self.memory_pool = None  # graph pool handle: owned for as long as graphs may be captured
         self.capture_stream: torch.cuda.Stream | None = None
+        self._padded: dict[int, ForwardBatch] = {}
 
     # ---- per phase --------------------------------------------------------------------------
 
@@ -74,9 +75,17 @@ class BaseCudaGraphRunner(ABC):
         """The size a live batch is matched on (None: this phase does not serve the batch)."""
 
     @abstractmethod
-    def fill(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
+    def fill_buffers(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
         """Copy `batch` into the static buffers, padded to `shape`; return the padded batch
         (a view of the buffers). `batch=None` builds the all-padding batch used at capture."""
+
+    @abstractmethod
+    def forward_fn(self, batch: ForwardBatch) -> torch.Tensor:
+        """What is captured for a shape (attention metadata comes from the backend)."""
+
+    @abstractmethod
+    def finish(self, output: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[B, V]` of the live `batch` from the padded shape's captured output."""
 
     # ---- shared -----------------------------------------------------------------------------
 
@@ -89,9 +98,14 @@ class BaseCudaGraphRunner(ABC):
         key = self.shape_key(batch)
         return key is not None and self.shape_for(key) is not None and self.backend.can_run(batch)
 
-    def forward_fn(self, batch: ForwardBatch) -> torch.Tensor:
-        """What is captured: the model's forward (attention metadata comes from the backend)."""
-        return self.model_runner.model(batch.input_ids, batch.positions, batch)
+    def fill(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
+        """`fill_buffers`, returning the same ForwardBatch object for a shape every time (its
+        fields updated in place), so ops captured with it see the current batch at replay."""
+        padded = self.fill_buffers(batch, shape)
+        cached = self._padded.setdefault(shape, padded)
+        if cached is not padded:
+            vars(cached).update(vars(padded))
+        return cached
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -126,8 +140,8 @@ class BaseCudaGraphRunner(ABC):
             raise ValueError(f"{self.phase} batch of size {key} has no captured graph")
         padded = self.fill(batch, shape)
         with self.backend.runtime_session():
-            logits = self.backend.replay(shape, padded)
-        return logits[: batch.batch_size], padded.num_tokens - batch.num_tokens
+            output = self.backend.replay(shape, padded)
+        return self.finish(output, batch), padded.num_tokens - batch.num_tokens
 
     def cleanup(self) -> None:
         """Free every graph (the memory pool handle stays, for a later capture)."""

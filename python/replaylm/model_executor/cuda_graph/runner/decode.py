@@ -20,7 +20,14 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def shape_key(self, batch: ForwardBatch) -> int | None:
         return batch.batch_size if batch.forward_mode.is_decode() else None
 
-    def fill(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
+    def forward_fn(self, batch: ForwardBatch) -> torch.Tensor:
+        """The whole forward, logits included (the batch size is fixed per shape)."""
+        return self.model_runner.model(batch.input_ids, batch.positions, batch)
+
+    def finish(self, output: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return output[: batch.batch_size]
+
+    def fill_buffers(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
         buf = self.buffers
         live = batch.batch_size if batch is not None else 0
         if batch is not None:

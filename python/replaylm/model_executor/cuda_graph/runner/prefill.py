@@ -12,7 +12,8 @@ from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     """Shape key: the number of new tokens. The padding tokens form one extra request at the end
     (over the padding row, positions 0.., all writing KV slot 0), so the padded batch has one
-    more request than the live one whenever the bucket is not met exactly."""
+    more request than the live one whenever the bucket is not met exactly. Only a backend that
+    runs attention outside the graph (breakable, tc_piecewise) can serve this phase."""
 
     phase = "prefill"
 
@@ -24,7 +25,15 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             return None
         return batch.num_tokens
 
-    def fill(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
+    def forward_fn(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of the bucket's tokens: the number of requests varies between replays
+        of one bucket, so the per-request logits are computed after the replay."""
+        return self.model_runner.model.forward_hidden(batch.input_ids, batch.positions, batch)
+
+    def finish(self, output: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model_runner.model.compute_logits(output[: batch.num_tokens], batch)
+
+    def fill_buffers(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
         buf = self.buffers
         live_tokens = batch.num_tokens if batch is not None else 0
         live_reqs = batch.batch_size if batch is not None else 0

@@ -1,0 +1,55 @@
+"""`breakable`: each shape is a chain of CUDA graphs broken at every attention call.
+
+Attention runs eagerly between the segments with metadata built fresh for the live (padded)
+batch, so one prefill shape serves any mix of requests whose new tokens fit the bucket, and the
+attention backend needs no graph hooks. With `debug=True` nothing is captured and every replay
+runs the forward eagerly through the same path (`--debug-cuda-graph`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from replaylm.layers.attention.base import AttentionBackend
+from replaylm.model_executor.cuda_graph.backend.base import BaseCudaGraphBackend, ForwardFn
+from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGraph
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+    from replaylm.model_executor.forward_batch import ForwardBatch
+
+
+class BreakableCudaGraphBackend(BaseCudaGraphBackend):
+    mode = "breakable"
+
+    def __init__(self, attn_backend: AttentionBackend, debug: bool = False) -> None:
+        self.attn = attn_backend
+        self.debug = debug
+        self._graphs: dict[int, BreakableCUDAGraph] = {}
+        self._runner: BaseCudaGraphRunner | None = None
+
+    def prepare(self, runner: BaseCudaGraphRunner) -> None:
+        self._runner = runner
+
+    def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
+        assert self._runner is not None, "prepare() first"
+        self.attn.init_forward_metadata(batch)
+        stream = self._runner.capture_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward_fn(batch)  # warm-up: lazy init and kernel compilation outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = BreakableCUDAGraph(self._runner.memory_pool, stream, eager=self.debug)
+        graph.capture(forward_fn, batch)
+        self._graphs[shape] = graph
+
+    def replay(self, shape: int, batch: ForwardBatch) -> torch.Tensor:
+        self.attn.init_forward_metadata(batch)
+        return self._graphs[shape].replay()
+
+    def cleanup(self) -> None:
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()

@@ -1,0 +1,150 @@
+"""BreakableCUDAGraph: capture a callable as a chain of CUDA graphs broken at marked ops.
+
+Mark an op with `@break_point`. Outside a capture the mark does nothing. While a
+BreakableCUDAGraph captures, calling a marked op ends the current graph segment, runs the op
+eagerly once (its tensor arguments are static tensors of the previous segment), keeps its result
+as a static tensor that the next segment reads, and begins the next segment. Replay runs
+segment, op, segment, ... where each op is called again with the same arguments and its fresh
+result is copied into the static result in place. A marked op called inside another marked op
+runs plainly (no nested segments).
+
+All segments are captured into the memory pool the caller gives (shared by every shape of a
+runner); tensors a later segment reads stay valid because replay follows capture order. With
+`eager=True` nothing is captured: `replay` calls the function eagerly through the same code path
+(the debug switch, to bisect wrong outputs).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_state = threading.local()
+
+
+def _capturing() -> BreakableCUDAGraph | None:
+    return getattr(_state, "graph", None)
+
+
+def break_point(fn: F) -> F:
+    """Mark `fn` as an op that runs eagerly between graph segments (a no-op outside capture)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        graph = _capturing()
+        if graph is None:
+            return fn(*args, **kwargs)
+        return graph._break(fn, args, kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass
+class _EagerOp:
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    result: Any  # the static result the next segment reads
+
+
+def _copy_into(static: Any, fresh: Any) -> None:
+    """Copy `fresh` into `static` (tensors, nested tuples/lists of them, or None)."""
+    if isinstance(static, torch.Tensor):
+        if fresh is not static:
+            static.copy_(fresh)
+    elif isinstance(static, (tuple, list)):
+        for s, f in zip(static, fresh, strict=True):
+            _copy_into(s, f)
+    elif static is not None and static != fresh:
+        raise TypeError(f"a break-point op returned {type(fresh).__name__}; only tensors, "
+                        "tuples/lists of tensors and None can cross a graph break")
+
+
+class BreakableCUDAGraph:
+    """One captured shape. `capture(fn, *args)` returns fn's output (static tensors);
+    `replay()` recomputes it in place from the current contents of the static inputs."""
+
+    def __init__(self, pool: Any = None, stream: torch.cuda.Stream | None = None,
+                 eager: bool = False) -> None:
+        self.pool = pool
+        self.stream = stream
+        self.eager = eager
+        self.segments: list[torch.cuda.CUDAGraph] = []
+        self.ops: list[_EagerOp] = []
+        self.output: Any = None
+        self._open: torch.cuda.CUDAGraph | None = None
+        self._call: tuple[Callable[..., Any], tuple, dict] | None = None
+
+    @property
+    def num_breaks(self) -> int:
+        return len(self.ops)
+
+    def capture(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._call = (fn, args, kwargs)
+        if self.eager:
+            self.output = fn(*args, **kwargs)
+            return self.output
+        if _capturing() is not None:
+            raise RuntimeError("a BreakableCUDAGraph is already capturing on this thread")
+        stream = self.stream or torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            self._begin()
+            _state.graph = self
+            try:
+                self.output = fn(*args, **kwargs)
+            finally:
+                _state.graph = None
+                self._end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return self.output
+
+    def replay(self) -> Any:
+        if self.eager:
+            fn, args, kwargs = self._call
+            _copy_into(self.output, fn(*args, **kwargs))
+            return self.output
+        for i, segment in enumerate(self.segments):
+            segment.replay()
+            if i < len(self.ops):
+                op = self.ops[i]
+                _copy_into(op.result, op.fn(*op.args, **op.kwargs))
+        return self.output
+
+    def reset(self) -> None:
+        """Free the segments and every static tensor they hold."""
+        for segment in self.segments:
+            segment.reset()
+        self.segments.clear()
+        self.ops.clear()
+        self.output = None
+        self._call = None
+
+    def _begin(self) -> None:
+        self._open = torch.cuda.CUDAGraph()
+        self._open.capture_begin(pool=self.pool)
+
+    def _end(self) -> None:
+        self._open.capture_end()
+        self.segments.append(self._open)
+        self._open = None
+
+    def _break(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self._end()
+        _state.graph = None  # marked ops inside this one run plainly
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _state.graph = self
+        self.ops.append(_EagerOp(fn, args, kwargs, result))
+        self._begin()
+        return result
