@@ -1,13 +1,13 @@
-"""Latency of one batch, per CUDA-graph mode: prefill and decode steps, eager vs graph.
+"""Latency of one batch per CUDA-graph mode: prefill and decode steps, eager vs graphs.
 
     python benchmark/bench_one_batch.py [--models qwen3-0.6b llama-3.1-8b] [--bs 1 8 64]
-                                        [--input-len 512] [--json out.json]
+                                        [--context 512] [--json out.json]
 
-Dummy weights with real architectures' configs (benchmark/configs/). For each model one
-ModelRunner is built with `decode: full` (its capture time and graph memory are reported); the
-eager numbers run the same model and batch through the eager path. Times are CUDA-event medians
-after warm-up. The decode floor is the bytes a step must read (weights + the batch's KV) over the
-device-to-device copy bandwidth measured in the same run.
+Dummy weights with real architectures' configs (benchmark/configs/). Per model two ModelRunners
+are built: `{"decode": "full", "prefill": "breakable"}` and `{"decode": "breakable"}`; each
+reports its capture time and graph memory. Eager numbers run the same model and batch through the
+eager path. Times are CUDA-event medians after warm-up. The decode floor is the bytes a step must
+read (weights + the batch's KV) over the device-to-device copy bandwidth measured in this run.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from replaylm.server_args import ServerArgs
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 WARMUP, REPEAT = 10, 50
+PREFILL_CASES = [(1, 128), (1, 512), (8, 256)]  # (requests, tokens each)
+FULL_AND_BREAKABLE = '{"decode": "full", "prefill": "breakable"}'
+BREAKABLE_DECODE = '{"decode": "breakable", "prefill": "disabled"}'
 
 
 def cuda_time_ms(fn, warmup: int = WARMUP, repeat: int = REPEAT) -> float:
@@ -52,13 +55,14 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / (ms / 1e3) / 1e9
 
 
-def build_runner(model: str, max_bs: int, input_len: int) -> ModelRunner:
-    """Default decode shapes (up to 256: what capture time and memory are reported for)."""
+def build_runner(model: str, modes: str, max_bs: int, context: int) -> ModelRunner:
+    """Default decode shapes (up to 256) and prefill buckets (up to 2048): what capture time and
+    memory are reported for."""
     return ModelRunner(ServerArgs(
         model_path=str(CONFIGS / f"{model}.json"), load_format="dummy", device="cuda",
-        dtype="bfloat16", max_running_requests=256, context_length=input_len + 64,
-        max_total_tokens=max_bs * (input_len + 64), decode_cuda_graph_mode="full",
-        mem_fraction_static=0.85,
+        dtype="bfloat16", max_running_requests=256, context_length=max(context, 2048) + 64,
+        max_total_tokens=max_bs * (context + 64) + 4096, cuda_graph_mode=modes,
+        chunked_prefill_size=2048, mem_fraction_static=0.85,
     ))
 
 
@@ -67,31 +71,80 @@ def eager_forward(runner: ModelRunner, batch) -> torch.Tensor:
     return runner.model(batch.input_ids, batch.positions, batch)
 
 
-def measure(runner: ModelRunner, bs: int, input_len: int) -> dict:
-    """Prefill of bs prompts of input_len (eager: prefill graphs are off), then decode steps."""
-    reqs = [Req(i, [(i * 31 + j) % 1000 + 10 for j in range(input_len)], SamplingParams(), 0, 8)
-            for i in range(bs)]
-    prefill_batch = prepare_extend(reqs, runner)
-    prefill_ms = cuda_time_ms(lambda: eager_forward(runner, prefill_batch), warmup=2, repeat=5)
-    for r in reqs:
-        r.output_ids.append(11)
-    decode_batch = prepare_decode(reqs, runner)  # replayed repeatedly: same slots each time
-    graph_runner = runner.graph_runners["decode"]
-    assert graph_runner.can_run(decode_batch)
-    graph_ms = cuda_time_ms(lambda: graph_runner.replay(decode_batch))
-    eager_ms = cuda_time_ms(lambda: eager_forward(runner, decode_batch))
+def _reqs(n: int, length: int) -> list[Req]:
+    return [Req(i, [(i * 31 + j) % 1000 + 10 for j in range(length)], SamplingParams(), 0, 8)
+            for i in range(n)]
+
+
+def time_prefill(runner: ModelRunner, n: int, length: int) -> dict[str, float]:
+    reqs = _reqs(n, length)
+    batch = prepare_extend(reqs, runner)
+    graphs = runner.graph_runners["prefill"]
+    assert graphs.can_run(batch)
+    out = {"eager_ms": cuda_time_ms(lambda: eager_forward(runner, batch)),
+           "graph_ms": cuda_time_ms(lambda: graphs.replay(batch))}
     for r in reqs:
         release(r, runner)
-    return {"prefill_ms": prefill_ms, "decode_eager_ms": eager_ms, "decode_full_ms": graph_ms}
+    return out
+
+
+def time_decode(runner: ModelRunner, bs: int, context: int, eager: bool) -> dict[str, float]:
+    """A decode step over `context` cached tokens per request, replayed on the same slots."""
+    reqs = _reqs(bs, context)
+    runner.forward(prepare_extend(reqs, runner))
+    for r in reqs:
+        r.output_ids.append(11)
+    batch = prepare_decode(reqs, runner)
+    graphs = runner.graph_runners["decode"]
+    assert graphs.can_run(batch)
+    out = {"graph_ms": cuda_time_ms(lambda: graphs.replay(batch))}
+    if eager:
+        out["eager_ms"] = cuda_time_ms(lambda: eager_forward(runner, batch))
+    for r in reqs:
+        release(r, runner)
+    return out
 
 
 def decode_bytes(runner: ModelRunner, bs: int, context: int) -> int:
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    cfg = runner.config
     kv = runner.kv_pool.bytes_per_token(
-        runner.config.num_hidden_layers, runner.config.num_key_value_heads,
-        runner.config.head_dim, runner.dtype,
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, runner.dtype
     )
     return weights + bs * context * kv
+
+
+def capture_row(model: str, runner: ModelRunner, phase: str) -> dict:
+    graphs = runner.graph_runners[phase]
+    return {"model": model, "phase": phase, "mode": graphs.backend.mode,
+            "shapes": len(graphs.shapes), "capture_s": round(graphs.capture_seconds, 2),
+            "graph_mib": round(graphs.capture_bytes / 2**20, 1)}
+
+
+def bench_model(model: str, bs_list: list[int], context: int, bandwidth: float):
+    rows, captures = [], []
+    runner = build_runner(model, FULL_AND_BREAKABLE, max(bs_list), context)
+    captures += [capture_row(model, runner, "decode"), capture_row(model, runner, "prefill")]
+    for n, length in PREFILL_CASES:
+        t = time_prefill(runner, n, length)
+        rows.append({"model": model, "step": f"prefill {n}x{length}", "mode": "breakable",
+                     **t, "speedup": t["eager_ms"] / t["graph_ms"], "floor_ms": None})
+    decode_full = {bs: time_decode(runner, bs, context, eager=True) for bs in bs_list}
+    floors = {bs: decode_bytes(runner, bs, context) / (bandwidth * 1e9) * 1e3 for bs in bs_list}
+    del runner
+    torch.cuda.empty_cache()
+    runner = build_runner(model, BREAKABLE_DECODE, max(bs_list), context)
+    captures.append(capture_row(model, runner, "decode"))
+    for bs in bs_list:
+        eager_ms = decode_full[bs]["eager_ms"]
+        for mode, t in (("full", decode_full[bs]),
+                        ("breakable", time_decode(runner, bs, context, eager=False))):
+            rows.append({"model": model, "step": f"decode bs{bs}", "mode": mode,
+                         "eager_ms": eager_ms, "graph_ms": t["graph_ms"],
+                         "speedup": eager_ms / t["graph_ms"], "floor_ms": floors[bs]})
+    del runner
+    torch.cuda.empty_cache()
+    return rows, captures
 
 
 def main() -> None:
@@ -99,44 +152,35 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     parser.add_argument("--bs", nargs="+", type=int, default=[1, 8, 64])
-    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--context", type=int, default=512, help="cached tokens per request")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth_gbs()
-    rows, summary = [], []
+    rows, captures = [], []
     for model in args.models:
-        runner = build_runner(model, max(args.bs), args.input_len)
-        graphs = runner.graph_runners["decode"]
-        capture = {"model": model, "capture_s": round(graphs.capture_seconds, 2),
-                   "graph_mib": round(graphs.capture_bytes / 2**20, 1),
-                   "shapes": len(graphs.shapes)}
-        for bs in args.bs:
-            m = measure(runner, bs, args.input_len)
-            floor_ms = decode_bytes(runner, bs, args.input_len) / (bandwidth * 1e9) * 1e3
-            rows.append({"model": model, "bs": bs, **{k: round(v, 3) for k, v in m.items()},
-                         "eager_over_full": round(m["decode_eager_ms"] / m["decode_full_ms"], 2),
-                         "floor_ms": round(floor_ms, 3),
-                         "full_over_floor": round(m["decode_full_ms"] / floor_ms, 2)})
-        summary.append(capture)
-        del runner, graphs
-        torch.cuda.empty_cache()
+        model_rows, model_captures = bench_model(model, args.bs, args.context, bandwidth)
+        rows += model_rows
+        captures += model_captures
 
-    print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; input length {args.input_len}")
-    header = ("model", "bs", "prefill_ms", "decode_eager_ms", "decode_full_ms",
-              "eager_over_full", "floor_ms", "full_over_floor")
-    print(" ".join(f"{h:>15}" for h in header))
-    for row in rows:
-        print(" ".join(f"{row[h]!s:>15}" for h in header))
-    for cap in summary:
-        print(f"{cap['model']}: captured {cap['shapes']} decode shapes in {cap['capture_s']} s, "
-              f"{cap['graph_mib']} MiB graph memory")
-    key_rows = [{"model": r["model"], "bs": r["bs"], "decode_full_ms": r["decode_full_ms"],
-                 "eager_over_full": r["eager_over_full"], "full_over_floor": r["full_over_floor"]}
-                for r in rows if r["bs"] == 1] + summary
+    print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens")
+    print(f"{'model':14} {'step':18} {'mode':10} {'eager ms':>9} {'graph ms':>9} "
+          f"{'speedup':>8} {'floor ms':>9}")
+    for r in rows:
+        floor = f"{r['floor_ms']:9.3f}" if r["floor_ms"] is not None else f"{'':9}"
+        print(f"{r['model']:14} {r['step']:18} {r['mode']:10} {r['eager_ms']:9.3f} "
+              f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {floor}")
+    for c in captures:
+        print(f"{c['model']}: {c['phase']} {c['mode']}: {c['shapes']} shapes captured in "
+              f"{c['capture_s']} s, {c['graph_mib']} MiB")
+    summary = [{"model": r["model"], "step": r["step"], "mode": r["mode"],
+                "graph_ms": round(r["graph_ms"], 3), "speedup": round(r["speedup"], 2),
+                **({"over_floor": round(r["graph_ms"] / r["floor_ms"], 2)}
+                   if r["floor_ms"] else {})}
+               for r in rows if r["step"] in ("decode bs1", "prefill 1x128")] + captures
     if args.json:
         args.json.write_text(json.dumps({"copy_bandwidth_gbs": bandwidth, "rows": rows,
-                                         "capture": summary, "summary": key_rows}, indent=2))
+                                         "captures": captures, "summary": summary}, indent=2))
 
 
 if __name__ == "__main__":
