@@ -2,7 +2,7 @@
 # The GPU check: run test/gpu and the benchmarks on a CUDA machine, log everything under $OUT,
 # and print a short summary table last.
 #
-#   bash scripts/gpu_check.sh [pytest args...]
+#   bash scripts/gpu_check.sh [pytest args...]      # GPU_CHECK_BENCH=0: tests only
 #
 # Wheels for packages the GPU host lacks travel in .whl/ (../shared/tools/device-wheels ...).
 # The built-in model's GGUF (98 MB) travels split (../shared/tools/device-stage); the joined
@@ -33,11 +33,31 @@ python3 -m pytest test/gpu -v -rs --durations=10 --junitxml="$OUT/gpu_tests.xml"
 tests_rc=${PIPESTATUS[0]}
 
 bench_rc=0
-for bench in benchmark/bench_*.py; do
-    [ -e "$bench" ] || continue
-    name=$(basename "$bench" .py)
-    python3 "$bench" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" || bench_rc=1
-done
+run_bench() {  # name, script, args...: JSON to $OUT/name.json, output appended to bench.log
+    local name=$1 script=$2
+    shift 2
+    echo "=== $name" | tee -a "$OUT/bench.log"
+    python3 "$script" --json "$OUT/$name.json" "$@" 2>&1 | tee -a "$OUT/bench.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || bench_rc=1
+}
+if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
+    run_bench bench_attention benchmark/bench_attention.py
+    run_bench bench_one_batch benchmark/bench_one_batch.py
+    # serving: the built-in model with the default CUDA-graph modes, on a local port
+    port=30123
+    python3 -m replaylm.launch_server --port $port >"$OUT/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 300); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 $server 2>/dev/null || break
+        sleep 1
+    done
+    run_bench bench_serving benchmark/bench_serving.py --base-url "http://127.0.0.1:$port" \
+        --num-prompts 256 --request-rate 16 inf --random-input-len 512 \
+        --random-output-len 128 --random-token-range 100 40000 --disable-tqdm
+    kill -INT $server 2>/dev/null
+    wait $server
+fi
 
 python3 scripts/summarize_gpu_check.py "$OUT"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
