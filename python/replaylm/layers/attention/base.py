@@ -56,17 +56,25 @@ class AttentionBackend(ABC):
 class CudaGraphAttentionBackend(AttentionBackend):
     """A backend whose metadata can live in static buffers, as a `full` CUDA graph needs.
 
-    Launch grids must not depend on values that change between replays.
+    Launch grids must not depend on values that change between replays (sequence lengths, request
+    rows, KV slots): they are fixed at capture from the batch size alone. Padding requests (length
+    0, or length 1 over the request table's zero padding row, writing KV slot 0) must be
+    harmless: they may race on slot 0 and their outputs are undefined, but they touch no live
+    slot. q/k/v come from the captured graph's own (static) tensors; the KV pool and the request
+    table are static by construction.
     """
 
     @abstractmethod
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate every metadata buffer a captured graph will read, once."""
+        """Allocate, once, every metadata buffer a captured graph will read, for batches of up
+        to `max_bs` requests and `max_num_tokens` tokens."""
 
     @abstractmethod
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
-        """Point the kernels at the static buffers for a capture of `batch`'s shape."""
+        """Copy `batch`'s metadata into the static buffers and point the kernels at them, for a
+        capture of `batch`'s shape (the forward passes that follow are warm-up and capture)."""
 
     @abstractmethod
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
-        """Refresh the static buffers' contents in place for `batch`, before a replay."""
+        """Refresh the static buffers' contents in place from `batch` (the batch size its graph
+        was captured for, any lengths), before that graph's replay."""

@@ -1,0 +1,180 @@
+"""TritonAttnBackend: the default attention backend on CUDA, capturable in `full` CUDA graphs.
+
+Per batch, `init_forward_metadata` only picks tensors the batch already has (no launch, no host
+sync). For a `full` decode graph the backend keeps its own static copies of what the kernels read
+per request or token (request rows, sequence lengths, KV slots of the new tokens): the capture
+hook points the kernels at them, the replay hook refreshes them in place. The number of KV splits
+is a function of the batch size alone, so a graph captured for a batch size serves any lengths,
+and eager and replayed decode of the same batch compute exactly the same thing.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from replaylm.layers.attention.base import CudaGraphAttentionBackend
+from replaylm.layers.attention.triton.decode import decode_attention, num_kv_splits
+from replaylm.layers.attention.triton.extend import extend_attention
+from replaylm.layers.attention.triton.kv_store import store_kv
+
+if TYPE_CHECKING:
+    from replaylm.layers.attention.layer import Attention
+    from replaylm.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class _DecodeMetadata:
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64
+    out_cache_loc: torch.Tensor  # [bs] int64
+    num_splits: int
+
+
+@dataclass
+class _ExtendMetadata:
+    req_pool_indices: torch.Tensor  # [bs] int64
+    prefix_lens: torch.Tensor  # [bs] int64
+    extend_seq_lens: torch.Tensor  # [bs] int64
+    extend_start_loc: torch.Tensor  # [bs] int64
+    out_cache_loc: torch.Tensor  # [T] int64
+    max_extend_len: int
+
+
+@dataclass
+class _GraphBuffers:
+    """Static per-request / per-token inputs of captured decode graphs."""
+
+    req_pool_indices: torch.Tensor  # [max_bs]
+    seq_lens: torch.Tensor  # [max_bs]
+    out_cache_loc: torch.Tensor  # [max_num_tokens]
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 1 elsewhere (Triton's CPU interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class TritonAttnBackend(CudaGraphAttentionBackend):
+    """Paged attention through the Triton kernels of this package."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._meta: _DecodeMetadata | _ExtendMetadata | None = None
+        self._graph: _GraphBuffers | None = None
+
+    # ---- eager ------------------------------------------------------------------------------
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.forward_mode.is_decode():
+            self._meta = _DecodeMetadata(
+                batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+                self._num_splits(batch),
+            )
+        else:
+            self._meta = _ExtendMetadata(
+                batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens,
+                batch.extend_start_loc, batch.out_cache_loc,
+                max(batch.extend_seq_lens_cpu, default=0),
+            )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Store K/V at the metadata's slots (the static copy inside a graph), then attend."""
+        meta = self._metadata()
+        pool = batch.kv_pool
+        store_kv(pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
+                 meta.out_cache_loc, k, v)
+        if batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, batch)
+        return self.forward_extend(q, k, v, layer, batch)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta = self._metadata()
+        assert isinstance(meta, _ExtendMetadata), "metadata was prepared for a decode batch"
+        pool = batch.kv_pool
+        return extend_attention(
+            q, k, v, torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
+            batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.prefix_lens,
+            meta.extend_seq_lens, meta.extend_start_loc, meta.max_extend_len, layer.scaling,
+        )
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta = self._metadata()
+        assert isinstance(meta, _DecodeMetadata), "metadata was prepared for an extend batch"
+        pool = batch.kv_pool
+        return decode_attention(
+            q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
+            batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens,
+            torch.empty(q.shape, dtype=q.dtype, device=q.device), layer.scaling,
+            meta.num_splits,
+        )
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Static buffers, on the current CUDA device, for batches up to `max_bs` requests."""
+        device = torch.device("cuda", torch.cuda.current_device())
+
+        def zeros(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=device)
+
+        self._graph = _GraphBuffers(zeros(max_bs), zeros(max_bs), zeros(max_num_tokens))
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Decode batches only: copy `batch` into the static buffers and point the kernels at
+        them, with the number of KV splits fixed for this batch size."""
+        graph = self._graph_buffers()
+        if not batch.forward_mode.is_decode():
+            raise ValueError("triton attention captures decode batches only")
+        bs = batch.batch_size
+        self._fill_graph_buffers(batch)
+        self._meta = _DecodeMetadata(
+            graph.req_pool_indices[:bs], graph.seq_lens[:bs], graph.out_cache_loc[:bs],
+            self._num_splits(batch),
+        )
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Copy `batch` (the size its graph was captured for) into the static buffers."""
+        self._fill_graph_buffers(batch)
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _metadata(self) -> _DecodeMetadata | _ExtendMetadata:
+        if self._meta is None:
+            raise RuntimeError("init_forward_metadata was not called for this batch")
+        return self._meta
+
+    def _graph_buffers(self) -> _GraphBuffers:
+        if self._graph is None:
+            raise RuntimeError("init_cuda_graph_state was not called")
+        return self._graph
+
+    def _fill_graph_buffers(self, batch: ForwardBatch) -> None:
+        graph = self._graph_buffers()
+        bs = batch.batch_size
+        graph.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+        graph.seq_lens[:bs].copy_(batch.seq_lens)
+        graph.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+
+    @staticmethod
+    def _num_splits(batch: ForwardBatch) -> int:
+        return num_kv_splits(
+            batch.batch_size, batch.kv_pool.num_kv_heads, _sm_count(batch.seq_lens.device)
+        )

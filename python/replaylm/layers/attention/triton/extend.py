@@ -1,0 +1,131 @@
+"""Extend attention (prefill, chunked prefill): a ragged batch of requests in one launch.
+
+Request i's new tokens are rows `extend_start[i] : extend_start[i] + extend_lens[i]` of q, k and
+v; it already has `prefix_lens[i]` tokens in the KV cache, found through the request-to-token
+table. Each new token attends to the whole prefix and causally to the new tokens up to itself.
+
+Grid `(num_heads, query blocks, bs)`: a program computes one BLOCK_M block of one request's
+queries for one head, in three passes over the keys: the prefix (gathered from the cache), the new
+tokens before the block (read straight from k and v, no mask), and the block's diagonal (causal
+mask). Query blocks run latest first: they have the most keys, so the tail of the launch is short.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replaylm.layers.attention.triton.common import (
+    LOG2E,
+    KernelConfig,
+    check_inputs,
+    dot_precision,
+    softmax_update,
+)
+
+CONFIGS = {  # head dim -> tiles for 16-bit inputs (block_m a multiple of block_n)
+    16: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),
+    32: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),
+    64: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),
+    128: KernelConfig(block_n=64, num_warps=8, num_stages=3, block_m=128),
+    256: KernelConfig(block_n=32, num_warps=8, num_stages=2, block_m=64),
+}
+FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1, block_m=32)  # FMA dots
+
+
+@triton.jit
+def _extend_kernel(
+    Q, KNew, VNew, Out, KCache, VCache, ReqToToken, ReqPoolIndices, PrefixLens, ExtendLens,
+    ExtendStart, qk_scale,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = tl.program_id(2)
+    ext_len = tl.load(ExtendLens + b).to(tl.int32)
+    if m_start < ext_len:
+        kv_head = head // GROUP
+        dtype = KCache.dtype.element_ty
+        prefix_len = tl.load(PrefixLens + b).to(tl.int32)
+        first = tl.load(ExtendStart + b).to(tl.int64)
+        row = ReqToToken + tl.load(ReqPoolIndices + b).to(tl.int64) * stride_rt
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_ok = offs_m < ext_len
+        q = tl.load(Q + (first + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=q_ok[:, None], other=0.0).to(dtype)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+        for n0 in range(0, prefix_len, BLOCK_N):  # the cached prefix, through the table
+            cols = n0 + offs_n
+            valid = cols < prefix_len
+            slots = tl.load(row + cols, mask=valid, other=0).to(tl.int64)
+            k = tl.load(KCache + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+            v = tl.load(VCache + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, PRECISION)
+
+        for n0 in range(0, m_start, BLOCK_N):  # new tokens before this block: all visible
+            rows = first + n0 + offs_n
+            k = tl.load(KNew + rows[:, None] * stride_knt + kv_head * stride_knh + offs_d[None, :])
+            v = tl.load(VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :])
+            qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=PRECISION) * qk_scale
+            m_i, l_i, acc = softmax_update(qk, v.to(dtype), m_i, l_i, acc, PRECISION)
+
+        for n0 in range(m_start, tl.minimum(m_start + BLOCK_M, ext_len), BLOCK_N):  # diagonal
+            cols = n0 + offs_n
+            valid = cols < ext_len
+            rows = first + cols
+            k = tl.load(KNew + rows[:, None] * stride_knt + kv_head * stride_knh + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+            v = tl.load(VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=PRECISION) * qk_scale
+            qk = tl.where(valid[None, :] & (cols[None, :] <= offs_m[:, None]), qk, float("-inf"))
+            m_i, l_i, acc = softmax_update(qk, v.to(dtype), m_i, l_i, acc, PRECISION)
+
+        out = acc / l_i[:, None]
+        tl.store(Out + (first + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=q_ok[:, None])
+
+
+def extend_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_start: torch.Tensor,
+    max_extend_len: int, scale: float, config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of the new tokens `q` `[T, H, D]` (with their own `k`, `v` `[T, Hkv, D]`)
+    over each request's cached prefix plus themselves. `max_extend_len` (>= every extend length)
+    sizes the grid. Writes and returns `out` `[T, H, D]`."""
+    num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("k and v must be contiguous along the head dim")
+    cfg = config or (FLOAT32_CONFIG if k_cache.dtype == torch.float32 else CONFIGS[head_dim])
+    if cfg.block_m % cfg.block_n:
+        raise ValueError(f"block_m {cfg.block_m} is not a multiple of block_n {cfg.block_n}")
+    bs = prefix_lens.shape[0]
+    if bs == 0 or max_extend_len == 0:
+        return out
+    grid = (num_heads, triton.cdiv(max_extend_len, cfg.block_m), bs)
+    _extend_kernel[grid](
+        q, k, v, out, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+        extend_start, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, PRECISION=dot_precision(k_cache.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,48 @@
+"""This step's K and V into the paged cache, in one launch for both (measured against two
+index_put calls in benchmark/bench_attention.py; see benchmark/NOTES_attention.md)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KCache, VCache, Loc,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    ok = offs_h < NUM_KV_HEADS
+    dst = slot * stride_ct + offs_h * stride_ch + offs_d
+    k = tl.load(K + t * stride_kt + offs_h * stride_kh + offs_d, mask=ok)
+    tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=ok)
+    v = tl.load(V + t * stride_vt + offs_h * stride_vh + offs_d, mask=ok)
+    tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=ok)
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """`k_cache[loc[t]] = k[t]` and `v_cache[loc[t]] = v[t]` for every token t; `k`, `v` are
+    `[T, Hkv, D]` (any row and head strides), the caches `[slots, Hkv, D]` with equal strides."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("k, v and the caches must be contiguous along the head dim, the caches "
+                         "alike")
+    if triton.next_power_of_2(head_dim) != head_dim:
+        raise ValueError(f"head dim must be a power of two, got {head_dim}")
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, loc,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, num_warps=4,
+    )

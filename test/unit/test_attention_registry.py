@@ -1,0 +1,35 @@
+"""Choosing the attention backend: `auto` per device, GPU-only backends refused on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from replaylm.layers.attention.registry import (
+    create_attention_backend,
+    resolve_attention_backend,
+)
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs
+
+from tiny_checkpoints import write_tiny_checkpoint
+
+
+def test_auto_is_triton_on_cuda_and_torch_native_elsewhere():
+    assert resolve_attention_backend("auto", "cuda") == "triton"
+    assert resolve_attention_backend("auto", "cpu") == "torch_native"
+    assert resolve_attention_backend("torch_native", "cuda") == "torch_native"
+    assert {"auto", "triton", "torch_native"} <= set(ATTENTION_BACKEND_CHOICES)
+
+
+def test_triton_on_the_cpu_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="--attention-backend triton needs a CUDA device"):
+        resolve_attention_backend("triton", "cpu")
+    write_tiny_checkpoint("qwen3", tmp_path)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ModelRunner(ServerArgs(model_path=str(tmp_path), device="cpu", attention_backend="triton",
+                               max_total_tokens=64, max_running_requests=2))
+
+
+def test_unknown_backend_lists_the_known_ones():
+    with pytest.raises(ValueError, match="torch_native, triton"):
+        create_attention_backend("flashinfer")

@@ -1,0 +1,126 @@
+"""The Triton attention kernels on the CPU, through Triton's interpreter, at small sizes.
+
+Same kernels as on the GPU (test/gpu/test_triton_attention.py covers bf16, big shapes and graph
+capture), checked against torch_native in float32. float16 and float32 only: the 3.6
+interpreter's bf16 dot is wrong. Small tiles are passed where the defaults would hide the
+multi-block paths at these sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("a CUDA GPU is present: the kernels run compiled (test/gpu)",
+                allow_module_level=True)
+
+from replaylm.layers.attention.triton import TritonAttnBackend  # noqa: E402
+from replaylm.layers.attention.triton.common import KernelConfig  # noqa: E402
+from replaylm.layers.attention.triton.decode import decode_attention  # noqa: E402
+from replaylm.layers.attention.triton.extend import extend_attention  # noqa: E402
+from replaylm.layers.attention.triton.kv_store import store_kv  # noqa: E402
+from replaylm.model_executor.forward_batch import ForwardMode  # noqa: E402
+
+from attention_cases import make_case, reference, rel_error  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+SMALL_TILES = KernelConfig(block_n=16, num_warps=4, num_stages=1, block_m=32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_scalar_index():
+    """Triton 3.6's interpreter turns a loop bound into an int with int() of a 1-element array,
+    which NumPy >= 2.4 refuses; go through .item() (as later Triton does)."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:  # a Triton without this hook
+        yield
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", patched)
+        yield
+
+
+def _store(case) -> None:
+    case.batch.kv_pool.store(0, case.batch.out_cache_loc, case.k, case.v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (4, 2, 32), (8, 1, 16)])
+def test_decode_split_k_matches_reference(dtype, heads, kv_heads, dim):
+    case = make_case(ForwardMode.DECODE, [0, 16, 99, 250], [1] * 4, heads, kv_heads, dim, dtype,
+                     "cpu", seed=heads + dim)
+    _store(case)
+    b = case.batch
+    out = torch.full_like(case.q, float("nan"))
+    decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
+                     b.req_to_token_pool.req_to_token, b.req_pool_indices, b.seq_lens, out,
+                     case.layer.scaling, num_splits=4, min_split_len=16,
+                     config=KernelConfig(block_n=16, num_warps=4, num_stages=1))
+    assert rel_error(out, reference(case)) < TOL[dtype]
+
+
+def test_decode_of_an_empty_sequence_is_zero():
+    case = make_case(ForwardMode.DECODE, [5, 0], [1, 1], 4, 2, 16, torch.float32, "cpu", seed=3)
+    _store(case)
+    b = case.batch
+    seq_lens = b.seq_lens.clone()
+    seq_lens[1] = 0
+    out = torch.full_like(case.q, float("nan"))
+    decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
+                     b.req_to_token_pool.req_to_token, b.req_pool_indices, seq_lens, out,
+                     case.layer.scaling, num_splits=2)
+    assert rel_error(out[0], reference(case)[0]) < 1e-5
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("prefix", "extend", "heads", "kv_heads"), [
+    ([0], [70], 2, 2),
+    ([0, 40, 3], [33, 1, 50], 4, 2),
+    ([90, 0], [17, 64], 8, 2),
+])
+def test_extend_matches_reference(dtype, prefix, extend, heads, kv_heads):
+    case = make_case(ForwardMode.EXTEND, prefix, extend, heads, kv_heads, 16, dtype, "cpu",
+                     seed=sum(prefix) + sum(extend))
+    _store(case)
+    b = case.batch
+    out = torch.full_like(case.q, float("nan"))
+    extend_attention(case.q, case.k, case.v, out, b.kv_pool.k_buffers[0],
+                     b.kv_pool.v_buffers[0], b.req_to_token_pool.req_to_token,
+                     b.req_pool_indices, b.prefix_lens, b.extend_seq_lens, b.extend_start_loc,
+                     max(extend), case.layer.scaling, config=SMALL_TILES)
+    assert rel_error(out, reference(case)) < TOL[dtype]
+
+
+def test_store_kv_writes_only_the_given_slots():
+    k_cache = torch.randn(20, 2, 16, dtype=torch.float16)
+    v_cache = torch.randn(20, 2, 16, dtype=torch.float16)
+    qkv = torch.randn(3, 6, 16, dtype=torch.float16)  # k and v as strided views, as models give
+    k, v = qkv[:, 2:4], qkv[:, 4:6]
+    loc = torch.tensor([7, 1, 12])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[loc], want_v[loc] = k, v
+    store_kv(k_cache, v_cache, loc, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_backend_stores_then_attends(mode):
+    backend = TritonAttnBackend()
+    extend = [1, 1, 1] if mode is ForwardMode.DECODE else [9, 30, 2]
+    case = make_case(mode, [12, 0, 40], extend, 4, 2, 32, torch.float32, "cpu", seed=7,
+                     backend=backend)
+    backend.init_forward_metadata(case.batch)
+    out = backend.forward(case.q, case.k, case.v, case.layer, case.batch)
+    assert rel_error(out, reference(case)) < 1e-5
