@@ -57,8 +57,9 @@ class ServerArgs:
     # scheduling
     chunked_prefill_size: int = field(default=2048, metadata=_opt(
         "prompts longer than this are prefilled in chunks of this many tokens"))
-    max_prefill_tokens: int = field(default=8192, metadata=_opt(
-        "most new tokens in one prefill batch (one prompt chunk is always admitted)"))
+    max_prefill_tokens: int | None = field(default=None, metadata=_opt(
+        "most new tokens in one prefill batch (default: --chunked-prefill-size, so a batch fits "
+        "the largest prefill graph bucket; one prompt chunk is always admitted)"))
     # kernels
     attention_backend: str = field(default="auto", metadata=_opt(
         "attention implementation", ATTENTION_BACKEND_CHOICES))

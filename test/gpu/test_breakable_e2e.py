@@ -24,7 +24,7 @@ NEAR_TIE = 0.5
 
 
 def _args(**kw) -> ServerArgs:
-    base = dict(device="cuda", dtype="bfloat16", max_total_tokens=60000, max_running_requests=64,
+    base = dict(device="cuda", dtype="bfloat16", max_total_tokens=60000, max_running_requests=128,
                 chunked_prefill_size=1024, attention_backend="torch_native")
     return ServerArgs(**{**base, **kw})
 
@@ -70,11 +70,13 @@ def test_prefill_sweep_every_length_1_to_600(runner):
 
 def test_prefill_mixed_batch_with_shared_prefixes(runner):
     system = _ids(200, 0)
-    reqs = [Req(i, system[: 50 * (i % 4) + 10] + _ids(7 + 13 * i, i + 1), SamplingParams(), 0, 1)
-            for i in range(8)]
-    _check(runner, prepare_extend(reqs, runner), "prefill")
-    for r in reqs:
-        release(r, runner)
+    reqs = [Req(i, system[: 50 * (i % 4) + 10] + _ids(7 + 9 * i, i + 1), SamplingParams(), 0, 1)
+            for i in range(8)]  # 988 new tokens: within the largest bucket (1024)
+    try:
+        _check(runner, prepare_extend(reqs, runner), "prefill")
+    finally:
+        for r in reqs:
+            release(r, runner)
 
 
 def test_chunked_prefill_of_a_3000_token_prompt(runner):
@@ -88,13 +90,15 @@ def test_chunked_prefill_of_a_3000_token_prompt(runner):
 @pytest.mark.parametrize("bs", [1, 7, 64])
 def test_decode_under_breakable(runner, bs):
     reqs = [Req(i, _ids(5 + 17 * i, 100 + i), SamplingParams(), 0, 8) for i in range(bs)]
-    logits = runner.forward(prepare_extend(reqs, runner))
-    for _ in range(3):
-        for r, t in zip(reqs, logits.argmax(-1).tolist(), strict=True):
-            r.output_ids.append(t)
-        logits = _check(runner, prepare_decode(reqs, runner), "decode")
-    for r in reqs:
-        release(r, runner)
+    try:
+        logits = runner.forward(prepare_extend(reqs, runner))
+        for _ in range(3):
+            for r, t in zip(reqs, logits.argmax(-1).tolist(), strict=True):
+                r.output_ids.append(t)
+            logits = _check(runner, prepare_decode(reqs, runner), "decode")
+    finally:
+        for r in reqs:
+            release(r, runner)
 
 
 def test_greedy_generations_match_eager():

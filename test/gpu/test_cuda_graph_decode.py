@@ -29,8 +29,9 @@ TOPICS = ["the sea", "a robot", "Paris", "mathematics", "a cat", "winter", "musi
 
 
 def _args(**kw) -> ServerArgs:
-    return ServerArgs(device="cuda", dtype="bfloat16", max_total_tokens=60000,
-                      max_running_requests=128, **kw)
+    base = dict(device="cuda", dtype="bfloat16", max_total_tokens=60000,
+                max_running_requests=128)
+    return ServerArgs(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")

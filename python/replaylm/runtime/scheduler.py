@@ -42,13 +42,14 @@ class Scheduler:
     def __init__(
         self, runner: ModelRunner, eos_ids: frozenset[int],
         decode_text: Callable[[list[int]], str] | None,
-        chunked_prefill_size: int, max_prefill_tokens: int,
+        chunked_prefill_size: int, max_prefill_tokens: int | None,
     ) -> None:
+        """`max_prefill_tokens` None: a prefill batch holds at most `chunked_prefill_size`."""
         self.runner = runner
         self.eos_ids = eos_ids
         self.decode_text = decode_text
         self.chunk_size = chunked_prefill_size
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = max_prefill_tokens or chunked_prefill_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # requests with a full cached prompt, decoding
         self.num_retractions = 0
