@@ -1,0 +1,161 @@
+"""Bad input to the real server (conftest.py's `http_server`): every case gets its status and an
+OpenAI-style error body naming the field, never a 500, and the server keeps serving."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+CHAT = [{"role": "user", "content": "hi"}]
+LONG_TEXT = "hello " * 3000  # ~3000 tokens; conftest.py sets --context-length 2048
+
+
+def _completion(**fields) -> dict:
+    return {"prompt": "Hello", "max_tokens": 2, **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"messages": CHAT, "max_tokens": 2, **fields}
+
+
+# (path, body: dict as JSON or raw bytes, status, param, regex the message must match)
+CASES = {
+    "malformed json": ("/v1/completions", b'{"prompt": "x"', 400, None, "not valid JSON"),
+    "empty body": ("/v1/chat/completions", b"", 400, None, "not valid JSON"),
+    "body not an object": ("/v1/completions", b"[1, 2]", 400, None, "object"),
+    "invalid utf-8": ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "UTF-8"),
+    "lone surrogate escape": ("/v1/completions", b'{"prompt": "\\ud800"}', 400, None, "JSON"),
+    "max_tokens as string": ("/v1/completions", _completion(max_tokens="5"), 400, "max_tokens",
+                             "integer"),
+    "max_tokens zero": ("/v1/completions", _completion(max_tokens=0), 400, "max_tokens",
+                        "greater than or equal to 1"),
+    "max_tokens negative": ("/v1/chat/completions", _chat(max_tokens=-3), 400, "max_tokens",
+                            "greater than or equal to 1"),
+    "max_completion_tokens zero": ("/v1/chat/completions", _chat(max_completion_tokens=0), 400,
+                                   "max_completion_tokens", "greater than or equal to 1"),
+    "temperature negative": ("/v1/completions", _completion(temperature=-0.5), 400,
+                             "temperature", "greater than or equal to 0"),
+    "temperature infinite": ("/v1/chat/completions", b'{"messages": [{"role": "user", '
+                             b'"content": "hi"}], "temperature": 1e999}', 400, "temperature",
+                             "finite"),
+    "temperature bool": ("/v1/completions", _completion(temperature=True), 400, "temperature",
+                         "number"),
+    "top_p zero": ("/v1/completions", _completion(top_p=0), 400, "top_p", "greater than 0"),
+    "top_p above one": ("/v1/chat/completions", _chat(top_p=1.5), 400, "top_p",
+                        "less than or equal to 1"),
+    "top_k zero": ("/v1/completions", _completion(top_k=0), 400, "top_k", "-1"),
+    "min_p above one": ("/v1/completions", _completion(min_p=2), 400, "min_p", "1"),
+    "seed negative": ("/v1/completions", _completion(seed=-1), 400, "seed", "0"),
+    "stop wrong type": ("/v1/completions", _completion(stop=5), 400, "stop", "string"),
+    "stop_token_ids negative": ("/v1/completions", _completion(stop_token_ids=[-1]), 400,
+                                "stop_token_ids[0]", "greater than or equal to 0"),
+    "stream not a bool": ("/v1/completions", _completion(stream="yes"), 400, "stream", "bool"),
+    "n above one": ("/v1/completions", _completion(n=2), 400, "n", "n=1"),
+    "n above one (chat)": ("/v1/chat/completions", _chat(n=3), 400, "n", "n=1"),
+    "unknown field": ("/v1/completions", _completion(best_of=3), 400, "best_of", "unsupported"),
+    "logprobs above 20": ("/v1/completions", _completion(logprobs=21), 400, "logprobs", "20"),
+    "top_logprobs without logprobs": ("/v1/chat/completions", _chat(top_logprobs=2), 400,
+                                      "top_logprobs", "logprobs: true"),
+    "top_logprobs above 20": ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21),
+                              400, "top_logprobs", "20"),
+    "missing prompt": ("/v1/completions", {"max_tokens": 2}, 400, "prompt", "required"),
+    "prompt wrong type": ("/v1/completions", _completion(prompt=5), 400, "prompt",
+                          "string or a list of token ids"),
+    "empty prompt": ("/v1/completions", _completion(prompt=""), 400, "prompt", "empty"),
+    "empty token prompt": ("/v1/completions", _completion(prompt=[]), 400, "prompt", "empty"),
+    "empty prompt, streaming": ("/v1/completions", _completion(prompt="", stream=True), 400,
+                                "prompt", "empty"),
+    "several prompts": ("/v1/completions", _completion(prompt=["a", "b"]), 400, "prompt",
+                        "several prompts"),
+    "token id outside the vocab": ("/v1/completions", _completion(prompt=[1, 10**9]), 400,
+                                   "prompt", "ints in"),
+    "prompt longer than the context": (
+        "/v1/completions", _completion(prompt=LONG_TEXT), 400, "prompt",
+        r"prompt has \d{4} tokens; the context length is 2048"),
+    "chat longer than the context": (
+        "/v1/chat/completions", _chat(messages=[{"role": "user", "content": LONG_TEXT}]), 400,
+        "messages", r"prompt has \d{4} tokens; the context length is 2048"),
+    "token prompt longer than the context": (
+        "/generate", {"input_ids": [5] * 2048}, 400, "input_ids",
+        "prompt has 2048 tokens; the context length is 2048"),
+    "no messages": ("/v1/chat/completions", _chat(messages=[]), 400, "messages", "at least 1"),
+    "messages not a list": ("/v1/chat/completions", _chat(messages="hi"), 400, "messages",
+                            "array"),
+    "unknown role": ("/v1/chat/completions", _chat(messages=[{"role": "bot", "content": "x"}]),
+                     400, "messages[0].role", "'user'"),
+    "content wrong type": ("/v1/chat/completions",
+                           _chat(messages=[{"role": "user", "content": 5}]), 400,
+                           "messages[0].content", "string"),
+    "unknown model": ("/v1/completions", _completion(model="gpt-4"), 404, "model",
+                      "`gpt-4` does not exist"),
+    "unknown model (chat)": ("/v1/chat/completions", _chat(model="gpt-4", stream=True), 404,
+                             "model", "does not exist"),
+    "generate: neither text nor ids": ("/generate", {"sampling_params": {}}, 400, "text",
+                                       "exactly one"),
+    "generate: both text and ids": ("/generate", {"text": "a", "input_ids": [1]}, 400, "text",
+                                    "exactly one"),
+    "generate: bad sampling value": ("/generate", {"text": "a", "sampling_params": {
+        "temperature": -1}}, 400, "sampling_params.temperature", "temperature"),
+    "generate: max_new_tokens zero": ("/generate", {"text": "a", "sampling_params": {
+        "max_new_tokens": 0}}, 400, "sampling_params.max_new_tokens", ">= 1"),
+    "generate: unknown sampling key": ("/generate", {"text": "a", "sampling_params": {
+        "beam_width": 2}}, 400, "sampling_params", "beam_width"),
+    "generate: empty text": ("/generate", {"text": ""}, 400, "text", "empty"),
+    "unknown route": ("/v1/embeddings", {"input": "x"}, 404, None, "Not Found"),
+}
+
+
+@pytest.fixture(scope="module")
+def http(http_server):
+    with httpx.Client(base_url=http_server.base_url, timeout=60) as c:
+        yield c
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_an_openai_error_body(http, case):
+    path, body, status, param, pattern = CASES[case]
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(response.json()) == {"error"}
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert re.search(pattern, error["message"]), error["message"]
+    if status == 404 and param == "model":
+        assert error["code"] == "model_not_found"
+
+
+def test_wrong_method_is_405_with_the_body(http):
+    response = http.get("/v1/completions")
+    assert response.status_code == 405
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_client_sees_the_errors(http_server):
+    client = openai.OpenAI(base_url=f"{http_server.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Hello", temperature=-1)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+    assert err.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="nope", messages=CHAT)
+    assert err.value.code == "model_not_found"
+
+
+def test_server_still_serves_after_bad_input(http):
+    assert http.get("/health").status_code == 200
+    response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3,
+                                                  "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
