@@ -27,7 +27,7 @@ MODES = ("full", "breakable", "tc_piecewise", "disabled")
 GRAPH_DEVICES = ("cuda",)
 # attention backends implementing the `full`-graph hooks (layers/attention/base.py)
 ATTENTION_BACKENDS_WITH_GRAPH_HOOKS = frozenset({"triton", "flashinfer"})
-DEFAULTS_CUDA = {"decode": "full", "prefill": "disabled"}
+DEFAULTS_CUDA = {"decode": "full", "prefill": "breakable"}
 
 JSON_FLAG = "--cuda-graph-mode"
 LEGACY_REPLACEMENTS = {

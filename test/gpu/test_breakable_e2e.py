@@ -1,4 +1,5 @@
-"""`breakable` CUDA graphs end to end on SmolLM2 (bfloat16): prefill and decode against eager.
+"""`breakable` CUDA graphs end to end on SmolLM2 (bfloat16, triton attention): prefill and decode
+against eager.
 
 Logits of the graph path and of the eager path on the same batch must agree within bf16 noise and
 pick the same first token; greedy generations must agree for >= 98% of prompts, any divergence at
@@ -25,7 +26,7 @@ NEAR_TIE = 0.5
 
 def _args(**kw) -> ServerArgs:
     base = dict(device="cuda", dtype="bfloat16", max_total_tokens=60000, max_running_requests=128,
-                chunked_prefill_size=1024, attention_backend="torch_native")
+                chunked_prefill_size=1024)
     return ServerArgs(**{**base, **kw})
 
 

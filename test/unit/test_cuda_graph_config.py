@@ -31,11 +31,19 @@ def modes(cfg) -> tuple[str, str]:
 
 def test_defaults_on_cuda():
     cfg = resolve()
-    assert modes(cfg) == ("full", "disabled")
+    assert modes(cfg) == ("full", "breakable")
     assert cfg.decode.source == cfg.prefill.source == "default"
     assert cfg.decode.shapes == default_decode_batch_sizes(256)
     assert cfg.decode.shapes[:5] == (1, 2, 4, 8, 16) and cfg.decode.shapes[-1] == 256
-    assert cfg.prefill.shapes == () and not cfg.warnings
+    assert cfg.prefill.shapes[0] == 16 and cfg.prefill.shapes[-1] == 2048  # chunked prefill
+    assert not cfg.warnings
+
+
+def test_breakable_needs_no_attention_graph_hooks():
+    cfg = resolve(attention_backend="torch_native")
+    assert modes(cfg) == ("disabled", "breakable")  # full decode is ruled out, breakable is not
+    assert modes(resolve(attention_backend="torch_native",
+                         decode_cuda_graph_mode="breakable")) == ("breakable", "breakable")
 
 
 def test_defaults_on_cpu_are_off_and_noted_not_an_error():
@@ -48,15 +56,15 @@ def test_defaults_on_cpu_are_off_and_noted_not_an_error():
 # ---- every flag alone -------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "expected", "source"), [
-    ({"cuda_graph_mode": '{"decode": "breakable"}'}, ("breakable", "disabled"), JSON),
-    ({"cuda_graph_mode": '{"prefill": "breakable"}'}, ("full", "breakable"), JSON),
+    ({"cuda_graph_mode": '{"decode": "breakable"}'}, ("breakable", "breakable"), JSON),
+    ({"cuda_graph_mode": '{"prefill": "disabled"}'}, ("full", "disabled"), JSON),
     ({"cuda_graph_mode": '{"decode": "disabled", "prefill": "tc_piecewise"}'},
      ("disabled", "tc_piecewise"), JSON),
-    ({"decode_cuda_graph_mode": "tc_piecewise"}, ("tc_piecewise", "disabled"),
+    ({"decode_cuda_graph_mode": "tc_piecewise"}, ("tc_piecewise", "breakable"),
      "--decode-cuda-graph-mode"),
     ({"prefill_cuda_graph_mode": "breakable"}, ("full", "breakable"),
      "--prefill-cuda-graph-mode"),
-    ({"decode_disable_cuda_graph": True}, ("disabled", "disabled"),
+    ({"decode_disable_cuda_graph": True}, ("disabled", "breakable"),
      "--decode-disable-cuda-graph"),
     ({"prefill_disable_cuda_graph": True}, ("full", "disabled"),
      "--prefill-disable-cuda-graph"),
