@@ -1,0 +1,36 @@
+"""What every eval provides to the runner: examples, how to prompt for one, how to read a reply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Literal, Protocol
+
+Endpoint = Literal["completions", "chat/completions"]
+Prompt = str | list[dict[str, str]]  # a completion prompt, or chat messages
+
+
+@dataclass(frozen=True)
+class Example:
+    """One question and its reference answer."""
+
+    question: str
+    reference: Decimal
+
+
+class Eval(Protocol):
+    """An eval loaded with its examples. `prompt` and `parse` are pure functions."""
+
+    name: str
+    endpoint: Endpoint  # "completions" takes `prompt` as text, "chat/completions" as messages
+    stop: list[str]  # stop strings sent with every request (may be empty)
+    num_shots: int  # solved examples shown before each question
+    examples: list[Example]
+
+    def prompt(self, example: Example) -> Prompt:
+        """The prompt (or chat messages) that asks `example.question`."""
+        ...
+
+    def parse(self, completion: str) -> Decimal | None:
+        """The answer in a completion, or None when it holds none (an invalid answer)."""
+        ...
