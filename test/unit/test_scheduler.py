@@ -44,14 +44,21 @@ def _assert_all_free(engine: Engine) -> None:
     assert runner.req_to_token_pool.available_size() == engine.server_args.max_running_requests
 
 
-def test_retraction_under_a_tiny_kv_pool_keeps_outputs(folder, roomy):
+def test_a_tiny_kv_pool_keeps_outputs(folder, roomy):
+    """With no decode reserve (aggressive admission) the scheduler must retract requests
+    mid-decode and recompute them; the default reserve retracts less. Outputs never change."""
     prompts = _prompts(5)
     expected = _alone(roomy, prompts, 40)
-    tiny = Engine(model_path=folder, device="cpu", max_total_tokens=100)
-    outs = tiny.generate(input_ids=prompts, sampling_params={"max_new_tokens": 40, **GREEDY})
-    assert [o["output_ids"] for o in outs] == expected
-    assert tiny.scheduler.num_retractions > 0
-    _assert_all_free(tiny)
+    retractions = {}
+    for policy in ("aggressive", "default"):
+        tiny = Engine(model_path=folder, device="cpu", max_total_tokens=100)
+        if policy == "aggressive":
+            tiny.scheduler.new_token_ratio = tiny.scheduler.min_new_token_ratio = 0.0
+        outs = tiny.generate(input_ids=prompts, sampling_params={"max_new_tokens": 40, **GREEDY})
+        assert [o["output_ids"] for o in outs] == expected
+        retractions[policy] = tiny.scheduler.num_retractions
+        _assert_all_free(tiny)
+    assert retractions["aggressive"] > retractions["default"], retractions
 
 
 def test_chunked_prefill_equals_unchunked(folder, roomy):

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from replaylm.cuda_graph_config import resolve_cuda_graph_config
+from replaylm.cuda_graph_config import PhaseConfig, resolve_cuda_graph_config
 from replaylm.layers.attention.registry import (
     create_attention_backend,
     resolve_attention_backend,
@@ -74,9 +74,19 @@ class ModelRunner:
                 backend = create_graph_backend(
                     phase, phase_config.mode, self.attn_backend, self.args.debug_cuda_graph
                 )
-                runners[phase] = runner_cls(self, backend, phase_config.shapes)
+                runners[phase] = runner_cls(self, backend, self._fit_shapes(phase, phase_config))
                 runners[phase].capture()
         return runners
+
+    def _fit_shapes(self, phase: str, config: PhaseConfig) -> tuple[int, ...]:
+        """Prefill buckets above the context length could never be used (and would index past
+        the rotary cache and the request table while padding): cut them, keep the context."""
+        if phase != "prefill" or config.shapes[-1] <= self.context_len:
+            return config.shapes
+        kept = tuple(s for s in config.shapes if s < self.context_len) + (self.context_len,)
+        logger.info("prefill CUDA-graph buckets cut to the context length %d: %s",
+                    self.context_len, list(kept))
+        return kept
 
     def _kv_budget_tokens(self) -> int:
         cfg = self.config

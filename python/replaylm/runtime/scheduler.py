@@ -2,10 +2,13 @@
 
 Each `step()` runs one forward pass: a prefill (EXTEND) batch when waiting requests can be
 admitted, otherwise a decode batch of every running request. Prompts longer than
-`chunked_prefill_size` are prefilled a chunk per step. Admission is bounded by free KV slots, the
-request table and `max_prefill_tokens`; when decode runs out of KV slots the newest running
-requests are retracted to the front of the waiting queue (their KV freed, their tokens recomputed
-when re-admitted). The step is the only place that builds ForwardBatches (through `batch_ops`).
+`chunked_prefill_size` are prefilled a chunk per step. Admission is bounded by the request table,
+`max_prefill_tokens` and free KV slots less a reserve for the tokens running requests are still
+expected to generate (`new_token_ratio` x their remaining budget; the ratio rises after each
+retraction and decays while decoding goes well). When decode still runs out of KV slots the
+newest running requests are retracted to the front of the waiting queue (their KV freed, their
+tokens recomputed when re-admitted). The step is the only place that builds ForwardBatches
+(through `batch_ops`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from replaylm.runtime.io_struct import SchedulerStats, TokenLogprob
 from replaylm.runtime.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.5
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step
+RETRACT_RATIO_BUMP = 0.25
 
 
 @dataclass
@@ -53,6 +61,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # requests with a full cached prompt, decoding
         self.num_retractions = 0
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -111,13 +121,19 @@ class Scheduler:
             return self._sample([reqs[i] for i in done], logits[done])
         if not self.running:
             return []
+        self.new_token_ratio = max(self.min_new_token_ratio,
+                                   self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self._retract_for_decode()
         logits = self.runner.forward(prepare_decode(self.running, self.runner))
         return self._sample(list(self.running), logits)
 
+    def _expected_new_tokens(self, req: Req) -> int:
+        return int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
+
     def _admit_prefill(self) -> tuple[list[Req], list[int]] | None:
         """Pick waiting requests (FIFO) and their chunk sizes for one EXTEND batch."""
-        free_kv = self.runner.token_allocator.available_size() - len(self.running)
+        reserved = sum(self._expected_new_tokens(r) for r in self.running)
+        free_kv = self.runner.token_allocator.available_size() - len(self.running) - reserved
         free_rows = self.runner.req_to_token_pool.available_size()
         budget = self.max_prefill_tokens
         reqs, chunks = [], []
@@ -129,6 +145,11 @@ class Scheduler:
             chunk = min(todo, self.chunk_size, budget if reqs else todo, free_kv - 1)
             if chunk <= 0 or (needs_row and free_rows == 0):
                 break
+            alone = not self.running and not reqs  # always admissible: callers clamp budgets
+            if chunk == todo and not alone and (
+                todo + 1 + self._expected_new_tokens(req) > free_kv
+            ):
+                break  # would finish its prompt with no room to decode: wait
             self.waiting.popleft()
             reqs.append(req)
             chunks.append(chunk)
@@ -154,6 +175,7 @@ class Scheduler:
                     self._retract(req)
 
     def _retract(self, req: Req) -> None:
+        self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)
         logger.info(
             "KV cache full: retracted request %s (%d cached tokens to recompute)",
             req.rid, req.kv_len,
