@@ -66,6 +66,7 @@ def build_runner(model: str, modes: str, max_bs: int, context: int) -> ModelRunn
     ))
 
 
+@torch.inference_mode()
 def eager_forward(runner: ModelRunner, batch) -> torch.Tensor:
     runner.attn_backend.init_forward_metadata(batch)
     return runner.model(batch.input_ids, batch.positions, batch)

@@ -132,6 +132,7 @@ class BaseCudaGraphRunner(ABC):
             self.capture_bytes / 2**20, list(self.shapes),
         )
 
+    @torch.inference_mode()
     def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, int]:
         """(logits of the live requests, padding tokens this replay computed)."""
         key = self.shape_key(batch)
