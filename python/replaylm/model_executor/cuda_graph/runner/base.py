@@ -115,6 +115,7 @@ class BaseCudaGraphRunner(ABC):
             self.memory_pool = torch.cuda.graph_pool_handle()
             self.capture_stream = torch.cuda.Stream(device)
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # so the free-memory delta counts what the graphs keep
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
         self.backend.prepare(self)
@@ -124,6 +125,7 @@ class BaseCudaGraphRunner(ABC):
             for shape in tqdm(shapes, desc=desc, unit="shape"):
                 self.backend.capture_one(shape, self.fill(None, shape), self.forward_fn)
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # cached blocks of the warm-up runs are not graph memory
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info(
