@@ -114,6 +114,7 @@ class BaseCudaGraphRunner(ABC):
         if self.memory_pool is None:
             self.memory_pool = torch.cuda.graph_pool_handle()
             self.capture_stream = torch.cuda.Stream(device)
+        gc.collect()  # garbage freed inside the measured window would count as negative memory
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # so the free-memory delta counts what the graphs keep
         free_before = torch.cuda.mem_get_info(device)[0]
