@@ -14,6 +14,14 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
 
     phase = "decode"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # every shape writes its logits here: one [max_bs, V] buffer instead of one per shape
+        self._logits = torch.empty(
+            self.max_batch_size, self.model_runner.config.vocab_size, dtype=torch.float32,
+            device=self.model_runner.device,
+        )
+
     def buffer_sizes(self) -> tuple[int, int]:
         return self.shapes[-1], self.shapes[-1]
 
@@ -21,8 +29,11 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         return batch.batch_size if batch.forward_mode.is_decode() else None
 
     def forward_fn(self, batch: ForwardBatch) -> torch.Tensor:
-        """The whole forward, logits included (the batch size is fixed per shape)."""
-        return self.model_runner.model(batch.input_ids, batch.positions, batch)
+        """The whole forward, logits included (the batch size is fixed per shape), written into
+        the logits buffer all shapes share."""
+        out = self._logits[: batch.batch_size]
+        out.copy_(self.model_runner.model(batch.input_ids, batch.positions, batch))
+        return out
 
     def finish(self, output: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return output[: batch.batch_size]
