@@ -79,3 +79,13 @@ def chunked_prefill_over_prefix(hf_model, runner: ModelRunner, close: Close) -> 
     _check(hf_model, runner, rest, logits, close)
     for req in reqs:
         release(req, runner)
+
+
+def top2_gap(runner: ModelRunner, ids: list[int]) -> float:
+    """Gap between the two largest next-token logits after `ids` (a near-tie when small)."""
+    req = Req("gap", ids, SamplingParams(), 0, 1)
+    with torch.inference_mode():
+        logits = runner.forward(prepare_extend([req], runner))[0]
+    release(req, runner)
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])

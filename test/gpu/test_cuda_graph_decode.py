@@ -20,7 +20,7 @@ from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
-from model_parity import rel_error
+from model_parity import rel_error, top2_gap
 
 LIVE_BATCH_SIZES = [1, 3, 7, 8, 13, 64, 100]
 NEAR_TIE = 0.5  # logits: top-2 gap under which bf16 noise may flip greedy
@@ -125,17 +125,9 @@ def test_greedy_generations_match_eager_through_the_scheduler():
     gaps = []
     for i in divergent:
         k = next(j for j, (a, b) in enumerate(zip(got[i], want[i], strict=True)) if a != b)
-        gaps.append(_top2_gap(eager, prompts[i] + want[i][:k]))
+        gaps.append(top2_gap(eager.runner, prompts[i] + want[i][:k]))
     print(f"{len(divergent)} of 100 generations diverge; top-2 gaps there: {gaps}")
     assert len(divergent) <= 2
     assert all(g <= NEAR_TIE for g in gaps)
 
 
-def _top2_gap(engine: Engine, ids: list[int]) -> float:
-    runner = engine.runner
-    req = Req("gap", ids, SamplingParams(), 0, 1)
-    with torch.inference_mode():
-        logits = runner.forward(prepare_extend([req], runner))[0]
-    release(req, runner)
-    top = logits.topk(2).values
-    return float(top[0] - top[1])

@@ -22,7 +22,7 @@ from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
-from model_parity import rel_error
+from model_parity import rel_error, top2_gap
 
 QWEN3 = Path(__file__).resolve().parents[2] / "benchmark" / "configs" / "qwen3-0.6b.json"
 NEAR_TIE = 0.25  # logits; bf16 noise on SmolLM2's logits is ~0.05-0.1
@@ -35,16 +35,6 @@ def engines() -> dict[str, Engine]:
                          max_running_requests=16, decode_cuda_graph_bs=[1, 2, 4, 8, 16],
                          attention_backend=name)
             for name in ("triton", "torch_native")}
-
-
-def _top2_gap(engine: Engine, ids: list[int]) -> float:
-    runner = engine.runner
-    req = Req("gap", ids, SamplingParams(), 0, 1)
-    with torch.inference_mode():
-        logits = runner.forward(prepare_extend([req], runner))[0]
-    release(req, runner)
-    top = logits.float().topk(2).values
-    return float(top[0] - top[1])
 
 
 def test_smollm2_greedy_tokens_equal(engines):
@@ -62,7 +52,7 @@ def test_smollm2_greedy_tokens_equal(engines):
     for prompt, a, b in zip(prompts, got, want, strict=True):
         if a != b:
             k = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-            gaps.append(_top2_gap(native, prompt + b[:k]))
+            gaps.append(top2_gap(native.runner, prompt + b[:k]))
     print(f"{len(prompts) - len(gaps)}/{len(prompts)} generations identical; gaps at "
           f"divergences: {gaps}")  # H100: 2/9, gaps 0 to 0.25 (bf16 logits tie often)
     assert all(g <= NEAR_TIE for g in gaps)

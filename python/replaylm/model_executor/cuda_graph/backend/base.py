@@ -23,6 +23,17 @@ if TYPE_CHECKING:
 ForwardFn = Callable[["ForwardBatch"], torch.Tensor]
 
 
+def warm_up(stream: torch.cuda.Stream, forward_fn: ForwardFn, batch: ForwardBatch,
+            runs: int) -> None:
+    """Run `forward_fn(batch)` eagerly `runs` times on the capture stream (lazy initialisation,
+    kernel compilation and allocator growth happen here, outside any capture)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(runs):
+            forward_fn(batch)
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 class BaseCudaGraphBackend(ABC):
     mode: str
 

@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from replaylm.layers.attention.base import AttentionBackend
-from replaylm.model_executor.cuda_graph.backend.base import BaseCudaGraphBackend, ForwardFn
+from replaylm.model_executor.cuda_graph.backend.base import (
+    BaseCudaGraphBackend,
+    ForwardFn,
+    warm_up,
+)
 from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGraph
 
 if TYPE_CHECKING:
@@ -37,10 +41,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         assert self._runner is not None, "prepare() first"
         self.attn.init_forward_metadata(batch)
         stream = self._runner.capture_stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            forward_fn(batch)  # warm-up: lazy init and kernel compilation outside capture
-        torch.cuda.current_stream().wait_stream(stream)
+        warm_up(stream, forward_fn, batch, runs=1)
         graph = BreakableCUDAGraph(self._runner.memory_pool, stream, eager=self.debug)
         graph.capture(forward_fn, batch)
         self._graphs[shape] = graph

@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from replaylm.layers.attention.base import CudaGraphAttentionBackend
-from replaylm.model_executor.cuda_graph.backend.base import BaseCudaGraphBackend, ForwardFn
+from replaylm.model_executor.cuda_graph.backend.base import (
+    BaseCudaGraphBackend,
+    ForwardFn,
+    warm_up,
+)
 
 if TYPE_CHECKING:
     from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
@@ -42,11 +46,7 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         assert self._runner is not None, "prepare() first"
         self.attn.init_forward_metadata_capture_cuda_graph(batch)
         stream = self._runner.capture_stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                forward_fn(batch)
-        torch.cuda.current_stream().wait_stream(stream)
+        warm_up(stream, forward_fn, batch, WARMUP_RUNS)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._runner.memory_pool, stream=stream):
             out = forward_fn(batch)
