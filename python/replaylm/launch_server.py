@@ -8,9 +8,14 @@ logged once it is ready. SIGINT/SIGTERM stop the HTTP server, then the scheduler
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
+from collections.abc import Iterator
+
+import uvicorn
 
 from replaylm.cuda_graph_config import (
     CudaGraphConfig,
@@ -62,6 +67,22 @@ def log_cuda_graph_config(graphs: CudaGraphConfig) -> None:
                 graphs.decode.source, graphs.prefill.source)
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, stopping gracefully on SIGINT/SIGTERM (a second one forces the exit)
+    without re-raising the signal afterwards, so launch_server can stop the scheduler process
+    and exit with code 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, graphs, print_only = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -71,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("%s", warning)
         print(json.dumps(graphs.to_dict()))
         return 0
-    import uvicorn
-
     from replaylm.entrypoints.http_server import create_app
     from replaylm.runtime.tokenizer_manager import TokenizerManager
 
@@ -87,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(manager)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.log_level, timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
+        server = GracefulServer(config)
         logger.info("serving %s at http://%s:%d (OpenAI API under /v1)",
                     manager.served_model_name, args.host, args.port)
         server.run()
