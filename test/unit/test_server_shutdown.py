@@ -7,8 +7,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import start_server  # test/unit/conftest.py
 
+from server_process import start_server
 from tiny_checkpoints import write_tiny_checkpoint
 
 
