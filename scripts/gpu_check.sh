@@ -3,7 +3,9 @@
 # and print a short summary table last.
 #
 #   bash scripts/gpu_check.sh [pytest args...]
-#   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only
+#   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
+#   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
+#   (pytest args are added to the targets, not instead of them)
 #
 # Wheels for packages the GPU host lacks travel in .whl/ (../shared/tools/device-wheels ...).
 # The built-in model's GGUF (98 MB) travels split (../shared/tools/device-stage); the joined
@@ -31,7 +33,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 tests_rc=0
 if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
-    python3 -m pytest test/gpu -v -rs --durations=10 --junitxml="$OUT/gpu_tests.xml" "$@" \
+    python3 -m pytest ${GPU_CHECK_TARGETS:-test/gpu} -v -rs --durations=10 \
+        --junitxml="$OUT/gpu_tests.xml" "$@" \
         2>&1 | tee "$OUT/gpu_tests.log"
     tests_rc=${PIPESTATUS[0]}
 fi
