@@ -22,11 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from replaylm.layers.attention.selection import (
+    BACKENDS_WITH_GRAPH_HOOKS,
+    resolve_attention_backend,
+)
+
 PHASES = ("decode", "prefill")
 MODES = ("full", "breakable", "tc_piecewise", "disabled")
 GRAPH_DEVICES = ("cuda",)
-# attention backends implementing the `full`-graph hooks (layers/attention/base.py)
-ATTENTION_BACKENDS_WITH_GRAPH_HOOKS = frozenset({"triton", "flashinfer"})
 DEFAULTS_CUDA = {"decode": "full", "prefill": "breakable"}
 
 JSON_FLAG = "--cuda-graph-mode"
@@ -231,18 +234,12 @@ RULES: tuple[CompatibilityRule, ...] = (
     CompatibilityRule(
         "full-needs-attention-graph-hooks",
         lambda phase, mode, ctx: (
-            mode == "full" and ctx["attention_backend"] not in ATTENTION_BACKENDS_WITH_GRAPH_HOOKS
+            mode == "full" and ctx["attention_backend"] not in BACKENDS_WITH_GRAPH_HOOKS
         ),
         "a full graph captures attention, which needs an attention backend with CUDA-graph "
         "hooks ({hooked}); --attention-backend is {attention_backend}",
     ),
 )
-
-
-def _resolved_attention_backend(name: str, device: str) -> str:
-    if name != "auto":
-        return name
-    return "triton" if device == "cuda" else "torch_native"
 
 
 def _apply_rules(
@@ -252,7 +249,7 @@ def _apply_rules(
     for rule in RULES:
         if rule.applies(phase, mode, ctx):
             reason = rule.reason.format(
-                hooked=", ".join(sorted(ATTENTION_BACKENDS_WITH_GRAPH_HOOKS)), **ctx
+                hooked=", ".join(sorted(BACKENDS_WITH_GRAPH_HOOKS)), **ctx
             )
             if explicit_flag is not None:
                 raise CudaGraphConfigError(
@@ -344,7 +341,7 @@ def resolve_cuda_graph_config(args: GraphArgs, device: str) -> CudaGraphConfig:
     parsed = _parse(args)
     ctx = {
         "device": device,
-        "attention_backend": _resolved_attention_backend(args.attention_backend, device),
+        "attention_backend": resolve_attention_backend(args.attention_backend, device),
     }
     phases: dict[str, PhaseConfig] = {}
     notes: list[str] = []

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from replaylm.layers.attention.registry import (
-    create_attention_backend,
-    resolve_attention_backend,
-)
+from replaylm.layers.attention.registry import create_attention_backend
+from replaylm.layers.attention.selection import resolve_attention_backend
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs
 

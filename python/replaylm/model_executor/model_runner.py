@@ -11,10 +11,8 @@ import logging
 import torch
 
 from replaylm.cuda_graph_config import PhaseConfig, resolve_cuda_graph_config
-from replaylm.layers.attention.registry import (
-    create_attention_backend,
-    resolve_attention_backend,
-)
+from replaylm.layers.attention.registry import create_attention_backend
+from replaylm.layers.attention.selection import resolve_attention_backend
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool

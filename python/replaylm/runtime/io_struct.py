@@ -90,7 +90,6 @@ class SchedulerReady:
     max_total_tokens: int
     context_len: int
     vocab_size: int
-    max_running_requests: int
 
 
 @dataclass

@@ -46,7 +46,6 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
         conn.send(SchedulerReady(
             max_total_tokens=runner.max_total_tokens, context_len=runner.context_len,
             vocab_size=runner.config.vocab_size,
-            max_running_requests=args.max_running_requests,
         ))
     except Exception:
         conn.send(SchedulerFailed(traceback.format_exc()))

@@ -1,4 +1,4 @@
-"""Attention backends by name (`--attention-backend`).
+"""Attention backends by name (`--attention-backend`; `selection.py` resolves `auto`).
 
 `triton` is imported only when asked for, so machines without triton (CPU) still work.
 """
@@ -26,21 +26,6 @@ ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "torch_native": TorchNativeAttnBackend,
     "triton": _triton,
 }
-GPU_ONLY_BACKENDS = frozenset({"triton"})
-
-
-def resolve_attention_backend(name: str, device_type: str) -> str:
-    """`auto` -> `triton` on CUDA, `torch_native` elsewhere; a GPU-only backend asked for off
-    CUDA is a ValueError naming the flag."""
-    if name == "auto":
-        return "triton" if device_type == "cuda" else "torch_native"
-    if name in GPU_ONLY_BACKENDS and device_type != "cuda":
-        raise ValueError(
-            f"--attention-backend {name} needs a CUDA device; this server runs on {device_type} "
-            "(use torch_native or auto)"
-        )
-    return name
-
 
 def create_attention_backend(name: str) -> AttentionBackend:
     """Instantiate a backend by name; ValueError lists the known ones."""
