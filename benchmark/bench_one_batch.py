@@ -1,11 +1,12 @@
 """Latency of one batch per CUDA-graph mode: prefill and decode steps, eager vs graphs.
 
     python benchmark/bench_one_batch.py [--models qwen3-0.6b llama-3.1-8b] [--bs 1 8 64]
-                                        [--context 512] [--json out.json]
+                                        [--context 512] [--runs JSON ...] [--json out.json]
 
-Dummy weights with real architectures' configs (benchmark/configs/). Per model two ModelRunners
-are built: `{"decode": "full", "prefill": "breakable"}` and `{"decode": "breakable"}`; each
-reports its capture time and graph memory. Eager numbers run the same model and batch through the
+Dummy weights with real architectures' configs (benchmark/configs/). Per model one ModelRunner is
+built per run (default: `{"decode": "full", "prefill": "breakable"}`, `{"decode": "breakable"}`,
+`{"decode": "tc_piecewise", "prefill": "tc_piecewise"}`); each reports its capture time and graph
+memory (tc_piecewise: and its compile time). Eager numbers run the same model and batch through the
 eager path. Times are CUDA-event medians after warm-up. The decode floor is the bytes a step must
 read (weights + the batch's KV) over the device-to-device copy bandwidth measured in this run.
 """
@@ -13,6 +14,7 @@ read (weights + the batch's KV) over the device-to-device copy bandwidth measure
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 from pathlib import Path
@@ -28,8 +30,11 @@ from replaylm.server_args import ServerArgs
 CONFIGS = Path(__file__).resolve().parent / "configs"
 WARMUP, REPEAT = 10, 50
 PREFILL_CASES = [(1, 128), (1, 512), (8, 256)]  # (requests, tokens each)
-FULL_AND_BREAKABLE = '{"decode": "full", "prefill": "breakable"}'
-BREAKABLE_DECODE = '{"decode": "breakable", "prefill": "disabled"}'
+RUNS = [  # --cuda-graph-mode of each runner built per model
+    '{"decode": "full", "prefill": "breakable"}',
+    '{"decode": "breakable", "prefill": "disabled"}',
+    '{"decode": "tc_piecewise", "prefill": "tc_piecewise"}',
+]
 
 
 def cuda_time_ms(fn, warmup: int = WARMUP, repeat: int = REPEAT) -> float:
@@ -77,13 +82,14 @@ def _reqs(n: int, length: int) -> list[Req]:
             for i in range(n)]
 
 
-def time_prefill(runner: ModelRunner, n: int, length: int) -> dict[str, float]:
+def time_prefill(runner: ModelRunner, n: int, length: int, eager: bool) -> dict[str, float]:
     reqs = _reqs(n, length)
     batch = prepare_extend(reqs, runner)
     graphs = runner.graph_runners["prefill"]
     assert graphs.can_run(batch)
-    out = {"eager_ms": cuda_time_ms(lambda: eager_forward(runner, batch)),
-           "graph_ms": cuda_time_ms(lambda: graphs.replay(batch))}
+    out = {"graph_ms": cuda_time_ms(lambda: graphs.replay(batch))}
+    if eager:
+        out["eager_ms"] = cuda_time_ms(lambda: eager_forward(runner, batch))
     for r in reqs:
         release(r, runner)
     return out
@@ -117,34 +123,45 @@ def decode_bytes(runner: ModelRunner, bs: int, context: int) -> int:
 
 def capture_row(model: str, runner: ModelRunner, phase: str) -> dict:
     graphs = runner.graph_runners[phase]
+    compiled = getattr(graphs.backend, "compiled", None)  # tc_piecewise
     return {"model": model, "phase": phase, "mode": graphs.backend.mode,
             "shapes": len(graphs.shapes), "capture_s": round(graphs.capture_seconds, 2),
-            "graph_mib": round(graphs.capture_bytes / 2**20, 1)}
+            "graph_mib": round(graphs.capture_bytes / 2**20, 1),
+            "compile_s": round(compiled.compile_seconds, 2) if compiled else None}
 
 
-def bench_model(model: str, bs_list: list[int], context: int, bandwidth: float):
-    rows, captures = [], []
-    runner = build_runner(model, FULL_AND_BREAKABLE, max(bs_list), context)
-    captures += [capture_row(model, runner, "decode"), capture_row(model, runner, "prefill")]
-    for n, length in PREFILL_CASES:
-        t = time_prefill(runner, n, length)
-        rows.append({"model": model, "step": f"prefill {n}x{length}", "mode": "breakable",
-                     **t, "speedup": t["eager_ms"] / t["graph_ms"], "floor_ms": None})
-    decode_full = {bs: time_decode(runner, bs, context, eager=True) for bs in bs_list}
-    floors = {bs: decode_bytes(runner, bs, context) / (bandwidth * 1e9) * 1e3 for bs in bs_list}
-    del runner
-    torch.cuda.empty_cache()
-    runner = build_runner(model, BREAKABLE_DECODE, max(bs_list), context)
-    captures.append(capture_row(model, runner, "decode"))
-    for bs in bs_list:
-        eager_ms = decode_full[bs]["eager_ms"]
-        for mode, t in (("full", decode_full[bs]),
-                        ("breakable", time_decode(runner, bs, context, eager=False))):
-            rows.append({"model": model, "step": f"decode bs{bs}", "mode": mode,
-                         "eager_ms": eager_ms, "graph_ms": t["graph_ms"],
-                         "speedup": eager_ms / t["graph_ms"], "floor_ms": floors[bs]})
-    del runner
-    torch.cuda.empty_cache()
+def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,
+                bandwidth: float) -> tuple[list[dict], list[dict]]:
+    """Each run is a `--cuda-graph-mode` JSON; eager times come from the first runner."""
+    rows, captures, eager = [], [], {}
+    for modes in runs:
+        runner = build_runner(model, modes, max(bs_list), context)
+        config = json.loads(modes)
+        for phase in ("decode", "prefill"):
+            if config.get(phase, "disabled") != "disabled":
+                captures.append(capture_row(model, runner, phase))
+        if config.get("prefill", "disabled") != "disabled":
+            for n, length in PREFILL_CASES:
+                step = f"prefill {n}x{length}"
+                t = time_prefill(runner, n, length, eager=step not in eager)
+                eager.setdefault(step, t.get("eager_ms"))
+                rows.append({"model": model, "step": step, "mode": config["prefill"],
+                             "eager_ms": eager[step], "graph_ms": t["graph_ms"],
+                             "floor_ms": None})
+        if config.get("decode", "disabled") != "disabled":
+            for bs in bs_list:
+                step = f"decode bs{bs}"
+                t = time_decode(runner, bs, context, eager=step not in eager)
+                eager.setdefault(step, t.get("eager_ms"))
+                rows.append({"model": model, "step": step, "mode": config["decode"],
+                             "eager_ms": eager[step], "graph_ms": t["graph_ms"],
+                             "floor_ms": decode_bytes(runner, bs, context) / (bandwidth * 1e6)})
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    for r in rows:
+        r["speedup"] = r["eager_ms"] / r["graph_ms"]
+    rows.sort(key=lambda r: (not r["step"].startswith("prefill"), r["step"], r["mode"]))
     return rows, captures
 
 
@@ -154,13 +171,16 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     parser.add_argument("--bs", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=512, help="cached tokens per request")
+    parser.add_argument("--runs", nargs="+", default=RUNS,
+                        help="--cuda-graph-mode JSON of each runner (default: all three modes)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth_gbs()
     rows, captures = [], []
     for model in args.models:
-        model_rows, model_captures = bench_model(model, args.bs, args.context, bandwidth)
+        model_rows, model_captures = bench_model(model, args.runs, args.bs, args.context,
+                                                 bandwidth)
         rows += model_rows
         captures += model_captures
 
@@ -172,8 +192,9 @@ def main() -> None:
         print(f"{r['model']:14} {r['step']:18} {r['mode']:10} {r['eager_ms']:9.3f} "
               f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {floor}")
     for c in captures:
+        compile_s = f" after {c['compile_s']} s compiling" if c["compile_s"] is not None else ""
         print(f"{c['model']}: {c['phase']} {c['mode']}: {c['shapes']} shapes captured in "
-              f"{c['capture_s']} s, {c['graph_mib']} MiB")
+              f"{c['capture_s']} s{compile_s}, {c['graph_mib']} MiB")
     summary = [{"model": r["model"], "step": r["step"], "mode": r["mode"],
                 "graph_ms": round(r["graph_ms"], 3), "speedup": round(r["speedup"], 2),
                 **({"over_floor": round(r["graph_ms"] / r["floor_ms"], 2)}

@@ -94,6 +94,12 @@ class ServerArgs:
     debug_cuda_graph: bool = field(default=False, metadata=_opt(
         "breakable graphs capture nothing and run eagerly through the same path (to bisect "
         "wrong outputs)"))
+    tc_piecewise_compiler: str = field(default="inductor", metadata=_opt(
+        "how tc_piecewise compiles the pieces of the forward (eager: split only, no fusion)",
+        ("inductor", "eager")))
+    compile_cache_dir: str | None = field(default=None, metadata=_opt(
+        "directory where tc_piecewise keeps compiled pieces, so a later start reuses them "
+        "(default: Inductor's own cache directory)"))
     log_level: str = field(default="info", metadata=_opt(
         "logging level", ("debug", "info", "warning", "error")))
 

@@ -1,6 +1,6 @@
-"""Every cell of {decode: full, breakable, disabled} x {prefill: breakable, disabled} through the
-real server (SmolLM2, bf16): 32 chat prompts, greedy, each cell's outputs equal to the all-eager
-cell's for >= 98% of prompts."""
+"""Every cell of {decode: full, breakable, tc_piecewise, disabled} x {prefill: breakable,
+tc_piecewise, disabled} through the real server (SmolLM2, bf16): 32 chat prompts, greedy, each
+cell's outputs equal to the all-eager cell's for >= 98% of prompts."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from server_process import start_server
 
-DECODE = ("full", "breakable", "disabled")
-PREFILL = ("breakable", "disabled")
+DECODE = ("full", "breakable", "tc_piecewise", "disabled")
+PREFILL = ("breakable", "tc_piecewise", "disabled")
 QUESTIONS = [f"In one sentence, what is {t}?" for t in (
     "gravity", "a prime number", "Paris", "photosynthesis", "a neuron", "democracy", "jazz",
     "an atom", "the internet", "a volcano", "inflation", "a haiku", "DNA", "a galaxy", "tea",

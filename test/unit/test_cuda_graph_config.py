@@ -253,3 +253,10 @@ def test_launch_server_prints_the_config_for_another_device_without_loading():
     assert printed["decode"] == {"mode": "full", "source": "default", "shapes": [1, 2, 4, 8]}
     assert printed["prefill"]["mode"] == "breakable"
     assert "loaded" not in proc.stderr  # no model was loaded
+
+
+@pytest.mark.parametrize("decode", ["full", "breakable", "tc_piecewise", "disabled"])
+@pytest.mark.parametrize("prefill", ["breakable", "tc_piecewise", "disabled"])
+def test_every_mode_cell_resolves_on_cuda(decode, prefill):
+    cfg = resolve(cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}))
+    assert modes(cfg) == (decode, prefill) and not cfg.warnings

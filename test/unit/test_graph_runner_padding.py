@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGraphBackend
 from replaylm.model_executor.cuda_graph.backend.factory import create_graph_backend
 from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
@@ -25,6 +26,11 @@ def runner(tmp_path_factory) -> ModelRunner:
     write_tiny_checkpoint("qwen3", folder)
     return ModelRunner(ServerArgs(model_path=str(folder), device="cpu", max_total_tokens=512,
                                   max_running_requests=8))
+
+
+def _plain(runner: ModelRunner) -> BreakableCudaGraphBackend:
+    """A backend whose forward is the model's own (nothing is captured in these tests)."""
+    return BreakableCudaGraphBackend(runner.attn_backend)
 
 
 def _reqs(lens: list[int]) -> list[Req]:
@@ -48,7 +54,7 @@ def test_decode_padding_is_harmless(runner):
     live = prepare_decode(reqs, runner)
     expected = runner.forward(live)
     kv_before = _kv_snapshot(runner, live.out_cache_loc)  # live slots get rewritten
-    graph_runner = DecodeCudaGraphRunner(runner, None, shapes=[1, 4, 8])
+    graph_runner = DecodeCudaGraphRunner(runner, _plain(runner), shapes=[1, 4, 8])
     assert graph_runner.shape_for(3) == 4
     padded = graph_runner.fill(live, 8)
     assert padded.batch_size == 8 and padded.seq_lens_cpu[3:] == [1] * 5
@@ -66,7 +72,7 @@ def test_prefill_padding_is_harmless(runner):
     reqs = _reqs([6, 11])
     batch = prepare_extend(reqs, runner)
     expected = runner.forward(batch)
-    graph_runner = PrefillCudaGraphRunner(runner, None, shapes=[16, 32])
+    graph_runner = PrefillCudaGraphRunner(runner, _plain(runner), shapes=[16, 32])
     assert graph_runner.shape_for(batch.num_tokens) == 32
     padded = graph_runner.fill(batch, 32)
     assert padded.batch_size == 3 and padded.extend_seq_lens_cpu == [6, 11, 15]
@@ -83,7 +89,7 @@ def test_prefill_padding_is_harmless(runner):
 
 
 def test_shapes_and_fallback_decisions(runner):
-    graph_runner = DecodeCudaGraphRunner(runner, None, shapes=[4, 1, 2, 4])
+    graph_runner = DecodeCudaGraphRunner(runner, _plain(runner), shapes=[4, 1, 2, 4])
     assert graph_runner.shapes == (1, 2, 4)
     assert [graph_runner.shape_for(k) for k in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
     reqs = _reqs([3])
@@ -94,8 +100,9 @@ def test_shapes_and_fallback_decisions(runner):
 
 def test_factory_errors_are_clear(runner):
     assert create_graph_backend("prefill", "breakable", runner.attn_backend).mode == "breakable"
-    with pytest.raises(NotImplementedError, match="tc_piecewise"):
-        create_graph_backend("decode", "tc_piecewise", runner.attn_backend)
+    for phase in ("decode", "prefill"):
+        backend = create_graph_backend(phase, "tc_piecewise", runner.attn_backend, compiler="eager")
+        assert backend.mode == "tc_piecewise" and backend.compiler == "eager"
     with pytest.raises(ValueError, match="'torch_native' has none"):
         create_graph_backend("decode", "full", runner.attn_backend)
     with pytest.raises(ValueError, match="prefill: mode 'full' is not supported"):

@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from replaylm.compilation.compile_model import set_compile_cache_dir
 from replaylm.cuda_graph_config import PhaseConfig, resolve_cuda_graph_config
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
@@ -69,8 +70,11 @@ class ModelRunner:
         for phase, runner_cls in GRAPH_RUNNERS.items():
             phase_config = self.cuda_graphs.phase(phase)
             if phase_config.enabled:
+                if phase_config.mode == "tc_piecewise" and self.args.compile_cache_dir:
+                    set_compile_cache_dir(self.args.compile_cache_dir)
                 backend = create_graph_backend(
-                    phase, phase_config.mode, self.attn_backend, self.args.debug_cuda_graph
+                    phase, phase_config.mode, self.attn_backend, self.args.debug_cuda_graph,
+                    self.args.tc_piecewise_compiler,
                 )
                 runners[phase] = runner_cls(self, backend, self._fit_shapes(phase, phase_config))
                 runners[phase].capture()

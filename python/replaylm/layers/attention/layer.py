@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from replaylm.model_executor.cuda_graph.breakable_graph import break_point
+from replaylm.layers.attention.ops import attention_op
 
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
@@ -33,21 +33,15 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
+        """Under torch.compile the call is the opaque custom op (tc_piecewise splits the graph
+        there; `batch` is then unused: the op reads its batch from `attention_context`)."""
         t = q.shape[0]
-        out = attention_op(
-            q.view(t, self.num_heads, self.head_dim),
-            k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim),
-            self,
-            batch,
-        )
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if torch.compiler.is_compiling():
+            out = torch.ops.replaylm.attention(q, k, v, self.layer_id)
+        else:
+            out = attention_op(q, k, v, self, batch)
         return out.reshape(t, self.num_heads * self.head_dim)
 
-
-@break_point
-def attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
-) -> torch.Tensor:
-    """Store K/V and attend through the batch's backend. A break point: under a breakable CUDA
-    graph it runs eagerly between graph segments, with fresh attention metadata."""
-    return batch.attn_backend.forward(q, k, v, layer, batch)

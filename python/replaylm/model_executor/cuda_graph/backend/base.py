@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
@@ -55,6 +56,11 @@ class BaseCudaGraphBackend(ABC):
     def replay(self, shape: int, batch: ForwardBatch) -> torch.Tensor:
         """Run the graph of `shape` on `batch` (static buffers already filled, padding
         included); returns the output of the padded batch."""
+
+    def forward_hidden(self, model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states `[T, H]` of `batch`'s tokens, as this backend computes them
+        (the part of the forward a backend may transform: tc_piecewise compiles it)."""
+        return model.forward_hidden(batch.input_ids, batch.positions, batch)
 
     @contextlib.contextmanager
     def runtime_session(self) -> Iterator[None]:

@@ -31,8 +31,9 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def forward_fn(self, batch: ForwardBatch) -> torch.Tensor:
         """The whole forward, logits included (the batch size is fixed per shape), written into
         the logits buffer all shapes share."""
+        model = self.model_runner.model
         out = self._logits[: batch.batch_size]
-        out.copy_(self.model_runner.model(batch.input_ids, batch.positions, batch))
+        out.copy_(model.compute_logits(self.backend.forward_hidden(model, batch), batch))
         return out
 
     def finish(self, output: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -28,7 +28,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     def forward_fn(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of the bucket's tokens: the number of requests varies between replays
         of one bucket, so the per-request logits are computed after the replay."""
-        return self.model_runner.model.forward_hidden(batch.input_ids, batch.positions, batch)
+        return self.backend.forward_hidden(self.model_runner.model, batch)
 
     def finish(self, output: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model_runner.model.compute_logits(output[: batch.num_tokens], batch)

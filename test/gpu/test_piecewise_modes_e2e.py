@@ -1,5 +1,6 @@
-"""`breakable` CUDA graphs end to end on SmolLM2 (bfloat16, triton attention): prefill and decode
-against eager.
+"""The two modes that run attention between captured pieces, `breakable` and `tc_piecewise`
+(inductor), end to end on SmolLM2 (bfloat16, triton attention): prefill and decode against eager
+(every combination with the other modes: test_mode_cells_server.py).
 
 Logits of the graph path and of the eager path on the same batch must agree within bf16 noise and
 pick the same first token; greedy generations must agree for >= 98% of prompts, any divergence at
@@ -7,6 +8,8 @@ a near-tie (top-2 gap reported).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -30,10 +33,28 @@ def _args(**kw) -> ServerArgs:
     return ServerArgs(**{**base, **kw})
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    return ModelRunner(_args(cuda_graph_mode='{"decode": "breakable", "prefill": "breakable"}',
-                             decode_cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64]))
+MODES = ("breakable", "tc_piecewise")
+DECODE_BS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def _both(mode: str) -> str:
+    return json.dumps({"decode": mode, "prefill": mode})
+
+
+@pytest.fixture(scope="module", params=MODES)
+def runner(request) -> ModelRunner:
+    return ModelRunner(_args(cuda_graph_mode=_both(request.param), decode_cuda_graph_bs=DECODE_BS))
+
+
+def test_tc_piecewise_splits_once_per_attention_call(runner):
+    if runner.cuda_graphs.prefill.mode != "tc_piecewise":
+        pytest.skip("tc_piecewise only")
+    compiled = runner.graph_runners["prefill"].backend.compiled
+    assert runner.graph_runners["decode"].backend.compiled is compiled  # one compile, two phases
+    layers = runner.config.num_hidden_layers
+    assert len(compiled.backend.split.compute_pieces) == layers + 1
+    assert len(compiled.backend.split.pieces) == 2 * layers + 1
+    assert compiled.backend.num_compiles == 1
 
 
 def _eager(runner: ModelRunner, batch) -> torch.Tensor:
@@ -102,9 +123,9 @@ def test_decode_under_breakable(runner, bs):
             release(r, runner)
 
 
-def test_greedy_generations_match_eager():
-    graph = Engine(**vars(_args(cuda_graph_mode='{"decode": "breakable", "prefill": "breakable"}',
-                                decode_cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64])))
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_generations_match_eager(mode):
+    graph = Engine(**vars(_args(cuda_graph_mode=_both(mode), decode_cuda_graph_bs=DECODE_BS)))
     eager = Engine(**vars(_args(disable_cuda_graph=True)))
     prompts = [graph.encode_chat([{"role": "user", "content": f"Tell me fact number {i} about "
                                    f"{topic}."}])
@@ -112,7 +133,8 @@ def test_greedy_generations_match_eager():
     params = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
     got = [o["output_ids"] for o in graph.generate(input_ids=prompts, sampling_params=params)]
     want = [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=params)]
-    assert graph.runner.forward_stats.phases["prefill"].graph > 0
+    stats = graph.runner.forward_stats.phases
+    assert stats["prefill"].graph > 0 and stats["decode"].graph > 0
     divergent = [i for i in range(len(prompts)) if got[i] != want[i]]
-    print(f"{len(divergent)} of {len(prompts)} generations diverge")
+    print(f"{mode}: {len(divergent)} of {len(prompts)} generations diverge")
     assert len(divergent) <= len(prompts) // 50

@@ -1,0 +1,115 @@
+"""Server start to first token, per CUDA-graph mode, cold and with a warm compile cache.
+
+    python benchmark/bench_startup.py [--model-path benchmark/configs/qwen3-0.6b.json]
+        [--load-format dummy] [--modes JSON ...] [--device cuda] [--json out.json]
+
+For each `--cuda-graph-mode` JSON a `launch_server` process is started and POST /generate (one
+token for a fixed 16-token prompt) is retried until it answers: the time from spawning the
+process to that answer is the start time (loading, KV allocation, compiling, capturing, first
+forward). Every mode runs once with an empty `--compile-cache-dir` ("cold"); modes that compile
+(tc_piecewise) run a second time on the same directory ("warm"). The table also gives each start
+as a fraction of the cold tc_piecewise start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+MODES = [
+    '{"decode": "disabled", "prefill": "disabled"}',
+    '{"decode": "full", "prefill": "breakable"}',
+    '{"decode": "breakable", "prefill": "breakable"}',
+    '{"decode": "tc_piecewise", "prefill": "tc_piecewise"}',
+]
+PROMPT = list(range(100, 116))
+TIMEOUT_S = 600.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_to_first_token(server_args: list[str], log: Path) -> float:
+    """Seconds from spawning `launch_server server_args` to its first generated token; the
+    server is stopped afterwards. Raises RuntimeError (with the log's tail) if it dies."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "replaylm.launch_server", "--host", "127.0.0.1",
+           "--port", str(port), *server_args]
+    url = f"http://127.0.0.1:{port}/generate"
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    with log.open("w") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while time.perf_counter() - start < TIMEOUT_S:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}:\n"
+                                       f"{log.read_text()[-3000:]}")
+                try:
+                    if httpx.post(url, json=body, timeout=TIMEOUT_S).status_code == 200:
+                        return time.perf_counter() - start
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            raise RuntimeError(f"no first token after {TIMEOUT_S:.0f} s:\n"
+                               f"{log.read_text()[-3000:]}")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=str(CONFIGS / "qwen3-0.6b.json"))
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--modes", nargs="+", default=MODES)
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="keep each server's log here (default: a temporary directory)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench_startup_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, modes in enumerate(args.modes):
+        cache = Path(tempfile.mkdtemp(prefix="compile_cache_"))
+        starts = ["cold", "warm"] if "tc_piecewise" in modes else ["cold"]
+        for start in starts:
+            server_args = ["--model-path", args.model_path, "--load-format", args.load_format,
+                           "--device", args.device, "--cuda-graph-mode", modes,
+                           "--compile-cache-dir", str(cache)]
+            seconds = time_to_first_token(server_args, log_dir / f"server_{i}_{start}.log")
+            rows.append({"modes": json.loads(modes), "start": start, "seconds": seconds})
+            print(f"{modes} {start}: {seconds:.1f} s", flush=True)
+
+    tc_cold = next((r["seconds"] for r in rows if r["start"] == "cold"
+                    and "tc_piecewise" in r["modes"].values()), None)
+    print(f"\n{'decode':14} {'prefill':14} {'start':6} {'seconds':>8} {'of tc cold':>11}")
+    for r in rows:
+        share = f"{r['seconds'] / tc_cold:10.0%}" if tc_cold else f"{'':>10}"
+        r["of_tc_piecewise_cold"] = r["seconds"] / tc_cold if tc_cold else None
+        print(f"{r['modes']['decode']:14} {r['modes']['prefill']:14} {r['start']:6} "
+              f"{r['seconds']:8.1f} {share}")
+    if args.json:
+        summary = [{"decode": r["modes"]["decode"], "prefill": r["modes"]["prefill"],
+                    "start": r["start"], "seconds": round(r["seconds"], 1)} for r in rows]
+        args.json.write_text(json.dumps({"model_path": args.model_path, "rows": rows,
+                                         "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

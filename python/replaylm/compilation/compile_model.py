@@ -1,0 +1,115 @@
+"""Compile a model's forward for tc_piecewise: `compiled_forward(model, compiler)`.
+
+The compiled callable is `(input_ids [T], positions [T]) -> final hidden states [T, H]`, traced
+once by torch.compile(fullgraph=True) with the token dimension unbacked-dynamic (one compile
+serves every token count, 1 included: no 0/1 specialisation, no shape guards) and the attention
+custom op left opaque. The caller must hold `attention_context` open while calling it. Failures to
+compile are raised as TcPiecewiseCompileError, never hidden by a fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+
+import torch
+from torch import nn
+
+from replaylm.compilation.piecewise_backend import PiecewiseBackend
+from replaylm.layers.attention.layer import Attention
+
+logger = logging.getLogger(__name__)
+
+RECOMPILE_LIMIT = 64  # one Dynamo cache entry per compiled model; tests build many models
+
+_compiled: weakref.WeakKeyDictionary[nn.Module, dict[str, CompiledForward]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class TcPiecewiseCompileError(RuntimeError):
+    """torch.compile could not compile the model for tc_piecewise."""
+
+
+def split_ops() -> tuple[object, ...]:
+    """The ops tc_piecewise splits at (they run eagerly between the captured pieces)."""
+    return (torch.ops.replaylm.attention.default, torch.ops.replaylm.attention)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's attention layers indexed by layer id (what `attention_context` needs)."""
+    layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
+                    key=lambda layer: layer.layer_id)
+    if [layer.layer_id for layer in layers] != list(range(len(layers))):
+        raise ValueError("attention layer ids must be 0..n-1")
+    return layers
+
+
+class CompiledForward:
+    """`model.forward_hidden` compiled with the piecewise backend; compiles on the first call
+    (`compile_seconds` is the whole first call: tracing and compiling)."""
+
+    def __init__(self, model: nn.Module, compiler: str) -> None:
+        self.model = model
+        self.backend = PiecewiseBackend(compiler, split_ops())
+        self.compile_seconds: float | None = None
+        self._fn = torch.compile(self._hidden, backend=self.backend, fullgraph=True)
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_hidden(input_ids, positions, None)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.compile_seconds is not None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.is_compiled:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._fn(input_ids, positions)
+        return self._compile(input_ids, positions)
+
+    def _compile(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        for t in (input_ids, positions):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        start = time.perf_counter()
+        try:
+            with torch._dynamo.config.patch(recompile_limit=limit,
+                                             fail_on_recompile_limit_hit=True):
+                out = self._fn(input_ids, positions)
+        except Exception as e:  # any failure: reported with what to do instead
+            raise TcPiecewiseCompileError(_explain(e)) from e
+        self.compile_seconds = time.perf_counter() - start
+        split = self.backend.split
+        logger.info(
+            "tc_piecewise: compiled the forward in %.1f s (%s): %d attention calls, %d compute "
+            "pieces%s", self.compile_seconds, self.backend.compiler,
+            len(split.pieces) - len(split.compute_pieces), len(split.compute_pieces),
+            f", {self.backend.cache_hits} from Inductor's cache"
+            if self.backend.compiler == "inductor" else "",
+        )
+        return out
+
+
+def _explain(error: Exception) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    detail = "; ".join(lines[:3]) if lines else type(error).__name__
+    return (f"tc_piecewise: torch.compile could not compile the model ({type(error).__name__}: "
+            f"{detail}). Use the 'breakable' mode for this phase, which needs no compiler.")
+
+
+def set_compile_cache_dir(path: str) -> None:
+    """Make Inductor (and the Triton kernels it builds) cache compiled pieces under `path`, so
+    that the next start with the same directory skips most compiling."""
+    os.makedirs(path, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(path)
+
+
+def compiled_forward(model: nn.Module, compiler: str) -> CompiledForward:
+    """The model's one CompiledForward for `compiler` (both phases share it)."""
+    per_model = _compiled.setdefault(model, {})
+    if compiler not in per_model:
+        per_model[compiler] = CompiledForward(model, compiler)
+    return per_model[compiler]

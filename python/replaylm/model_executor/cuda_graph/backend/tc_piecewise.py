@@ -1,0 +1,61 @@
+"""`tc_piecewise`: the forward compiled by torch.compile, split at attention, each piece graphed.
+
+At `prepare` the model's forward is compiled once (`compilation/`: traced whole, split at the
+attention custom op, each compute piece compiled for every token count). Each shape is then
+captured as a breakable graph of the compiled forward: every compute piece becomes one CUDA-graph
+segment, every attention call runs eagerly between them with the live batch's metadata. So, as
+with `breakable`, one prefill bucket serves any mix of requests and the attention backend needs no
+graph hooks; the pieces are Inductor-fused instead of the eager model's kernels.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from replaylm.compilation.compile_model import attention_layers, compiled_forward
+from replaylm.layers.attention.base import AttentionBackend
+from replaylm.layers.attention.ops import attention_context
+from replaylm.model_executor.cuda_graph.backend.base import ForwardFn
+from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGraphBackend
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+    from replaylm.model_executor.forward_batch import ForwardBatch
+
+
+class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
+    mode = "tc_piecewise"
+
+    def __init__(self, attn_backend: AttentionBackend, compiler: str, debug: bool = False) -> None:
+        super().__init__(attn_backend, debug)
+        self.compiler = compiler
+        self._layers: list = []
+
+    def prepare(self, runner: BaseCudaGraphRunner) -> None:
+        """Compile the forward (once per model: the other phase reuses it) on the largest
+        shape's all-padding batch."""
+        super().prepare(runner)
+        model = runner.model_runner.model
+        self._layers = attention_layers(model)
+        self.compiled = compiled_forward(model, self.compiler)
+        if not self.compiled.is_compiled:
+            batch = runner.fill(None, runner.shapes[-1])
+            self.attn.init_forward_metadata(batch)
+            with attention_context(batch, self._layers):
+                self.compiled(batch.input_ids, batch.positions)
+
+    def forward_hidden(self, model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
+        return self.compiled(batch.input_ids, batch.positions)
+
+    def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
+        with attention_context(batch, self._layers):
+            super().capture_one(shape, batch, forward_fn)
+
+    def replay(self, shape: int, batch: ForwardBatch) -> torch.Tensor:
+        """Replayed segments call attention directly; the context serves the debug switch,
+        which runs the compiled forward itself."""
+        with attention_context(batch, self._layers):
+            return super().replay(shape, batch)

@@ -1,0 +1,151 @@
+"""tc_piecewise's compile path on the CPU: the attention custom op, the graph-splitting pass on a
+toy FX graph, the compiled forward of a real tiny model through the graph runners (equal to the
+eager model, one compile for every token count), and the compile-failure error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from replaylm.compilation.compile_model import (
+    CompiledForward,
+    TcPiecewiseCompileError,
+    attention_layers,
+)
+from replaylm.compilation.split import split_at_ops
+from replaylm.layers.attention.ops import attention_context
+from replaylm.model_executor.cuda_graph.backend.tc_piecewise import TcPiecewiseCudaGraphBackend
+from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
+from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
+from replaylm.runtime.request import Req
+from replaylm.sampling_params import SamplingParams
+from replaylm.server_args import ServerArgs
+
+from tiny_checkpoints import write_tiny_checkpoint
+
+
+@torch.library.custom_op("replaylm_test::mix", mutates_args=())
+def mix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * 2 - b
+
+
+@mix.register_fake
+def _mix_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(a)
+
+
+class ToyLayers(nn.Module):
+    """`n` opaque `mix` calls with compute before, between and after them."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(8, 8) for _ in range(n + 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linears[0](x).relu()
+        for linear in self.linears[1:]:
+            x = linear(torch.ops.replaylm_test.mix(x, x.sin()))
+        return x
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_split_gives_one_compute_piece_more_than_opaque_calls(n):
+    toy = ToyLayers(n)
+    gm = fx.symbolic_trace(toy)
+    split_ops = {torch.ops.replaylm_test.mix.default, torch.ops.replaylm_test.mix}
+    split = split_at_ops(gm, split_ops)
+    assert len(split.compute_pieces) == n + 1
+    assert [p.opaque for p in split.pieces] == [False] + [True, False] * n  # in call order
+    for piece in split.pieces:  # an opaque piece holds exactly its one call
+        calls = [node.target for node in getattr(split.module, piece.name).graph.nodes
+                 if node.op == "call_function"]
+        assert (len(calls) == 1 and calls[0] in split_ops) == piece.opaque
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(split.module(x), toy(x), rtol=0, atol=0)
+
+
+def test_attention_custom_op_needs_its_context_and_has_a_fake():
+    q = torch.randn(4, 2, 8)
+    with pytest.raises(RuntimeError, match="outside attention_context"):
+        torch.ops.replaylm.attention(q, q, q, 0)
+    with FakeTensorMode() as mode:
+        out = torch.ops.replaylm.attention(mode.from_tensor(q), mode.from_tensor(q),
+                                           mode.from_tensor(q), 0)
+    assert out.shape == q.shape and out.dtype == q.dtype
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ModelRunner:
+    folder = tmp_path_factory.mktemp("tiny_qwen3")
+    write_tiny_checkpoint("qwen3", folder)
+    return ModelRunner(ServerArgs(model_path=str(folder), device="cpu", max_total_tokens=512,
+                                  max_running_requests=8))
+
+
+def _reqs(lens: list[int]) -> list[Req]:
+    return [Req(i, [(7 * i + j) % 300 + 3 for j in range(n)], SamplingParams(), 0, 16)
+            for i, n in enumerate(lens)]
+
+
+def _run(graph_runner, live, shape: int) -> torch.Tensor:
+    """The graph runner's captured function, run eagerly on `live` padded to `shape`."""
+    padded = graph_runner.fill(live, shape)
+    graph_runner.model_runner.attn_backend.init_forward_metadata(padded)
+    with attention_context(padded, attention_layers(graph_runner.model_runner.model)):
+        return graph_runner.finish(graph_runner.forward_fn(padded), live)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@torch.inference_mode()
+def test_compiled_forward_equals_eager_for_prefill_and_decode(runner, compiler):
+    prefill = PrefillCudaGraphRunner(
+        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, compiler), shapes=[16, 32])
+    decode = DecodeCudaGraphRunner(
+        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, compiler), shapes=[1, 4])
+    prefill.backend.prepare(prefill)  # compiles
+    decode.backend.prepare(decode)  # reuses the model's compiled forward
+    compiled = prefill.backend.compiled
+    assert decode.backend.compiled is compiled and compiled.compile_seconds > 0
+    layers = runner.config.num_hidden_layers
+    assert len(compiled.backend.split.compute_pieces) == layers + 1
+    assert len(compiled.backend.split.pieces) == 2 * layers + 1
+
+    reqs = _reqs([5, 9, 3])
+    live = prepare_extend(reqs, runner)
+    expected = runner.forward(live)
+    torch.testing.assert_close(_run(prefill, live, 32), expected, atol=1e-5, rtol=1e-5)
+    for r in reqs:
+        r.output_ids.append(11)
+    for n, shape in ((1, 1), (3, 4)):  # one token (no 0/1 specialisation) and padding
+        live = prepare_decode(reqs[:n], runner)
+        expected = runner.forward(live)
+        torch.testing.assert_close(_run(decode, live, shape), expected, atol=1e-5, rtol=1e-5)
+    assert compiled.backend.num_compiles == 1  # every token count ran the one compiled graph
+    for r in reqs:
+        release(r, runner)
+
+
+@torch.library.custom_op("replaylm_test::no_fake", mutates_args=())
+def no_fake(a: torch.Tensor) -> torch.Tensor:
+    return a.clone()
+
+
+class UnsupportedOpModel(nn.Module):
+    """A forward with an op torch.compile cannot trace (a custom op without a fake kernel)."""
+
+    def forward_hidden(self, input_ids, positions, batch):
+        return torch.ops.replaylm_test.no_fake(input_ids.float())
+
+
+def test_compile_failure_is_a_clear_error_naming_the_op_and_suggesting_breakable():
+    compiled = CompiledForward(UnsupportedOpModel(), "eager")
+    with pytest.raises(TcPiecewiseCompileError) as info:
+        compiled(torch.arange(8), torch.arange(8))
+    message = str(info.value)
+    assert "replaylm_test.no_fake" in message and "'breakable'" in message
+    assert "\n" not in message
