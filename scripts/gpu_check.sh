@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu_check.sh [pytest args...]
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
+#   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention
+#   one_batch startup offline serving)
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
 #   (pytest args are added to the targets, not instead of them)
 #
@@ -47,11 +49,8 @@ run_bench() {  # name, script, args...: JSON to $OUT/name.json, output appended 
     python3 "$script" --json "$OUT/$name.json" "$@" 2>&1 | tee -a "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || bench_rc=1
 }
-if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-    run_bench bench_attention benchmark/bench_attention.py
-    run_bench bench_one_batch benchmark/bench_one_batch.py
-    # serving: the built-in model with the default CUDA-graph modes, on a local port
-    port=30123
+bench_serving_local() {  # the built-in model with the default CUDA-graph modes, on a local port
+    local port=30123 server
     python3 -m replaylm.launch_server --port $port >"$OUT/server.log" 2>&1 &
     server=$!
     for _ in $(seq 300); do
@@ -64,6 +63,15 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
         --random-output-len 128 --random-token-range 100 40000 --disable-tqdm
     kill -INT $server 2>/dev/null
     wait $server
+}
+if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
+    for bench in ${GPU_CHECK_BENCHES:-attention one_batch startup offline serving}; do
+        case $bench in
+            serving) bench_serving_local ;;
+            startup) run_bench bench_startup benchmark/bench_startup.py --log-dir "$OUT/startup" ;;
+            *) run_bench "bench_$bench" "benchmark/bench_$bench.py" ;;
+        esac
+    done
 fi
 
 python3 scripts/summarize_gpu_check.py "$OUT"
