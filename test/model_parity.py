@@ -6,7 +6,9 @@ error by norm). Each scenario takes `close(ours, ref)`, which asserts one logits
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +27,32 @@ def make_runner(folder: str, device: str, dtype: str) -> ModelRunner:
         model_path=folder, device=device, dtype=dtype, max_total_tokens=1024,
         max_running_requests=8,
     ))
+
+
+def dummy_runner(config: str | Path, device: str, dtype: str, **args: Any) -> ModelRunner:
+    """A ModelRunner on random weights (`--load-format dummy`) for the HF config file `config`;
+    `args` are further ServerArgs fields."""
+    return ModelRunner(ServerArgs(**{
+        "model_path": str(config), "load_format": "dummy", "device": device, "dtype": dtype,
+        "max_total_tokens": 2048, "max_running_requests": 8, "context_length": 1024, **args,
+    }))
+
+
+def scripted_logits(
+    runner: ModelRunner, prompt_lens: Sequence[int] = (5, 300, 33), decode_steps: int = 4
+) -> list[torch.Tensor]:
+    """Logits (float32 copies) of a ragged prefill of fixed prompts, then `decode_steps` decode
+    steps of fixed tokens; the KV is freed after."""
+    reqs = [Req(i, list(range(100 + i, 100 + i + n)), SamplingParams(), 0, decode_steps + 1)
+            for i, n in enumerate(prompt_lens)]
+    out = [runner.forward(prepare_extend(reqs, runner)).float().clone()]
+    for step in range(decode_steps):
+        for req in reqs:
+            req.output_ids.append(1000 + step)
+        out.append(runner.forward(prepare_decode(reqs, runner)).float().clone())
+    for req in reqs:
+        release(req, runner)
+    return out
 
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -89,3 +117,16 @@ def top2_gap(runner: ModelRunner, ids: list[int]) -> float:
     release(req, runner)
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
+
+
+def native_norm_rope(rotary, positions, q, k, norms):
+    """LlamaAttention's native sequence (the fused kernel's reference): per-head norms `norms`
+    (q norm, k norm) when given, then rope."""
+    from replaylm.layers.kernels import native_only
+
+    with native_only():
+        if norms is not None:
+            t, d = q.shape[0], rotary.head_dim
+            q = norms[0](q.view(t, -1, d)).view(t, -1)
+            k = norms[1](k.view(t, -1, d)).view(t, -1)
+        return rotary(positions, q, k)

@@ -13,6 +13,7 @@ from torch import nn
 
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.attention.layer import Attention
+from replaylm.layers.kernels import use_triton_kernels
 from replaylm.layers.layernorm import RMSNorm
 from replaylm.layers.linear import Linear, MergedLinear
 from replaylm.layers.logits_processor import LogitsProcessor
@@ -52,14 +53,29 @@ class LlamaAttention(nn.Module):
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape[0], -1)
 
+    def _fused_qk_norm_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k norm and rope in one kernel, reading q and k in place from the QKV
+        output (the Triton route of the qk-norm models)."""
+        from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope
+
+        return qk_norm_rope(
+            q, k, positions, self.rotary.cos_cache, self.rotary.sin_cache, self.head_dim,
+            norm=(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps),
+        )
+
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if self.q_norm is not None:
-            q = self._per_head_norm(q, self.q_norm)
-            k = self._per_head_norm(k, self.k_norm)
-        q, k = self.rotary(positions, q, k)
+        if self.q_norm is not None and use_triton_kernels(q):
+            q, k = self._fused_qk_norm_rope(positions, q, k)
+        else:
+            if self.q_norm is not None:
+                q = self._per_head_norm(q, self.q_norm)
+                k = self._per_head_norm(k, self.k_norm)
+            q, k = self.rotary(positions, q, k)  # one fused kernel itself on the Triton route
         return self.o_proj(self.attn(q, k, v, batch))
 
 

@@ -1,0 +1,61 @@
+"""RMSNorm with an optional fused residual add, in one launch.
+
+Same numbers as the torch code of `RMSNorm` (HF semantics): with a residual, the sum `s = x + r`
+is rounded to its dtype (stored as the new residual); then `weight * (s_f32 * rsqrt(mean(s_f32^2)
++ eps)).to(s.dtype)`. Only the reduction order and rsqrt differ (ulp-level). The input is read
+as rows of its last dim (any row stride); outputs are fresh tensors shaped like `x`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replaylm.layers.kernels import as_rows
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, R, W, Out, ResOut, n_rows, n_cols, stride_x, stride_r, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < n_rows) & (cols < n_cols)
+    rows = rows.to(tl.int64)
+    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(ResOut.dtype.element_ty)
+        tl.store(ResOut + rows * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    tl.store(Out + rows * n_cols + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`rmsnorm(x) * weight` over the last dim; with `residual`, `(rmsnorm(x + residual) * weight,
+    x + residual)`. Dtypes promote as in torch (bf16, fp16, fp32)."""
+    width = x.shape[-1]
+    x2 = as_rows(x, width)
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype),
+                      device=x.device)
+    res_out = None if residual is None else torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+    r2 = x2 if residual is None else as_rows(residual, width)
+    n_rows = x2.shape[0]
+    block_d = triton.next_power_of_2(width)
+    block_rows = max(1, 1024 // block_d)  # several short rows (per-head norms) per program
+    if n_rows:
+        _rms_norm_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x2, r2, weight, out, out if res_out is None else res_out, n_rows, width,
+            x2.stride(0), r2.stride(0), eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+            num_warps=min(max(block_d * block_rows // 256, 1), 8),
+        )
+    return out if res_out is None else (out, res_out)

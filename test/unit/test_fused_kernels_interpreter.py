@@ -1,0 +1,198 @@
+"""The fused layer kernels (RMSNorm, q/k norm + rope, SiluAndMul) on the CPU, through Triton's
+interpreter, against the layers' native torch code at small, odd sizes.
+
+float32 and float16 only: the 3.6 interpreter truncates float32 -> bfloat16 casts (the GPU rounds
+to nearest), so bf16 is covered on the GPU (test/gpu/test_fused_kernels.py). Then the dispatch:
+`use_triton_kernels` is False on the CPU, inside `native_only()` and under torch.compile tracing;
+with the kernel device pointed at the CPU, the layers and whole tiny models take the Triton route
+(seen by spies) and match the native route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("a CUDA GPU is present: the kernels run compiled (test/gpu)",
+                allow_module_level=True)
+
+from replaylm.layers import kernels  # noqa: E402
+from replaylm.layers.activation import SiluAndMul  # noqa: E402
+from replaylm.layers.kernels import native_only, use_triton_kernels  # noqa: E402
+from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
+from replaylm.layers.kernels.rmsnorm import rms_norm  # noqa: E402
+from replaylm.layers.kernels.silu_mul import silu_and_mul  # noqa: E402
+from replaylm.layers.layernorm import RMSNorm  # noqa: E402
+from replaylm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+
+from model_parity import (  # noqa: E402
+    dummy_runner,
+    native_norm_rope,
+    scripted_logits,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmark" / "configs"
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
+DTYPES = [torch.float32, torch.float16]
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _norm(width: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(width, eps=1e-5).to(dtype)
+    norm.weight.data = _randn(width, dtype=dtype, seed=seed)
+    return norm.requires_grad_(False)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as a column slice of a wider tensor (a row stride above the width)."""
+    wide = torch.full((t.shape[0], t.shape[1] + 24), float("nan"), dtype=t.dtype)
+    wide[:, 8 : 8 + t.shape[1]] = t
+    return wide[:, 8 : 8 + t.shape[1]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "width"), [(5, 1000), (3, 96), (37, 128), (9, 24), (1, 2048)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_native(dtype, rows, width, with_residual):
+    norm = _norm(width, dtype, seed=width)
+    x = _strided(_randn(rows, width, dtype=dtype, seed=1) * 3)
+    residual = _randn(rows, width, dtype=dtype, seed=2) if with_residual else None
+    got = rms_norm(x, norm.weight, norm.eps, residual)
+    want = norm(x, residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # the sum is rounded to the dtype, as torch's add
+        got, want = got[0], want[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_rms_norm_keeps_leading_dims():
+    norm = _norm(16, torch.float32, seed=0)
+    x = _randn(3, 5, 16, dtype=torch.float32, seed=3)
+    torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps), norm(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "width", "block"), [(4, 96, 1024), (3, 1000, 256), (2, 72, 32)])
+def test_silu_and_mul_matches_native(dtype, rows, width, block):
+    x = _strided(_randn(rows, 2 * width, dtype=dtype, seed=width) * 4)
+    got = silu_and_mul(x, block=block)
+    assert got.shape == (rows, width)
+    torch.testing.assert_close(got, SiluAndMul()(x), **TOL[dtype])
+
+
+def _qkv(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype):
+    """q, k, v as the column slices of one fused QKV output, as the models have them."""
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=heads * dim) * 2
+    return qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 32), (6, 1, 48), (3, 3, 16)])
+def test_qk_norm_rope_matches_native(dtype, qk_norm, heads, kv_heads, dim):
+    rotary = RotaryEmbedding(dim, 200, 10000.0, {"rope_type": "linear", "factor": 2.0})
+    norms = (_norm(dim, dtype, seed=1), _norm(dim, dtype, seed=2)) if qk_norm else None
+    positions = torch.tensor([7, 3, 199, 0, 3, 64])  # out of order, repeated
+    q, k, _ = _qkv(len(positions), heads, kv_heads, dim, dtype)
+    got = qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache, dim,
+                       norm=(norms[0].weight, norms[1].weight, norms[0].eps) if qk_norm else None,
+                       heads_per_program=2)
+    for ours, ref in zip(got, native_norm_rope(rotary, positions, q, k, norms), strict=True):
+        assert ours.is_contiguous() and ours.shape == ref.shape
+        torch.testing.assert_close(ours, ref, **TOL[dtype])
+
+
+def test_qk_norm_rope_rejects_an_odd_head_dim():
+    q, k, _ = _qkv(2, 2, 1, 15, torch.float32)
+    cache = torch.zeros(8, 15)
+    with pytest.raises(ValueError, match="head dim 15"):
+        qk_norm_rope(q, k, torch.zeros(2, dtype=torch.long), cache, cache, 15)
+
+
+def test_use_triton_kernels_is_false_on_cpu_in_native_only_and_under_compile(monkeypatch):
+    x = torch.ones(2, 4)
+    assert not use_triton_kernels(x)
+    monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
+    assert use_triton_kernels(x)
+    with native_only():
+        assert not use_triton_kernels(x)
+    assert use_triton_kernels(x)
+
+    seen: list[bool] = []
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        seen.append(use_triton_kernels(t))
+        return t * 2
+
+    torch._dynamo.reset()
+    torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert seen == [False]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> dict[str, int]:
+    """Point the kernel device at the CPU and count each kernel wrapper's calls."""
+    from replaylm.layers.kernels import qk_norm_rope as rope_mod
+    from replaylm.layers.kernels import rmsnorm as norm_mod
+    from replaylm.layers.kernels import silu_mul as silu_mod
+
+    monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
+    calls: dict[str, int] = {}
+
+    def counted(name: str, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for module, name in [(norm_mod, "rms_norm"), (rope_mod, "qk_norm_rope"),
+                         (silu_mod, "silu_and_mul")]:
+        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    return calls
+
+
+def test_layers_take_the_triton_route_and_match_native(kernel_calls):
+    norm = _norm(40, torch.float32, seed=5)
+    x, r = _randn(3, 40, dtype=torch.float32, seed=6), _randn(3, 40, dtype=torch.float32, seed=7)
+    rotary, positions = RotaryEmbedding(16, 32, 10000.0), torch.tensor([5, 1, 30])
+    q, k, _ = _qkv(3, 2, 1, 16, torch.float32)
+    runs = {}
+    for route in ("triton", "native"):
+        with native_only() if route == "native" else contextlib.nullcontext():
+            runs[route] = [norm(x), *norm(x, r), SiluAndMul()(x), *rotary(positions, q, k)]
+    assert kernel_calls == {"rms_norm": 2, "silu_and_mul": 1, "qk_norm_rope": 1}
+    for ours, ref in zip(runs["triton"], runs["native"], strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", ["qwen3-0.6b.json", "llama-3.1-8b.json"])
+def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
+    """A 2-layer model of the config's architecture, shrunk, on dummy weights, in float32:
+    logits of a prefill and a decode step through the kernels equal the native route's. Qwen3
+    takes LlamaAttention's fused q/k norm + rope (its per-head norms are no RMSNorm calls),
+    Llama the rope alone through RotaryEmbedding (llama3 scaling)."""
+    cfg = json.loads((CONFIGS / config).read_text())
+    cfg.update(hidden_size=96, intermediate_size=160, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, num_hidden_layers=2, vocab_size=1024)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    runner = dummy_runner(tmp_path / "config.json", "cpu", "float32", max_total_tokens=256,
+                          context_length=64)
+    with native_only():
+        want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
+    assert kernel_calls == {}
+    got = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
+    # 2 forwards x 2 layers; RMSNorm: 2 forwards x (2 per layer + the final norm)
+    assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 10, "silu_and_mul": 4}
+    for ours, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
