@@ -1,12 +1,44 @@
-"""Without a CUDA GPU, Triton kernels can only run in Triton's interpreter (on CPU tensors).
-The switch is read when a kernel is defined, so it is set here, before any test module imports
-one."""
+"""Shared by every test directory.
+
+Without a CUDA GPU, Triton kernels can only run in Triton's interpreter (on CPU tensors); the
+switch is read when a kernel is defined, so it is set here, before any test module imports one.
+
+HTTP servers for the CPU tests: `http_server` is the built-in SmolLM2 on CPU, started once per
+session (~20-30 s) and shared by the HTTP test modules (test/unit) and the accuracy harness test
+(test/accuracy); `server_factory` starts further ones (tiny checkpoints: seconds).
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 
+import pytest
 import torch
+
+from server_process import ServerProcess, start_server
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def http_server() -> Iterator[ServerProcess]:
+    # a context below the KV size, so that too-long prompts are measured against the context
+    server = start_server("--max-total-tokens", "4096", "--context-length", "2048")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server_factory() -> Iterator[Callable[..., ServerProcess]]:
+    """`server_factory(*flags)` starts a server; all are stopped after the module."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str) -> ServerProcess:
+        started.append(start_server(*args))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,195 @@
+"""Offline throughput through the in-process Engine, one row per CUDA-graph mode.
+
+    python benchmark/bench_offline.py [--model-path benchmark/configs/qwen3-0.6b.json]
+        [--num-seqs 256] [--min-len 100] [--max-len 1024] [--seed 0] [--device auto]
+        [--modes full breakable tc_piecewise disabled '{"decode": "full", "prefill": "disabled"}']
+        [--json out.json]
+
+The workload of nano-vllm's bench.py, so the numbers sit beside theirs (Qwen3-0.6B on an RTX 4070
+Laptop: nano-vllm 1,434 tok/s, vLLM 1,362 tok/s): `--num-seqs` prompts of random token ids
+(uniform in [0, 10000]), each prompt's length and its output length uniform in
+[--min-len, --max-len], sampled at temperature 0.6 with `ignore_eos`, so every request generates
+exactly its output length. A mode is a `--cuda-graph-mode` JSON object or a decode-mode name (the
+prefill phase then keeps its default). Per mode: a fresh Engine (random weights of the config's
+shapes with `--load-format dummy`), one untimed warm-up generation, then the whole batch in one
+`generate` call, timed by the wall clock (CUDA synchronised). Throughput is generated tokens per
+second. Prints a markdown table; `--json` writes `{"config", "summary": [one row per mode]}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replaylm.cuda_graph_config import MODES
+from replaylm.entrypoints.engine import Engine
+from replaylm.model_executor.forward_stats import ForwardStats
+
+QWEN3_CONFIG = Path(__file__).resolve().parent / "configs" / "qwen3-0.6b.json"
+DEFAULT_MODES = ("full", "breakable", "tc_piecewise", "disabled")  # every decode mode on CUDA
+TEMPERATURE = 0.6  # nano-vllm's
+MAX_TOKEN_ID = 10000  # prompts draw ids from [0, min(this, vocab - 1)]
+WARMUP_SEQS, WARMUP_TOKENS = 4, 16
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts (token ids) and each one's output length."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(num_seqs: int, min_len: int, max_len: int, seed: int,
+                  vocab_size: int) -> Workload:
+    """nano-vllm's random workload; the same for every mode (it depends only on the arguments)."""
+    rng = random.Random(seed)
+    high = min(MAX_TOKEN_ID, vocab_size - 1)
+    prompts = [[rng.randint(0, high) for _ in range(rng.randint(min_len, max_len))]
+               for _ in range(num_seqs)]
+    return Workload(prompts, [rng.randint(min_len, max_len) for _ in range(num_seqs)])
+
+
+def cuda_graph_mode(mode: str) -> str:
+    """The `--cuda-graph-mode` JSON of a mode argument: a decode-mode name, or JSON as given."""
+    return json.dumps({"decode": mode}) if mode in MODES else mode
+
+
+def build_engine(args: argparse.Namespace, mode: str) -> Engine:
+    """An Engine whose context holds the longest prompt plus the longest output."""
+    return Engine(model_path=str(args.model_path), load_format=args.load_format,
+                  device=args.device, seed=args.seed, context_length=2 * args.max_len,
+                  cuda_graph_mode=cuda_graph_mode(mode))
+
+
+def _sync(engine: Engine) -> None:
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)
+
+
+def _params(output_len: int) -> dict[str, Any]:
+    return {"max_new_tokens": output_len, "temperature": TEMPERATURE, "ignore_eos": True}
+
+
+def run_mode(engine: Engine, mode: str, workload: Workload) -> dict[str, Any]:
+    """Warm up, then time the whole workload in one generate call; one summary row."""
+    engine.generate(input_ids=[p[:WARMUP_TOKENS] for p in workload.prompts[:WARMUP_SEQS]],
+                    sampling_params=_params(WARMUP_TOKENS))
+    engine.runner.forward_stats = ForwardStats()  # count the timed run's forwards only
+    _sync(engine)
+    start = time.perf_counter()
+    outputs = engine.generate(input_ids=workload.prompts,
+                              sampling_params=[_params(n) for n in workload.output_lens])
+    _sync(engine)
+    seconds = time.perf_counter() - start
+    return result_row(
+        mode, engine.runner.cuda_graphs.summary(), len(workload.prompts),
+        input_tokens=sum(len(p) for p in workload.prompts),
+        output_tokens=sum(len(o["output_ids"]) for o in outputs),
+        requested_output_tokens=sum(workload.output_lens), seconds=seconds,
+        forwards=dataclasses.asdict(engine.runner.forward_stats)["phases"],
+    )
+
+
+def result_row(mode: str, resolved: str, num_seqs: int, input_tokens: int, output_tokens: int,
+               requested_output_tokens: int, seconds: float,
+               forwards: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """One mode's summary row. `resolved` is the engine's per-phase config as JSON; `forwards`
+    counts the timed run's graph / eager forward passes per phase."""
+    phases = json.loads(resolved)
+    return {
+        "name": f"offline {mode}", "mode": mode, "decode": phases["decode"],
+        "prefill": phases["prefill"], "num_seqs": num_seqs, "input_tokens": input_tokens,
+        "output_tokens": output_tokens, "requested_output_tokens": requested_output_tokens,
+        "seconds": round(seconds, 3), "output_throughput": round(output_tokens / seconds, 2),
+        "total_throughput": round((input_tokens + output_tokens) / seconds, 2),
+        "forwards": forwards,
+    }
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """One line per mode; "graph decode steps" counts those replayed from a CUDA graph."""
+    lines = ["| decode | prefill | seqs | output tokens | seconds | output tok/s | total tok/s "
+             "| graph decode steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        decode = r["forwards"]["decode"]
+        lines.append(
+            f"| {r['decode']} | {r['prefill']} | {r['num_seqs']} | {r['output_tokens']} | "
+            f"{r['seconds']:.2f} | {r['output_throughput']:.0f} | {r['total_throughput']:.0f} | "
+            f"{decode['graph']}/{decode['graph'] + decode['eager']} |")
+    return "\n".join(lines)
+
+
+def bench_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """Build the mode's Engine, run the workload; the Engine is garbage once this returns."""
+    engine = build_engine(args, mode)
+    workload = make_workload(args.num_seqs, args.min_len, args.max_len, args.seed,
+                             engine.runner.config.vocab_size)
+    return run_mode(engine, mode, workload)
+
+
+def free_memory() -> None:
+    """Release the last Engine's model, KV cache and graphs before the next one is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", type=Path, default=QWEN3_CONFIG)
+    parser.add_argument("--load-format", default="dummy", help="default: %(default)s")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100,
+                        help="shortest prompt and output (tokens)")
+    parser.add_argument("--max-len", type=int, default=1024,
+                        help="longest prompt and output (tokens)")
+    parser.add_argument("--seed", type=int, default=0, help="the workload's and the weights'")
+    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
+                        help="decode-mode names or --cuda-graph-mode JSON objects")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not 1 <= args.min_len <= args.max_len:
+        parser.error("need 1 <= --min-len <= --max-len")
+    if args.num_seqs < 1:
+        parser.error("--num-seqs must be at least 1")
+    return args
+
+
+def write_json(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    config = {**vars(args), "model_path": str(args.model_path), "json": str(args.json),
+              "temperature": TEMPERATURE}
+    args.json.write_text(json.dumps({"config": config, "summary": rows}, indent=2))
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run every mode; returns the summary rows (also printed, and written with --json after
+    each mode, so a mode that fails leaves the earlier ones' rows)."""
+    args = parse_args(argv)
+    rows = []
+    for mode in args.modes:
+        rows.append(bench_mode(args, mode))
+        print(f"{mode}: {rows[-1]['output_throughput']:.0f} output tok/s", flush=True)
+        if rows[-1]["output_tokens"] != rows[-1]["requested_output_tokens"]:
+            print(f"warning: {mode} generated {rows[-1]['output_tokens']} tokens, "
+                  f"{rows[-1]['requested_output_tokens']} were requested")
+        if args.json:
+            write_json(args, rows)
+        free_memory()
+    print(f"\n{markdown_table(rows)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

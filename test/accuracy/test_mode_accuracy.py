@@ -1,0 +1,100 @@
+"""The all-mode accuracy suite (needs CUDA; skipped elsewhere): every decode x prefill cell the
+resolver accepts on CUDA, each through its own real server, asked gsm8k (the first 200 questions,
+5-shot) and mgsm_en (all 250), greedy, and compared with the eager server's run of the same
+questions (mode_compare.py): accuracy inside eager's 95% interval, >= 98% of completions identical
+to eager's, no failed request. The eager cell itself is compared too: the run-to-run noise floor.
+
+    python -m pytest test/accuracy/test_mode_accuracy.py -v -rA [-k "tc_piecewise"]
+
+Model: the built-in SmolLM2-135M-Instruct, or `$REPLAYLM_ACCURACY_MODEL` (any --model-path).
+Eval data: the shared data folder (`$REPLAYLM_DATA_DIR` overrides). The summary JSON (for
+`benchmark/plot.py --accuracy`) of the cells that ran goes to `$REPLAYLM_ACCURACY_JSON`, else
+`$OUT/accuracy.json` when `$OUT` is set, else `accuracy.json` in the temporary directory. The eager
+reference runs once per session of this module, whatever `-k` selects; servers run one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from replaylm.cuda_graph_config import MODES, CudaGraphConfigError, resolve_cuda_graph_config
+from replaylm.model_loader.builtin_models import DEFAULT_MODEL
+from replaylm.server_args import ServerArgs
+
+from eval_runs import EvalSpec, ask
+from mode_compare import Comparison, EvalRun, compare, write_summary
+from server_process import start_server
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SPECS = (EvalSpec("gsm8k", 200, 5, 512), EvalSpec("mgsm_en", 250, None, 512))
+PARALLEL = 128  # requests in flight, and the server's --max-running-requests
+EAGER = ("disabled", "disabled")
+MODEL = os.environ.get("REPLAYLM_ACCURACY_MODEL", DEFAULT_MODEL)
+
+
+def accepted_cells() -> list[tuple[str, str]]:
+    """(decode, prefill) of every cell `--cuda-graph-mode` accepts on CUDA, default settings."""
+    cells = []
+    for decode in MODES:
+        for prefill in MODES:
+            args = ServerArgs(cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}))
+            try:
+                resolve_cuda_graph_config(args, "cuda")
+            except CudaGraphConfigError:
+                continue
+            cells.append((decode, prefill))
+    return cells
+
+
+def summary_path() -> Path:
+    if os.environ.get("REPLAYLM_ACCURACY_JSON"):
+        return Path(os.environ["REPLAYLM_ACCURACY_JSON"])
+    return Path(os.environ.get("OUT") or tempfile.gettempdir()) / "accuracy.json"
+
+
+def ask_cell(cell: tuple[str, str]) -> dict[str, EvalRun]:
+    """Start a server in `cell`'s modes, ask it every eval of SPECS, stop it."""
+    decode, prefill = cell
+    server = start_server("--model-path", MODEL,
+                          "--cuda-graph-mode", json.dumps({"decode": decode, "prefill": prefill}),
+                          "--max-running-requests", str(PARALLEL), device="cuda")
+    try:
+        return {spec.name: ask(server.base_url, spec, f"{decode}/{prefill}", PARALLEL)
+                for spec in SPECS}
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def comparisons() -> Iterator[list[Comparison]]:
+    """Every comparison the module makes; written as the summary JSON at its end."""
+    made: list[Comparison] = []
+    yield made
+    if made:
+        write_summary(summary_path(), MODEL, made)
+        print(f"\naccuracy summary: {summary_path()}")
+
+
+@pytest.fixture(scope="module")
+def eager() -> dict[str, EvalRun]:
+    """The reference: each eval's run on the all-eager server."""
+    return ask_cell(EAGER)
+
+
+@pytest.mark.parametrize("cell", accepted_cells(), ids="-".join)
+def test_cell_agrees_with_eager(cell, eager, comparisons):
+    runs = ask_cell(cell)
+    made = [compare(runs[name], eager[name]) for name in eager]
+    comparisons += made
+    for c in made:
+        print(c.line())
+    problems = [f"{c.eval_name}: {p}" for c in made for p in c.problems]
+    assert not problems, problems

@@ -1,0 +1,39 @@
+"""benchmark/bench_offline.py in-process on the CPU: a tiny checkpoint, a few short sequences,
+two spellings of the eager mode. Every requested token is generated and counted."""
+
+from __future__ import annotations
+
+import json
+
+from script_import import import_script
+from tiny_checkpoints import write_tiny_checkpoint
+
+NUM_SEQS, MIN_LEN, MAX_LEN, SEED = 6, 3, 20, 7
+MODES = ["disabled", '{"decode": "disabled", "prefill": "disabled"}']
+
+
+def test_offline_bench_generates_and_counts_every_requested_token(tmp_path):
+    bench = import_script("benchmark/bench_offline.py")
+    vocab = write_tiny_checkpoint("qwen3", tmp_path / "ckpt").config.vocab_size
+    out = tmp_path / "offline.json"
+    bench.main(["--model-path", str(tmp_path / "ckpt"), "--device", "cpu",
+                "--num-seqs", str(NUM_SEQS), "--min-len", str(MIN_LEN), "--max-len", str(MAX_LEN),
+                "--seed", str(SEED), "--modes", *MODES, "--json", str(out)])
+
+    doc = json.loads(out.read_text())
+    workload = bench.make_workload(NUM_SEQS, MIN_LEN, MAX_LEN, SEED, vocab)
+    assert all(MIN_LEN <= len(p) <= MAX_LEN for p in workload.prompts)
+    assert all(MIN_LEN <= n <= MAX_LEN for n in workload.output_lens)
+    assert doc["config"]["num_seqs"] == NUM_SEQS and doc["config"]["modes"] == MODES
+    assert [row["mode"] for row in doc["summary"]] == MODES
+    for row in doc["summary"]:
+        assert (row["decode"], row["prefill"]) == ("disabled", "disabled")
+        assert row["num_seqs"] == NUM_SEQS
+        assert row["input_tokens"] == sum(len(p) for p in workload.prompts)
+        assert row["output_tokens"] == row["requested_output_tokens"] == sum(workload.output_lens)
+        assert row["seconds"] > 0
+        assert row["output_throughput"] > 0 and row["total_throughput"] > row["output_throughput"]
+        decode, prefill = row["forwards"]["decode"], row["forwards"]["prefill"]
+        assert decode["graph"] == prefill["graph"] == 0  # eager on the CPU
+        # every sequence needs a prefill, and the longest output that many decode steps less one
+        assert prefill["eager"] >= 1 and decode["eager"] >= max(workload.output_lens) - 1
