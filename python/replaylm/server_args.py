@@ -92,8 +92,8 @@ class ServerArgs:
     prefill_cuda_graph_max_tokens: int | None = field(default=None, metadata=_opt(
         "largest prefill token count to capture (with the default list)"))
     debug_cuda_graph: bool = field(default=False, metadata=_opt(
-        "breakable graphs capture nothing and run eagerly through the same path (to bisect "
-        "wrong outputs)"))
+        "breakable and tc_piecewise graphs capture nothing and run eagerly through the same "
+        "path (to bisect wrong outputs)"))
     tc_piecewise_compiler: str = field(default="inductor", metadata=_opt(
         "how tc_piecewise compiles the pieces of the forward (eager: split only, no fusion)",
         ("inductor", "eager")))
