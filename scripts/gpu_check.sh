@@ -7,6 +7,7 @@
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention
 #   one_batch startup offline serving)
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
+#   (the all-mode accuracy suite: GPU_CHECK_TARGETS=test/accuracy/test_mode_accuracy.py)
 #   (pytest args are added to the targets, not instead of them)
 #
 # Wheels for packages the GPU host lacks travel in .whl/ (../shared/tools/device-wheels ...).
@@ -24,6 +25,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD/python:$PWD/test:${PYTHONPATH:-}"
+# eval data for test/accuracy (../shared does not travel: copy ../shared/data to .gpu/data, carry it)
+if [ -z "${REPLAYLM_DATA_DIR:-}" ] && [ -d .gpu/data ]; then
+    export REPLAYLM_DATA_DIR="$PWD/.gpu/data"
+fi
 gguf_default=/root/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -z "${REPLAYLM_SMOLLM2_GGUF:-}" ] && [ -f "$gguf_default" ]; then
     export REPLAYLM_SMOLLM2_GGUF="$gguf_default"
