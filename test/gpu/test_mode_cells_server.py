@@ -39,7 +39,9 @@ def outputs() -> dict[tuple[str, str], list[str]]:
     for decode in DECODE:
         for prefill in PREFILL:
             mode = json.dumps({"decode": decode, "prefill": prefill})
+            # 32 prompts at once: decode shapes up to 32 keep the 12 captures short
             server = start_server("--cuda-graph-mode", mode, "--max-running-requests", "64",
+                                  "--decode-cuda-graph-max-bs", "32",
                                   "--max-total-tokens", "20000", device="cuda")
             try:
                 results[decode, prefill] = asyncio.run(_answers(server.base_url))
