@@ -122,12 +122,7 @@ def decode_bytes(runner: ModelRunner, bs: int, context: int) -> int:
 
 
 def capture_row(model: str, runner: ModelRunner, phase: str) -> dict:
-    graphs = runner.graph_runners[phase]
-    compiled = getattr(graphs.backend, "compiled", None)  # tc_piecewise
-    return {"model": model, "phase": phase, "mode": graphs.backend.mode,
-            "shapes": len(graphs.shapes), "capture_s": round(graphs.capture_seconds, 2),
-            "graph_mib": round(graphs.capture_bytes / 2**20, 1),
-            "compile_s": round(compiled.compile_seconds, 2) if compiled else None}
+    return {"model": model, "phase": phase, **runner.cuda_graph_stats()[phase]}
 
 
 def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,

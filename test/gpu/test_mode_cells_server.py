@@ -33,6 +33,17 @@ async def _answers(base_url: str) -> list[str]:
         return list(await asyncio.gather(*(one(q) for q in QUESTIONS)))
 
 
+def _check_capture_report(base_url: str, decode: str, prefill: str) -> None:
+    """/get_server_info reports each captured phase's capture (and tc_piecewise's compile)."""
+    stats = httpx.get(f"{base_url}/get_server_info", timeout=10).json()["cuda_graph_capture"]
+    for phase, mode in (("decode", decode), ("prefill", prefill)):
+        if mode == "disabled":
+            assert phase not in stats
+            continue
+        assert stats[phase]["mode"] == mode and stats[phase]["capture_s"] > 0
+        assert (stats[phase]["compile_s"] is not None) == (mode == "tc_piecewise")
+
+
 @pytest.fixture(scope="module")
 def outputs() -> dict[tuple[str, str], list[str]]:
     results = {}
@@ -44,6 +55,7 @@ def outputs() -> dict[tuple[str, str], list[str]]:
                                   "--decode-cuda-graph-max-bs", "32",
                                   "--max-total-tokens", "20000", device="cuda")
             try:
+                _check_capture_report(server.base_url, decode, prefill)
                 results[decode, prefill] = asyncio.run(_answers(server.base_url))
             finally:
                 server.stop()

@@ -274,6 +274,8 @@ def test_models_server_info_and_health(client, http):
     assert info["served_model_name"] == MODEL and info["device"] == "cpu"
     assert info["context_len"] == CONTEXT_LEN and info["max_total_tokens"] == 4096
     assert info["api_key"] is None and info["healthy"] is True
+    assert info["cuda_graph"]["decode"]["mode"] == "disabled"  # CPU: nothing captured
+    assert info["cuda_graph_capture"] == {}
     assert http.get("/health").status_code == 200
     tokens = metric(http, "replaylm_generation_tokens_total")
     assert http.get("/health_generate").status_code == 200

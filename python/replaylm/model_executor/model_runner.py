@@ -7,6 +7,7 @@ here once they land: graph replay when they can run the batch, eager otherwise).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -79,6 +80,20 @@ class ModelRunner:
                 runners[phase] = runner_cls(self, backend, self._fit_shapes(phase, phase_config))
                 runners[phase].capture()
         return runners
+
+    def cuda_graph_stats(self) -> dict[str, dict[str, Any]]:
+        """Per captured phase: mode, number of shapes, capture seconds, graph memory (MiB) and,
+        for tc_piecewise, compile seconds (reported by /get_server_info)."""
+        stats = {}
+        for phase, runner in self.graph_runners.items():
+            compiled = getattr(runner.backend, "compiled", None)
+            stats[phase] = {
+                "mode": runner.backend.mode, "shapes": len(runner.shapes),
+                "capture_s": round(runner.capture_seconds, 2),
+                "graph_mib": round(runner.capture_bytes / 2**20, 1),
+                "compile_s": round(compiled.compile_seconds, 2) if compiled else None,
+            }
+        return stats
 
     def _fit_shapes(self, phase: str, config: PhaseConfig) -> tuple[int, ...]:
         """Prefill buckets above the context length could never be used (and would index past

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from replaylm.model_executor.forward_stats import ForwardStats
 from replaylm.runtime.request import FinishReason
@@ -90,6 +91,7 @@ class SchedulerReady:
     max_total_tokens: int
     context_len: int
     vocab_size: int
+    cuda_graph_capture: dict[str, dict[str, Any]]  # ModelRunner.cuda_graph_stats()
 
 
 @dataclass

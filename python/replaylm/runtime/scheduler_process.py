@@ -45,7 +45,7 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
         )
         conn.send(SchedulerReady(
             max_total_tokens=runner.max_total_tokens, context_len=runner.context_len,
-            vocab_size=runner.config.vocab_size,
+            vocab_size=runner.config.vocab_size, cuda_graph_capture=runner.cuda_graph_stats(),
         ))
     except Exception:
         conn.send(SchedulerFailed(traceback.format_exc()))

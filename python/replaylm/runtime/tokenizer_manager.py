@@ -91,6 +91,7 @@ class TokenizerManager:
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
+        self.cuda_graph_capture = ready.cuda_graph_capture
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="tm-reader")
         self._reader.start()
 
@@ -191,6 +192,7 @@ class TokenizerManager:
             "max_total_tokens": self.max_total_tokens,
             "vocab_size": self.vocab_size,
             "cuda_graph": self.cuda_graphs.to_dict() if self.cuda_graphs else None,
+            "cuda_graph_capture": self.cuda_graph_capture,
             "healthy": self.healthy(),
         }
 
