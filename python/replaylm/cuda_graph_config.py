@@ -30,6 +30,8 @@ from replaylm.layers.attention.selection import (
 PHASES = ("decode", "prefill")
 MODES = ("full", "breakable", "tc_piecewise", "disabled")
 GRAPH_DEVICES = ("cuda",)
+# with --debug-cuda-graph these modes run their graph path eagerly, so they work on any device
+EAGER_DEBUG_MODES = ("breakable", "tc_piecewise")
 DEFAULTS_CUDA = {"decode": "full", "prefill": "breakable"}
 
 JSON_FLAG = "--cuda-graph-mode"
@@ -62,6 +64,7 @@ class GraphArgs(Protocol):
     max_running_requests: int
     chunked_prefill_size: int
     attention_backend: str
+    debug_cuda_graph: bool
 
 
 @dataclass(frozen=True)
@@ -228,8 +231,12 @@ class CompatibilityRule:
 RULES: tuple[CompatibilityRule, ...] = (
     CompatibilityRule(
         "graphs-need-cuda",
-        lambda phase, mode, ctx: mode != "disabled" and ctx["device"] not in GRAPH_DEVICES,
-        "CUDA graphs need a CUDA device; this server runs on {device}",
+        lambda phase, mode, ctx: (
+            mode != "disabled" and ctx["device"] not in GRAPH_DEVICES
+            and not (ctx["debug"] == "on" and mode in EAGER_DEBUG_MODES)
+        ),
+        "CUDA graphs need a CUDA device; this server runs on {device} (only "
+        "--debug-cuda-graph runs breakable and tc_piecewise, eagerly, on any device)",
     ),
     CompatibilityRule(
         "full-needs-attention-graph-hooks",
@@ -342,6 +349,7 @@ def resolve_cuda_graph_config(args: GraphArgs, device: str) -> CudaGraphConfig:
     ctx = {
         "device": device,
         "attention_backend": resolve_attention_backend(args.attention_backend, device),
+        "debug": "on" if args.debug_cuda_graph else "off",
     }
     phases: dict[str, PhaseConfig] = {}
     notes: list[str] = []

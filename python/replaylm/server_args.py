@@ -93,7 +93,7 @@ class ServerArgs:
         "largest prefill token count to capture (with the default list)"))
     debug_cuda_graph: bool = field(default=False, metadata=_opt(
         "breakable and tc_piecewise graphs capture nothing and run eagerly through the same "
-        "path (to bisect wrong outputs)"))
+        "path, on any device (to bisect wrong outputs)"))
     tc_piecewise_compiler: str = field(default="inductor", metadata=_opt(
         "how tc_piecewise compiles the pieces of the forward (eager: split only, no fusion)",
         ("inductor", "eager")))

@@ -168,6 +168,15 @@ def test_explicit_graph_mode_on_cpu_is_a_clear_error(kwargs):
         resolve("cpu", **kwargs)
 
 
+def test_debug_switch_lets_the_eager_graph_path_run_on_cpu_but_not_full():
+    both = '{"decode": "tc_piecewise", "prefill": "breakable"}'
+    assert modes(resolve("cpu", debug_cuda_graph=True, cuda_graph_mode=both)) == (
+        "tc_piecewise", "breakable")
+    assert modes(resolve("cpu", debug_cuda_graph=True)) == ("disabled", "disabled")  # defaults
+    with pytest.raises(CudaGraphConfigError, match="graphs-need-cuda.*--debug-cuda-graph"):
+        resolve("cpu", debug_cuda_graph=True, decode_cuda_graph_mode="full")
+
+
 def test_explicitly_disabling_on_cpu_is_fine():
     assert modes(resolve("cpu", disable_cuda_graph=True)) == ("disabled", "disabled")
 

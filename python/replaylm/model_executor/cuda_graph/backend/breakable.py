@@ -41,7 +41,8 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         assert self._runner is not None, "prepare() first"
         self.attn.init_forward_metadata(batch)
         stream = self._runner.capture_stream
-        warm_up(stream, forward_fn, batch, runs=1)
+        if not self.debug:  # the debug switch captures nothing (and runs on any device)
+            warm_up(stream, forward_fn, batch, runs=1)
         graph = BreakableCUDAGraph(self._runner.memory_pool, stream, eager=self.debug)
         graph.capture(forward_fn, batch)
         self._graphs[shape] = graph

@@ -44,6 +44,17 @@ def frozen_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
+def _settled_free_memory(device: torch.device) -> int:
+    """Free CUDA memory after collecting garbage, finishing queued work and returning cached
+    blocks (so a difference of two readings counts what was kept); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 class BaseCudaGraphRunner(ABC):
     phase: str
 
@@ -109,15 +120,13 @@ class BaseCudaGraphRunner(ABC):
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every shape, largest first, into one memory pool."""
+        """Capture every shape, largest first, into one memory pool. On a device without CUDA
+        graphs (only with an eager debug backend) the same loop runs with no pool or stream."""
         device = self.model_runner.device
-        if self.memory_pool is None:
+        if self.memory_pool is None and device.type == "cuda":
             self.memory_pool = torch.cuda.graph_pool_handle()
             self.capture_stream = torch.cuda.Stream(device)
-        gc.collect()  # garbage freed inside the measured window would count as negative memory
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # so the free-memory delta counts what the graphs keep
-        free_before = torch.cuda.mem_get_info(device)[0]
+        free_before = _settled_free_memory(device)
         self.backend.prepare(self)  # not timed: tc_piecewise compiles here and reports it
         start = time.perf_counter()
         with frozen_gc(), self.backend.capture_session():
@@ -125,10 +134,9 @@ class BaseCudaGraphRunner(ABC):
             desc = f"capturing {self.phase} CUDA graphs ({self.backend.mode})"
             for shape in tqdm(shapes, desc=desc, unit="shape"):
                 self.backend.capture_one(shape, self.fill(None, shape), self.forward_fn)
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # cached blocks of the warm-up runs are not graph memory
+        free_after = _settled_free_memory(device)  # warm-up runs' cached blocks are not kept
         self.capture_seconds = time.perf_counter() - start
-        self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        self.capture_bytes = free_before - free_after
         logger.info(
             "captured %d %s CUDA graphs (%s) in %.1f s, %.0f MiB of graph memory; shapes %s",
             len(shapes), self.phase, self.backend.mode, self.capture_seconds,
