@@ -15,8 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from replaylm.compilation.compile_model import attention_layers, compiled_forward
+from replaylm.compilation.compile_model import (
+    CompiledForward,
+    attention_layers,
+    compiled_forward,
+)
 from replaylm.layers.attention.base import AttentionBackend
+from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.ops import attention_context
 from replaylm.model_executor.cuda_graph.backend.base import ForwardFn
 from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGraphBackend
@@ -32,7 +37,8 @@ class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
     def __init__(self, attn_backend: AttentionBackend, compiler: str, debug: bool = False) -> None:
         super().__init__(attn_backend, debug)
         self.compiler = compiler
-        self._layers: list = []
+        self.compiled: CompiledForward | None = None  # set by prepare
+        self._layers: list[Attention] = []
 
     def prepare(self, runner: BaseCudaGraphRunner) -> None:
         """Compile the forward (once per model: the other phase reuses it) on the largest
