@@ -28,6 +28,9 @@ from replaylm.compilation.split import SplitGraph, split_at_ops
 logger = logging.getLogger(__name__)
 
 COMPILERS = ("inductor", "eager")
+# round at every dtype cast as eager does (Inductor keeps fused intermediates in float32 by
+# default: more precise, but bf16 logits then drift from the eager model's by a few percent)
+INDUCTOR_CONFIG = {"emulate_precision_casts": True}
 
 
 class _CompiledPiece(nn.Module):
@@ -92,7 +95,8 @@ class PiecewiseBackend:
                 if target in compute:
                     piece = getattr(split.module, target)
                     _canonical_placeholders(piece)
-                    setattr(split.module, target, _CompiledPiece(compile_fx(piece, list(args))))
+                    compiled = compile_fx(piece, list(args), config_patches=INDUCTOR_CONFIG)
+                    setattr(split.module, target, _CompiledPiece(compiled))
                     progress.update()
                 return out
 
