@@ -24,9 +24,6 @@ from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
-from replaylm.server_args import ServerArgs
-
-from tiny_checkpoints import write_tiny_checkpoint
 
 
 @torch.library.custom_op("replaylm_test::mix", mutates_args=())
@@ -80,11 +77,8 @@ def test_attention_custom_op_needs_its_context_and_has_a_fake():
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> ModelRunner:
-    folder = tmp_path_factory.mktemp("tiny_qwen3")
-    write_tiny_checkpoint("qwen3", folder)
-    return ModelRunner(ServerArgs(model_path=str(folder), device="cpu", max_total_tokens=512,
-                                  max_running_requests=8))
+def runner(tiny_qwen3_runner) -> ModelRunner:
+    return tiny_qwen3_runner
 
 
 def _reqs(lens: list[int]) -> list[Req]:

@@ -15,17 +15,11 @@ from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
-from replaylm.server_args import ServerArgs
-
-from tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> ModelRunner:
-    folder = tmp_path_factory.mktemp("tiny_qwen3")
-    write_tiny_checkpoint("qwen3", folder)
-    return ModelRunner(ServerArgs(model_path=str(folder), device="cpu", max_total_tokens=512,
-                                  max_running_requests=8))
+def runner(tiny_qwen3_runner) -> ModelRunner:
+    return tiny_qwen3_runner
 
 
 def _plain(runner: ModelRunner) -> BreakableCudaGraphBackend:
