@@ -79,4 +79,13 @@ def reference(case: Case) -> torch.Tensor:
     native = TorchNativeAttnBackend()
     ref_batch = dataclasses.replace(b, kv_pool=pool, attn_backend=native)
     native.init_forward_metadata(ref_batch)
-    return native.forward(case.q.float(), case.k.float(), case.v.float(), case.layer, ref_batch)
+    q = case.q.float()
+    return native.forward(q, case.k.float(), case.v.float(), case.layer, ref_batch,
+                          torch.empty_like(q))
+
+
+def store_and_attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
+    """What the attention layer does per step: store K/V, then attend into a fresh output."""
+    backend.store_kv(k, v, layer, batch)
+    return backend.forward(q, k, v, layer, batch, torch.empty_like(q))

@@ -15,12 +15,16 @@ import pytest
 import torch
 
 from replaylm.layers.attention.triton import TritonAttnBackend
-from replaylm.layers.attention.triton.decode import decode_attention, num_kv_splits
+from replaylm.layers.attention.triton.decode import (
+    decode_attention,
+    decode_workspace,
+    num_kv_splits,
+)
 from replaylm.layers.attention.triton.extend import extend_attention
 from replaylm.layers.attention.triton.kv_store import store_kv
 from replaylm.model_executor.forward_batch import ForwardMode
 
-from attention_cases import make_case, reference, rel_error
+from attention_cases import make_case, reference, rel_error, store_and_attend
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -59,12 +63,21 @@ def test_decode_matches_torch_native(name):
     b.kv_pool.store(0, b.out_cache_loc, case.k, case.v)
     ref = reference(case)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for splits, min_len in [(num_kv_splits(len(ctx), kv_heads, sms), 256), (64, 16), (1, 256)]:
-        out = torch.full_like(case.q, float("nan"))
-        decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
-                         b.req_to_token_pool.req_to_token, b.req_pool_indices, b.seq_lens, out,
-                         case.layer.scaling, splits, min_split_len=min_len)
-        _check(out, ref, dtype)
+    for splits, min_len in [(num_kv_splits(len(ctx), kv_heads, sms), 64), (64, 16), (1, 256)]:
+        # one workspace for 20 back-to-back launches: the in-kernel merge of the last arriving
+        # split must see every partial and leave the counters at zero, each time
+        ws = decode_workspace(case.q, kv_heads, splits)
+        outs = []
+        for _ in range(20):
+            out = torch.full_like(case.q, float("nan"))
+            decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
+                             b.req_to_token_pool.req_to_token, b.req_pool_indices, b.seq_lens,
+                             out, case.layer.scaling, splits, min_split_len=min_len,
+                             workspace=ws)
+            outs.append(out)
+        _check(outs[0], ref, dtype)
+        assert all(torch.equal(o, outs[0]) for o in outs[1:])
+        assert torch.count_nonzero(ws.arrivals) == 0
 
 
 EXTEND_CASES = {  # name: (prefix lengths, new lengths, heads, kv heads, head dim, dtype)
@@ -110,7 +123,7 @@ def test_backend_forward_stores_then_attends():
     case = make_case(ForwardMode.EXTEND, [0, 300], [50, 20], 16, 8, 128, BF16, "cuda", seed=11,
                      backend=backend)
     backend.init_forward_metadata(case.batch)
-    out = backend.forward(case.q, case.k, case.v, case.layer, case.batch)
+    out = store_and_attend(backend, case.q, case.k, case.v, case.layer, case.batch)
     _check(out, reference(case), BF16)
 
 
@@ -167,11 +180,11 @@ def test_decode_graph_replay_equals_eager(shape, live):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        backend.forward(q, k, v, case.layer, case.batch)  # compile outside the capture
+        store_and_attend(backend, q, k, v, case.layer, case.batch)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.forward(q, k, v, case.layer, case.batch)
+        out = store_and_attend(backend, q, k, v, case.layer, case.batch)
     pool = case.batch.kv_pool
     for _ in range(3):
         batch = _replay_batch(case, rng, live, shape)
@@ -188,7 +201,7 @@ def test_decode_graph_replay_equals_eager(shape, live):
         if shape > live:
             assert torch.equal(replayed[-1], torch.zeros_like(replayed[-1]))  # seq_len 0
         backend.init_forward_metadata(batch)
-        eager = backend.forward(q, k, v, case.layer, batch)
+        eager = store_and_attend(backend, q, k, v, case.layer, batch)
         # padding requests all write and read slot 0, racing: only live rows are defined
         assert torch.equal(replayed[:live], eager[:live])
         live_case = dataclasses.replace(case, batch=_live(batch, live), q=q[:live], k=k[:live],

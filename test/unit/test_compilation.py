@@ -66,14 +66,17 @@ def test_split_gives_one_compute_piece_more_than_opaque_calls(n):
     torch.testing.assert_close(split.module(x), toy(x), rtol=0, atol=0)
 
 
-def test_attention_custom_op_needs_its_context_and_has_a_fake():
+def test_attention_custom_ops_need_their_context_and_have_fakes():
     q = torch.randn(4, 2, 8)
     with pytest.raises(RuntimeError, match="outside attention_context"):
-        torch.ops.replaylm.attention(q, q, q, 0)
+        torch.ops.replaylm.store_kv(q, q, 0)
+    with pytest.raises(RuntimeError, match="outside attention_context"):
+        torch.ops.replaylm.attention(q, q, q, torch.empty_like(q), q.new_empty(0), 0)
     with FakeTensorMode() as mode:
-        out = torch.ops.replaylm.attention(mode.from_tensor(q), mode.from_tensor(q),
-                                           mode.from_tensor(q), 0)
-    assert out.shape == q.shape and out.dtype == q.dtype
+        fq = mode.from_tensor(q)
+        stored = torch.ops.replaylm.store_kv(fq, fq, 0)
+        assert torch.ops.replaylm.attention(fq, fq, fq, torch.empty_like(fq), stored, 0) is None
+    assert stored.numel() == 0
 
 
 @pytest.fixture(scope="module")

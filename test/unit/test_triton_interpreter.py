@@ -20,12 +20,15 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from replaylm.layers.attention.triton import TritonAttnBackend  # noqa: E402
 from replaylm.layers.attention.triton.common import KernelConfig  # noqa: E402
-from replaylm.layers.attention.triton.decode import decode_attention  # noqa: E402
+from replaylm.layers.attention.triton.decode import (  # noqa: E402
+    decode_attention,
+    decode_workspace,
+)
 from replaylm.layers.attention.triton.extend import extend_attention  # noqa: E402
 from replaylm.layers.attention.triton.kv_store import store_kv  # noqa: E402
 from replaylm.model_executor.forward_batch import ForwardMode  # noqa: E402
 
-from attention_cases import make_case, reference, rel_error  # noqa: E402
+from attention_cases import make_case, reference, rel_error, store_and_attend  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 SMALL_TILES = KernelConfig(block_n=16, num_warps=4, num_stages=1, block_m=32)
@@ -84,6 +87,29 @@ def test_decode_of_an_empty_sequence_is_zero():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+def test_decode_workspace_is_reusable_across_launches():
+    """The last program of a split request merges and zeroes its arrival counter, so one
+    workspace serves launch after launch (every layer of a step), whichever requests split."""
+    case = make_case(ForwardMode.DECODE, [3, 120, 60], [1] * 3, 4, 2, 16, torch.float32, "cpu",
+                     seed=5)
+    _store(case)
+    b = case.batch
+    ws = decode_workspace(case.q, 2, num_splits=4)
+    want = reference(case)
+    for lens in ([4, 121, 61], [121, 4, 1], [4, 121, 61]):
+        seq_lens = torch.tensor(lens)
+        out = torch.full_like(case.q, float("nan"))
+        decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
+                         b.req_to_token_pool.req_to_token, b.req_pool_indices, seq_lens, out,
+                         case.layer.scaling, num_splits=4, min_split_len=16,
+                         config=KernelConfig(block_n=16, num_warps=4, num_stages=1), workspace=ws)
+        assert torch.count_nonzero(ws.arrivals) == 0
+        if lens == [4, 121, 61]:
+            assert rel_error(out, want) < 1e-5
+        else:
+            assert not torch.isnan(out).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("prefix", "extend", "heads", "kv_heads"), [
     ([0], [70], 2, 2),
@@ -122,5 +148,5 @@ def test_backend_stores_then_attends(mode):
     case = make_case(mode, [12, 0, 40], extend, 4, 2, 32, torch.float32, "cpu", seed=7,
                      backend=backend)
     backend.init_forward_metadata(case.batch)
-    out = backend.forward(case.q, case.k, case.v, case.layer, case.batch)
+    out = store_and_attend(backend, case.q, case.k, case.v, case.layer, case.batch)
     assert rel_error(out, reference(case)) < 1e-5

@@ -1,7 +1,10 @@
 """The attention-backend interface.
 
-A backend computes attention over the paged KV pool. `forward` first stores this step's K and V at
-`batch.out_cache_loc`, then attends from the pool, so new tokens see themselves and their prefix.
+A backend computes attention over the paged KV pool in two calls per layer: `store_kv` writes this
+step's K and V at the batch's KV slots, then `forward` attends from the pool (so new tokens see
+themselves and their prefix) into an output buffer the caller allocated. The split lets a breakable
+CUDA graph capture the store (its launch never depends on lengths) in the segment before the
+attention break, and lets the break write straight into a static output, with no copy.
 `init_forward_metadata` runs once per batch (before the layers) and prepares whatever every layer
 shares (index tables, masks). Backends usable inside a `full` CUDA graph also implement the three
 `*_cuda_graph` hooks of `CudaGraphAttentionBackend`.
@@ -28,29 +31,35 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Prepare per-batch state shared by all layers."""
 
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> None:
+        """Write K/V of the new tokens at their KV slots. Must not sync with the host nor size a
+        launch by anything but the token count (it is captured inside graph segments)."""
+        batch.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch,
+        batch: ForwardBatch, out: torch.Tensor,
     ) -> torch.Tensor:
-        """Store K/V of the new tokens, then attend; returns `[T, H, D]`."""
-        batch.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        """Attend (K/V already stored by `store_kv`): writes `out` `[T, H, D]`, returns it."""
         if batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, batch)
-        return self.forward_extend(q, k, v, layer, batch)
+            return self.forward_decode(q, k, v, layer, batch, out)
+        return self.forward_extend(q, k, v, layer, batch, out)
 
     @abstractmethod
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch,
+        batch: ForwardBatch, out: torch.Tensor,
     ) -> torch.Tensor:
-        """Causal attention of the new tokens over prefix + new tokens (K/V already stored)."""
+        """Causal attention of the new tokens over prefix + new tokens, into `out`."""
 
     @abstractmethod
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch,
+        batch: ForwardBatch, out: torch.Tensor,
     ) -> torch.Tensor:
-        """One query token per request over its whole sequence (K/V already stored)."""
+        """One query token per request over its whole sequence, into `out`."""
 
 
 class CudaGraphAttentionBackend(AttentionBackend):

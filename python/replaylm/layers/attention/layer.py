@@ -33,15 +33,19 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        """Under torch.compile the call is the opaque custom op (tc_piecewise splits the graph
-        there; `batch` is then unused: the op reads its batch from `attention_context`)."""
+        """Store K/V, then attend into a fresh output (inside a graph segment: a static buffer
+        the attention break writes in place). Under torch.compile both calls are custom ops
+        (tc_piecewise splits the graph at attention; `batch` is then unused: the ops read it
+        from `attention_context`)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = q.new_empty(q.shape)
         if torch.compiler.is_compiling():
-            out = torch.ops.replaylm.attention(q, k, v, self.layer_id)
+            stored = torch.ops.replaylm.store_kv(k, v, self.layer_id)
+            torch.ops.replaylm.attention(q, k, v, out, stored, self.layer_id)
         else:
-            out = attention_op(q, k, v, self, batch)
-        return out.reshape(t, self.num_heads * self.head_dim)
-
+            batch.attn_backend.store_kv(k, v, self, batch)
+            attention_op(q, k, v, self, batch, out)
+        return out.view(t, self.num_heads * self.head_dim)

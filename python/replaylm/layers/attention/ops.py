@@ -1,10 +1,12 @@
 """The attention call as the CUDA-graph backends see it.
 
 `attention_op` is the plain call, marked as a break point: under a breakable CUDA graph it runs
-eagerly between graph segments. `torch.ops.replaylm.attention` is the same call as an opaque
-torch custom op, so that torch.compile (tc_piecewise) keeps it out of the traced graph and the
-graph can be split there; a custom op takes only tensors and numbers, so it finds its batch and
-layer through `attention_context`, which whoever runs the compiled forward must enter.
+eagerly between graph segments (the K/V store before it does not: it is captured). The torch
+custom ops `torch.ops.replaylm.store_kv` and `torch.ops.replaylm.attention` are the same two calls
+as torch.compile (tc_piecewise) sees them: opaque, so the traced graph can be split at
+`attention` (`store_kv` stays inside a compiled piece); a custom op takes only tensors and
+numbers, so it finds its batch and layer through `attention_context`, which whoever runs the
+compiled forward must enter.
 """
 
 from __future__ import annotations
@@ -22,24 +24,27 @@ if TYPE_CHECKING:
     from replaylm.layers.attention.layer import Attention
     from replaylm.model_executor.forward_batch import ForwardBatch
 
-CUSTOM_OP_NAME = "replaylm::attention"
+ATTENTION_OP_NAME = "replaylm::attention"
+STORE_KV_OP_NAME = "replaylm::store_kv"
 
 _context = threading.local()
 
 
 @break_point
 def attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch,
+    out: torch.Tensor,
 ) -> torch.Tensor:
-    """Store K/V and attend through the batch's backend: `[T, H, D]` q, `[T, Hkv, D]` k and v
-    -> `[T, H, D]`."""
-    return batch.attn_backend.forward(q, k, v, layer, batch)
+    """Attend through the batch's backend (K/V already stored): `[T, H, D]` q, `[T, Hkv, D]` k
+    and v; writes `out` `[T, H, D]` and returns it (under a breakable graph `out` is a static
+    tensor of the previous segment, so the replayed op needs no copy)."""
+    return batch.attn_backend.forward(q, k, v, layer, batch, out)
 
 
 @contextlib.contextmanager
 def attention_context(batch: ForwardBatch, layers: Sequence[Attention]) -> Iterator[None]:
-    """While open, `torch.ops.replaylm.attention(..., layer_id)` attends over `batch` with
-    `layers[layer_id]` (the model's attention layers, indexed by layer id)."""
+    """While open, the custom ops below act on `batch` with `layers[layer_id]` (the model's
+    attention layers, indexed by layer id)."""
     previous = getattr(_context, "value", None)
     _context.value = (batch, layers)
     try:
@@ -48,20 +53,43 @@ def attention_context(batch: ForwardBatch, layers: Sequence[Attention]) -> Itera
         _context.value = previous
 
 
-@torch.library.custom_op(CUSTOM_OP_NAME, mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-    """`attention_op` for layer `layer_id` of the open `attention_context` (it also writes the
-    layer's K/V cache, a side effect torch.compile does not see: nothing else in the graph reads
-    that cache)."""
+def _current(layer_id: int) -> tuple[ForwardBatch, Attention]:
     current = getattr(_context, "value", None)
     if current is None:
-        raise RuntimeError("torch.ops.replaylm.attention called outside attention_context()")
+        raise RuntimeError("replaylm attention ops called outside attention_context()")
     batch, layers = current
-    return attention_op(q, k, v, layers[layer_id], batch)
+    return batch, layers[layer_id]
+
+
+@torch.library.custom_op(STORE_KV_OP_NAME, mutates_args=())
+def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    """`store_kv` of the batch's backend for layer `layer_id`. The K/V cache it writes is not an
+    argument (torch.compile does not see the write), so it returns a dummy empty tensor that
+    `attention` takes: the data dependency keeps the store alive and before the attention."""
+    batch, layer = _current(layer_id)
+    batch.attn_backend.store_kv(k, v, layer, batch)
+    return k.new_empty(0)
+
+
+@store_kv.register_fake
+def _store_kv_fake(k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    return k.new_empty(0)
+
+
+@torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=("out",))
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    kv_stored: torch.Tensor, layer_id: int,
+) -> None:
+    """`attention_op` for layer `layer_id` of the open `attention_context`, into `out`;
+    `kv_stored` is `store_kv`'s result for the layer."""
+    batch, layer = _current(layer_id)
+    attention_op(q, k, v, layer, batch, out)
 
 
 @attention.register_fake
 def _attention_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
-) -> torch.Tensor:
-    return torch.empty_like(q)
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    kv_stored: torch.Tensor, layer_id: int,
+) -> None:
+    return None

@@ -54,7 +54,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_index = (batch.extend_start_loc[:, None] + qpos[None, :]).clamp(max=batch.num_tokens - 1)
         self._meta = _Metadata(kv_slots, mask[:, None], q_index, q_valid)
 
-    def _attend(self, q: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch, out: torch.Tensor
+    ) -> torch.Tensor:
         meta = self._meta
         if meta is None:
             raise RuntimeError("init_forward_metadata was not called for this batch")
@@ -63,20 +65,20 @@ class TorchNativeAttnBackend(AttentionBackend):
         k = k_cache[meta.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lk, D]
         v = v_cache[meta.kv_slots].transpose(1, 2).to(q.dtype)
         qp = q[meta.q_index].transpose(1, 2)  # [B, H, Lq, D]
-        out = F.scaled_dot_product_attention(
+        attn = F.scaled_dot_product_attention(
             qp, k, v, attn_mask=meta.mask, scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
-        return out.transpose(1, 2)[meta.q_valid]  # [T, H, D] in packed token order
+        return out.copy_(attn.transpose(1, 2)[meta.q_valid])  # [T, H, D], packed token order
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch,
+        batch: ForwardBatch, out: torch.Tensor,
     ) -> torch.Tensor:
-        return self._attend(q, layer, batch)
+        return self._attend(q, layer, batch, out)
 
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch,
+        batch: ForwardBatch, out: torch.Tensor,
     ) -> torch.Tensor:
-        return self._attend(q, layer, batch)
+        return self._attend(q, layer, batch, out)

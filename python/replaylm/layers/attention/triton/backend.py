@@ -1,9 +1,10 @@
 """TritonAttnBackend: the default attention backend on CUDA, capturable in `full` CUDA graphs.
 
 Per batch, `init_forward_metadata` only picks tensors the batch already has (no launch, no host
-sync). For a `full` decode graph the backend keeps its own static copies of what the kernels read
-per request or token (request rows, sequence lengths, KV slots of the new tokens): the capture
-hook points the kernels at them, the replay hook refreshes them in place. The number of KV splits
+sync); the layers of an eager decode batch share one split-K workspace. For a `full` decode graph
+the backend keeps its own static copies of what the kernels read per request or token (request
+rows, sequence lengths, KV slots of the new tokens): the capture hook points the kernels at them,
+the replay hook refreshes them in place. The number of KV splits
 is a function of the batch size alone, so a graph captured for a batch size serves any lengths,
 and eager and replayed decode of the same batch compute exactly the same thing.
 """
@@ -17,7 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from replaylm.layers.attention.base import CudaGraphAttentionBackend
-from replaylm.layers.attention.triton.decode import decode_attention, num_kv_splits
+from replaylm.layers.attention.triton.decode import (
+    DecodeWorkspace,
+    decode_attention,
+    decode_workspace,
+    num_kv_splits,
+)
 from replaylm.layers.attention.triton.extend import extend_attention
 from replaylm.layers.attention.triton.kv_store import store_kv
 
@@ -32,6 +38,11 @@ class _DecodeMetadata:
     seq_lens: torch.Tensor  # [bs] int64
     out_cache_loc: torch.Tensor  # [bs] int64
     num_splits: int
+    # eager batches: one split-K workspace for all layers, made by the first layer. Inside a
+    # captured graph each layer allocates its partials (from the graph's pool) and counts
+    # arrivals in this static buffer instead
+    graph_arrivals: torch.Tensor | None = None
+    workspace: DecodeWorkspace | None = None
 
 
 @dataclass
@@ -51,6 +62,7 @@ class _GraphBuffers:
     req_pool_indices: torch.Tensor  # [max_bs]
     seq_lens: torch.Tensor  # [max_bs]
     out_cache_loc: torch.Tensor  # [max_num_tokens]
+    arrivals: torch.Tensor | None = None  # [max_bs * KV heads] int32 zeros, made at first capture
 
 
 @functools.cache
@@ -85,45 +97,44 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
                 max(batch.extend_seq_lens_cpu, default=0),
             )
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """Store K/V at the metadata's slots (the static copy inside a graph), then attend."""
-        meta = self._metadata()
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> None:
+        """At the metadata's slots: the static copy inside a `full` graph."""
         pool = batch.kv_pool
         store_kv(pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
-                 meta.out_cache_loc, k, v)
-        if batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, batch)
-        return self.forward_extend(q, k, v, layer, batch)
+                 self._metadata().out_cache_loc, k, v)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch,
+        batch: ForwardBatch, out: torch.Tensor,
     ) -> torch.Tensor:
         meta = self._metadata()
         assert isinstance(meta, _ExtendMetadata), "metadata was prepared for a decode batch"
         pool = batch.kv_pool
         return extend_attention(
-            q, k, v, torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
+            q, k, v, out, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
             batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.prefix_lens,
             meta.extend_seq_lens, meta.extend_start_loc, meta.max_extend_len, layer.scaling,
         )
 
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch,
+        batch: ForwardBatch, out: torch.Tensor,
     ) -> torch.Tensor:
         meta = self._metadata()
         assert isinstance(meta, _DecodeMetadata), "metadata was prepared for an extend batch"
         pool = batch.kv_pool
+        workspace = meta.workspace
+        if workspace is None:
+            workspace = decode_workspace(q, pool.num_kv_heads, meta.num_splits,
+                                         meta.graph_arrivals)
+            if meta.graph_arrivals is None:
+                meta.workspace = workspace
         return decode_attention(
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
             batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens,
-            torch.empty(q.shape, dtype=q.dtype, device=q.device), layer.scaling,
-            meta.num_splits,
+            out, layer.scaling, meta.num_splits, workspace=workspace,
         )
 
     # ---- CUDA graphs ------------------------------------------------------------------------
@@ -145,9 +156,12 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             raise ValueError("triton attention captures decode batches only")
         bs = batch.batch_size
         self._fill_graph_buffers(batch)
+        if graph.arrivals is None:
+            graph.arrivals = torch.zeros(graph.seq_lens.shape[0] * batch.kv_pool.num_kv_heads,
+                                         dtype=torch.int32, device=graph.seq_lens.device)
         self._meta = _DecodeMetadata(
             graph.req_pool_indices[:bs], graph.seq_lens[:bs], graph.out_cache_loc[:bs],
-            self._num_splits(batch),
+            self._num_splits(batch), graph_arrivals=graph.arrivals,
         )
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:

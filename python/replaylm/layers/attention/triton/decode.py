@@ -1,16 +1,22 @@
-"""Decode attention: one query token per request over its paged KV, split-K (flash-decoding).
+"""Decode attention: one query token per request over its paged KV, split-K (flash-decoding) in
+one launch.
 
-Stage 1, grid `(bs, num_kv_heads, num_splits)`: a program takes one request, one KV head and one
-slice of the sequence, and computes the attention of all query heads of that KV head's group over
-the slice (so each KV byte is read once per group), writing a normalised partial output and its
-log-sum-exp. Stage 2, grid `(bs, num_heads)`, merges the partials of a request's non-empty slices.
+Grid `(bs, num_kv_heads, num_splits)`: a program takes one request, one KV head and one slice of
+the sequence, and computes the attention of all query heads of that KV head's group over the
+slice (so each KV byte is read once per group). A sequence that fits one slice is written to the
+output directly. Otherwise each program writes a normalised partial output and its log-sum-exp,
+then counts itself in on the (request, KV head)'s arrival counter; the program that arrives last
+merges the partials into the output and resets the counter to zero for the next launch (a merge
+kernel would cost a second launch: host time a breakable graph pays per layer).
 
-The grid depends only on the batch size and `num_splits`, never on sequence lengths, so both
-launches can be captured in a CUDA graph: each request's slice length is computed in the kernel
+The grid depends only on the batch size and `num_splits`, never on sequence lengths, so the
+launch can be captured in a CUDA graph: each request's slice length is computed in the kernel
 from its length, and slices past the end do nothing. A request of length 0 gets zeros.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,14 +32,14 @@ from replaylm.layers.attention.triton.common import (
 
 CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-precision dots: FMA
-MIN_SPLIT_LEN = 256  # tokens: shorter slices would spend more on the merge than they save
+MIN_SPLIT_LEN = 64  # tokens (one block): see benchmark/NOTES_attention.md, "Split length"
 MAX_SPLITS = 64
-PROGRAMS_PER_SM = 4  # stage-1 programs to aim for, per multiprocessor
+PROGRAMS_PER_SM = 4  # programs to aim for, per multiprocessor
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
-    """Slices per request: enough stage-1 programs to fill the GPU, a power of two (few kernel
-    variants), at most MAX_SPLITS. Depends on the batch shape only, as graph capture needs."""
+    """Slices per request: enough programs to fill the GPU, a power of two (few kernel variants),
+    at most MAX_SPLITS. Depends on the batch shape only, as graph capture needs."""
     want = triton.cdiv(PROGRAMS_PER_SM * sm_count, batch_size * num_kv_heads)
     return min(MAX_SPLITS, triton.next_power_of_2(want))
 
@@ -46,26 +52,32 @@ def _split_len(seq_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_partial_kernel(
-    Q, KCache, VCache, ReqToToken, ReqPoolIndices, SeqLens, MidO, MidLse,
+def _decode_kernel(
+    Q, KCache, VCache, ReqToToken, ReqPoolIndices, SeqLens, Out, MidO, MidLse, Arrivals,
     qk_scale, num_splits, min_split_len,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-    stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    stride_ot, stride_oh, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     split_len = _split_len(seq_len, num_splits, min_split_len, BLOCK_N)
+    num_active = tl.cdiv(seq_len, split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if start < end:
-        offs_g = tl.arange(0, BLOCK_H)
-        heads = kv_head * GROUP + offs_g
-        head_ok = offs_g < GROUP
-        offs_d = tl.arange(0, HEAD_DIM)
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_g
+    head_ok = offs_g < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    out_ptrs = Out + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    if seq_len == 0:
+        if split == 0:
+            tl.store(out_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], Out.dtype.element_ty),
+                     mask=head_ok[:, None])
+    elif start < end:
         offs_n = tl.arange(0, BLOCK_N)
         q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=head_ok[:, None], other=0.0).to(KCache.dtype.element_ty)
@@ -84,68 +96,93 @@ def _decode_partial_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, PRECISION)
-        mid = b * stride_mot + heads * stride_moh + split * stride_mos
-        tl.store(MidO + mid[:, None] + offs_d[None, :], acc / l_i[:, None], mask=head_ok[:, None])
-        tl.store(MidLse + b * stride_mlt + heads * stride_mlh + split, m_i + tl.log2(l_i),
-                 mask=head_ok)
+        if num_active == 1:
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty),
+                     mask=head_ok[:, None])
+        else:
+            mid_o = MidO + b * stride_mot + heads[:, None] * stride_moh + offs_d[None, :]
+            mid_lse = MidLse + b * stride_mlt + heads * stride_mlh
+            tl.store(mid_o + split * stride_mos, acc / l_i[:, None], mask=head_ok[:, None])
+            tl.store(mid_lse + split, m_i + tl.log2(l_i), mask=head_ok)
+            tl.debug_barrier()  # every thread's partial is stored before the arrival counts
+            counter = Arrivals + b * NUM_KV_HEADS + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_active - 1:
+                tl.atomic_xchg(counter, 0)  # the last to arrive: reset for the next launch, merge
+                _merge_partials(mid_o, mid_lse, stride_mos, num_active, out_ptrs, head_ok,
+                                BLOCK_H, HEAD_DIM)
 
 
 @triton.jit
-def _decode_merge_kernel(
-    MidO, MidLse, Out, SeqLens, num_splits, min_split_len,
-    stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    split_len = _split_len(seq_len, num_splits, min_split_len, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = float("-inf")
-    total = 0.0
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for split in range(0, tl.cdiv(seq_len, split_len)):
-        lse = tl.load(MidLse + b * stride_mlt + head * stride_mlh + split)
-        part = tl.load(MidO + b * stride_mot + head * stride_moh + split * stride_mos + offs_d)
+def _merge_partials(mid_o, mid_lse, stride_mos, num_parts, out_ptrs, head_ok,
+                    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Combine `num_parts` normalised partial outputs `[BLOCK_H, HEAD_DIM]` by their base-2
+    log-sum-exps into `out_ptrs` (loads bypass L1: other programs wrote them)."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for part in range(0, num_parts):
+        lse = tl.load(mid_lse + part, mask=head_ok, other=0.0, cache_modifier=".cg")
+        value = tl.load(mid_o + part * stride_mos, mask=head_ok[:, None], other=0.0,
+                        cache_modifier=".cg")
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         weight = tl.exp2(lse - m_new)
-        acc = acc * alpha + part * weight
+        acc = acc * alpha[:, None] + value * weight[:, None]
         total = total * alpha + weight
         m = m_new
-    out = acc / tl.where(total > 0.0, total, 1.0)
-    tl.store(Out + b * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+    tl.store(out_ptrs, (acc / total[:, None]).to(out_ptrs.dtype.element_ty),
+             mask=head_ok[:, None])
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Scratch of one decode launch, reusable by the next launch on the same stream (every layer
+    of a step): partial outputs and their log-sum-exps, and the arrival counters (zero between
+    launches: the kernel resets them)."""
+
+    mid_o: torch.Tensor  # [bs, H, splits, D] float32
+    mid_lse: torch.Tensor  # [bs, H, splits] float32
+    arrivals: torch.Tensor  # [bs * Hkv] int32
+
+
+def decode_workspace(q: torch.Tensor, num_kv_heads: int, num_splits: int,
+                     arrivals: torch.Tensor | None = None) -> DecodeWorkspace:
+    """A workspace for `q` `[bs, H, D]` in `num_splits` slices; `arrivals` (at least
+    bs * num_kv_heads zeros) may be given, e.g. a static buffer under a CUDA graph."""
+    bs, num_heads, head_dim = q.shape
+    if arrivals is None:
+        arrivals = torch.zeros(bs * num_kv_heads, dtype=torch.int32, device=q.device)
+    return DecodeWorkspace(
+        torch.empty((bs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device),
+        torch.empty((bs, num_heads, num_splits), dtype=torch.float32, device=q.device),
+        arrivals,
+    )
 
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
     num_splits: int, min_split_len: int = MIN_SPLIT_LEN, config: KernelConfig | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[bs, H, D]` (request i's one new token) over the `seq_lens[i]` tokens of
     request i, whose KV slots are `req_to_token[req_pool_indices[i], :seq_lens[i]]` in
-    `k_cache`/`v_cache` `[slots, Hkv, D]`. Writes and returns `out` `[bs, H, D]`."""
+    `k_cache`/`v_cache` `[slots, Hkv, D]`. Writes and returns `out` `[bs, H, D]`. `workspace`:
+    from `decode_workspace` for this q and `num_splits` (default: a fresh one)."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     bs = q.shape[0]
     group = num_heads // num_kv_heads
     cfg = config or (FLOAT32_CONFIG if k_cache.dtype == torch.float32 else CONFIG)
-    mid_o = torch.empty((bs, num_heads, num_splits, head_dim), dtype=torch.float32,
-                        device=q.device)
-    mid_lse = torch.empty((bs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    _decode_partial_kernel[(bs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        scale * LOG2E, num_splits, min_split_len,
+    ws = workspace or decode_workspace(q, num_kv_heads, num_splits)
+    mid_o, mid_lse = ws.mid_o, ws.mid_lse
+    _decode_kernel[(bs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out, mid_o, mid_lse,
+        ws.arrivals, scale * LOG2E, num_splits, min_split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), req_to_token.stride(0),
+        v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=cfg.block_n, PRECISION=dot_precision(k_cache.dtype),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, PRECISION=dot_precision(k_cache.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    _decode_merge_kernel[(bs, num_heads)](
-        mid_o, mid_lse, out, seq_lens, num_splits, min_split_len,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, num_warps=max(1, head_dim // 128),
     )
     return out

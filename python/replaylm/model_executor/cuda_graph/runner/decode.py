@@ -21,6 +21,9 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
             self.max_batch_size, self.model_runner.config.vocab_size, dtype=torch.float32,
             device=self.model_runner.device,
         )
+        # the same for every decode batch: one new token per request
+        self.buffers.extend_seq_lens.fill_(1)
+        torch.arange(self.max_batch_size, out=self.buffers.extend_start_loc)
 
     def buffer_sizes(self) -> tuple[int, int]:
         return self.shapes[-1], self.shapes[-1]
@@ -46,15 +49,14 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
             for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices",
                          "seq_lens", "prefix_lens"):
                 getattr(buf, name)[:live].copy_(getattr(batch, name), non_blocking=True)
-        pad = slice(live, shape)
-        buf.input_ids[pad] = 0
-        buf.positions[pad] = 0
-        buf.out_cache_loc[pad] = 0
-        buf.req_pool_indices[pad] = self.padding_row
-        buf.seq_lens[pad] = 1
-        buf.prefix_lens[pad] = 0
-        buf.extend_seq_lens[:shape] = 1
-        torch.arange(shape, out=buf.extend_start_loc[:shape])
+        if live < shape:
+            pad = slice(live, shape)
+            buf.input_ids[pad] = 0
+            buf.positions[pad] = 0
+            buf.out_cache_loc[pad] = 0
+            buf.req_pool_indices[pad] = self.padding_row
+            buf.seq_lens[pad] = 1
+            buf.prefix_lens[pad] = 0
         seq_cpu = (batch.seq_lens_cpu if batch is not None else []) + [1] * (shape - live)
         return buf.view(ForwardMode.DECODE, shape, shape, seq_cpu, [1] * shape,
                         self.model_runner)
