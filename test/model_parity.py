@@ -109,6 +109,19 @@ def chunked_prefill_over_prefix(hf_model, runner: ModelRunner, close: Close) -> 
         release(req, runner)
 
 
+def divergence_gaps(runner: ModelRunner, prompts: list[list[int]], got: list[list[int]],
+                    want: list[list[int]]) -> dict[int, float]:
+    """For each prompt whose generation `got` differs from the reference `want`: the top-2 logit
+    gap of `runner` (the reference's runner) at the first token where they part."""
+    gaps = {}
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if a != b:
+            pairs = zip(a, b, strict=False)  # one may have stopped earlier
+            k = next((j for j, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))
+            gaps[i] = top2_gap(runner, prompts[i] + b[:k])
+    return gaps
+
+
 def top2_gap(runner: ModelRunner, ids: list[int]) -> float:
     """Gap between the two largest next-token logits after `ids` (a near-tie when small)."""
     req = Req("gap", ids, SamplingParams(), 0, 1)
