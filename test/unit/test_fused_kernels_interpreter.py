@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import require_triton_interpreter
 
-pytest.importorskip("triton", reason="triton is not installed")
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("a CUDA GPU is present: the kernels run compiled (test/gpu)",
-                allow_module_level=True)
+require_triton_interpreter()
 
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.activation import SiluAndMul  # noqa: E402

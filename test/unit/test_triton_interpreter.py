@@ -8,15 +8,11 @@ multi-block paths at these sizes.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_interpreter import require_triton_interpreter
 
-pytest.importorskip("triton", reason="triton is not installed")
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("a CUDA GPU is present: the kernels run compiled (test/gpu)",
-                allow_module_level=True)
+require_triton_interpreter()
 
 from replaylm.layers.attention.triton import TritonAttnBackend  # noqa: E402
 from replaylm.layers.attention.triton.common import KernelConfig  # noqa: E402

@@ -4,9 +4,9 @@ Per batch, `init_forward_metadata` only picks tensors the batch already has (no 
 sync); the layers of an eager decode batch share one split-K workspace. For a `full` decode graph
 the backend keeps its own static copies of what the kernels read per request or token (request
 rows, sequence lengths, KV slots of the new tokens): the capture hook points the kernels at them,
-the replay hook refreshes them in place. The number of KV splits
-is a function of the batch size alone, so a graph captured for a batch size serves any lengths,
-and eager and replayed decode of the same batch compute exactly the same thing.
+the replay hook refreshes them in place. The number of KV splits is a function of the batch size
+alone, so a graph captured for a batch size serves any lengths, and eager and replayed decode of
+the same batch compute exactly the same thing.
 """
 
 from __future__ import annotations

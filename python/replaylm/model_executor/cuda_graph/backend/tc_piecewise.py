@@ -61,7 +61,9 @@ class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
             super().capture_one(shape, batch, forward_fn)
 
     def replay(self, shape: int, batch: ForwardBatch) -> torch.Tensor:
-        """Replayed segments call attention directly; the context serves the debug switch,
-        which runs the compiled forward itself."""
+        """Replayed segments call attention directly (no context needed); the debug switch runs
+        the compiled forward itself, whose custom ops need the context."""
+        if not self.debug:
+            return super().replay(shape, batch)
         with attention_context(batch, self._layers):
             return super().replay(shape, batch)
