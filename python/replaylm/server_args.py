@@ -97,6 +97,10 @@ class ServerArgs:
     tc_piecewise_compiler: str = field(default="inductor", metadata=_opt(
         "how tc_piecewise compiles the pieces of the forward (eager: split only, no fusion)",
         ("inductor", "eager")))
+    tc_piecewise_kernels: str = field(default="fused", metadata=_opt(
+        "what tc_piecewise pieces run for norms, rope and SiluAndMul: fused (replaylm's Triton "
+        "kernels kept whole: the eager model's numbers) or native (the torch code, fused by the "
+        "compiler itself)", ("fused", "native")))
     compile_cache_dir: str | None = field(default=None, metadata=_opt(
         "directory where tc_piecewise keeps compiled pieces, so a later start reuses them "
         "(default: Inductor's own cache directory)"))

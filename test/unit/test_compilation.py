@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from replaylm.compilation.compile_model import (
     CompiledForward,
     TcPiecewiseCompileError,
+    TcPiecewiseOptions,
     attention_layers,
 )
 from replaylm.compilation.split import split_at_ops
@@ -100,10 +101,11 @@ def _run(graph_runner, live, shape: int) -> torch.Tensor:
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 @torch.inference_mode()
 def test_compiled_forward_equals_eager_for_prefill_and_decode(runner, compiler):
+    options = TcPiecewiseOptions(compiler)
     prefill = PrefillCudaGraphRunner(
-        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, compiler), shapes=[16, 32])
+        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, options), shapes=[16, 32])
     decode = DecodeCudaGraphRunner(
-        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, compiler), shapes=[1, 4])
+        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, options), shapes=[1, 4])
     prefill.backend.prepare(prefill)  # compiles
     decode.backend.prepare(decode)  # reuses the model's compiled forward
     compiled = prefill.backend.compiled
@@ -140,7 +142,7 @@ class UnsupportedOpModel(nn.Module):
 
 
 def test_compile_failure_is_a_clear_error_naming_the_op_and_suggesting_breakable():
-    compiled = CompiledForward(UnsupportedOpModel(), "eager")
+    compiled = CompiledForward(UnsupportedOpModel(), TcPiecewiseOptions("eager"))
     with pytest.raises(TcPiecewiseCompileError) as info:
         compiled(torch.arange(8), torch.arange(8))
     message = str(info.value)

@@ -20,14 +20,23 @@ from triton_interpreter import require_triton_interpreter
 
 require_triton_interpreter()
 
+from replaylm.compilation.compile_model import (  # noqa: E402
+    CompiledForward,
+    TcPiecewiseOptions,
+    attention_layers,
+)
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.activation import SiluAndMul  # noqa: E402
+from replaylm.layers.attention.ops import attention_context  # noqa: E402
 from replaylm.layers.kernels import native_only, use_triton_kernels  # noqa: E402
 from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 from replaylm.layers.kernels.rmsnorm import rms_norm  # noqa: E402
 from replaylm.layers.kernels.silu_mul import silu_and_mul  # noqa: E402
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from replaylm.runtime.batch_ops import prepare_extend, release  # noqa: E402
+from replaylm.runtime.request import Req  # noqa: E402
+from replaylm.sampling_params import SamplingParams  # noqa: E402
 
 from model_parity import (  # noqa: E402
     dummy_runner,
@@ -134,7 +143,10 @@ def test_use_triton_kernels_is_false_on_cpu_in_native_only_and_under_compile(mon
 
     torch._dynamo.reset()
     torch.compile(f, backend="eager", fullgraph=True)(x)
-    assert seen == [False]
+    with kernels.kernels_in_compiled_code():
+        torch._dynamo.reset()
+        torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert seen == [False, True]
 
 
 @pytest.fixture
@@ -193,3 +205,50 @@ def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
     assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 10, "silu_and_mul": 4}
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def _compiled_ops(compiled: CompiledForward) -> set[str]:
+    """The ops the compiled forward's compute pieces call (the pieces stay FX graphs with the
+    `eager` piece compiler)."""
+    split = compiled.backend.split
+    return {str(node.target) for piece in split.compute_pieces
+            for node in getattr(split.module, piece.name).graph.nodes
+            if node.op == "call_function"}
+
+
+@pytest.mark.parametrize(("compiler", "kernels"),
+                         [("eager", "fused"), ("eager", "native"), ("inductor", "fused")])
+@torch.inference_mode()
+def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, compiler, kernels):
+    """With kernels="fused" the compiled forward calls the fused kernels as custom ops (each
+    kernel launched once per layer call) and computes the eager Triton route's numbers exactly
+    (Inductor too: it fuses only the glue); with "native" the pieces hold the torch code instead
+    (no kernel runs) and match closely."""
+    cfg = json.loads((CONFIGS / "qwen3-0.6b.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    runner = dummy_runner(tmp_path / "config.json", "cpu", "float32", max_total_tokens=256,
+                          context_length=64)
+    reqs = [Req(i, list(range(10 + i, 10 + i + n)), SamplingParams(), 0, 4)
+            for i, n in enumerate((5, 3))]
+    batch = prepare_extend(reqs, runner)
+    runner.attn_backend.init_forward_metadata(batch)
+    layers = attention_layers(runner.model)
+    with attention_context(batch, layers):
+        want = runner.model.forward_hidden(batch.input_ids, batch.positions, batch).clone()
+        kernel_calls.clear()
+        compiled = CompiledForward(runner.model, TcPiecewiseOptions(compiler, kernels))
+        got = compiled(batch.input_ids, batch.positions)
+    fused_ops = {"replaylm.rms_norm", "replaylm.add_rms_norm", "replaylm.qk_norm_rope",
+                 "replaylm.silu_and_mul"}
+    if kernels == "fused":
+        assert compiler == "inductor" or fused_ops <= _compiled_ops(compiled)
+        # per layer: 2 norms, q/k norm + rope, SiluAndMul; then the final norm
+        assert kernel_calls == {"rms_norm": 5, "qk_norm_rope": 2, "silu_and_mul": 2}
+        assert torch.equal(got, want)
+    else:
+        assert not fused_ops & _compiled_ops(compiled) and kernel_calls == {}
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for req in reqs:
+        release(req, runner)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from replaylm.compilation.compile_model import TcPiecewiseOptions
 from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGraphBackend
 from replaylm.model_executor.cuda_graph.backend.factory import create_graph_backend
 from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
@@ -95,8 +96,12 @@ def test_shapes_and_fallback_decisions(runner):
 def test_factory_errors_are_clear(runner):
     assert create_graph_backend("prefill", "breakable", runner.attn_backend).mode == "breakable"
     for phase in ("decode", "prefill"):
-        backend = create_graph_backend(phase, "tc_piecewise", runner.attn_backend, compiler="eager")
-        assert backend.mode == "tc_piecewise" and backend.compiler == "eager"
+        backend = create_graph_backend(phase, "tc_piecewise", runner.attn_backend,
+                                       tc_options=TcPiecewiseOptions("eager", "native"))
+        assert backend.mode == "tc_piecewise"
+        assert backend.options == TcPiecewiseOptions("eager", "native")
+    with pytest.raises(ValueError, match="kernels must be one of fused, native"):
+        TcPiecewiseOptions("inductor", "triton")
     with pytest.raises(ValueError, match="'torch_native' has none"):
         create_graph_backend("decode", "full", runner.attn_backend)
     with pytest.raises(ValueError, match="prefill: mode 'full' is not supported"):

@@ -1,10 +1,12 @@
-"""Compile a model's forward for tc_piecewise: `compiled_forward(model, compiler)`.
+"""Compile a model's forward for tc_piecewise: `compiled_forward(model, options)`.
 
 The compiled callable is `(input_ids [T], positions [T]) -> final hidden states [T, H]`, traced
 once by torch.compile(fullgraph=True) with the token dimension unbacked-dynamic (one compile
 serves every token count, 1 included: no 0/1 specialisation, no shape guards) and the attention
-custom op left opaque. The caller must hold `attention_context` open while calling it. Failures to
-compile are raised as TcPiecewiseCompileError, never hidden by a fallback.
+custom op left opaque; with `kernels="fused"` (the default) the fused layer kernels enter the
+graph as opaque custom ops too, so every piece computes the eager model's numbers and the compiler
+fuses only what lies between them. The caller must hold `attention_context` open while calling
+it. Failures to compile are raised as TcPiecewiseCompileError, never hidden by a fallback.
 """
 
 from __future__ import annotations
@@ -13,18 +15,38 @@ import logging
 import os
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from replaylm.compilation.piecewise_backend import PiecewiseBackend
 from replaylm.layers.attention.layer import Attention
+from replaylm.layers.kernels import kernels_in_compiled_code
 
 logger = logging.getLogger(__name__)
 
 RECOMPILE_LIMIT = 64  # one Dynamo cache entry per compiled model; tests build many models
 
-_compiled: weakref.WeakKeyDictionary[nn.Module, dict[str, CompiledForward]] = (
+KERNEL_CHOICES = ("fused", "native")
+
+
+@dataclass(frozen=True)
+class TcPiecewiseOptions:
+    """`compiler` of the pieces (`piecewise_backend.COMPILERS`); `kernels`: "fused" keeps the
+    fused Triton kernels (norms, rope, SiluAndMul) whole inside the pieces, "native" traces the
+    layers' torch code so that the compiler derives its own fusions."""
+
+    compiler: str = "inductor"
+    kernels: str = "fused"
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"tc_piecewise kernels must be one of {', '.join(KERNEL_CHOICES)}, "
+                             f"not '{self.kernels}'")
+
+
+_compiled: weakref.WeakKeyDictionary[nn.Module, dict[TcPiecewiseOptions, CompiledForward]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -51,9 +73,10 @@ class CompiledForward:
     """`model.forward_hidden` compiled with the piecewise backend; compiles on the first call
     (`compile_seconds` is the whole first call: tracing and compiling)."""
 
-    def __init__(self, model: nn.Module, compiler: str) -> None:
+    def __init__(self, model: nn.Module, options: TcPiecewiseOptions) -> None:
         self.model = model
-        self.backend = PiecewiseBackend(compiler, split_ops())
+        self.options = options
+        self.backend = PiecewiseBackend(options.compiler, split_ops())
         self.compile_seconds: float | None = None
         self._fn = torch.compile(self._hidden, backend=self.backend, fullgraph=True)
 
@@ -65,10 +88,11 @@ class CompiledForward:
         return self.compile_seconds is not None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.is_compiled:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self._fn(input_ids, positions)
-        return self._compile(input_ids, positions)
+        with kernels_in_compiled_code(self.options.kernels == "fused"):
+            if self.is_compiled:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return self._fn(input_ids, positions)
+            return self._compile(input_ids, positions)
 
     def _compile(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         for t in (input_ids, positions):
@@ -84,8 +108,9 @@ class CompiledForward:
         self.compile_seconds = time.perf_counter() - start
         split = self.backend.split
         logger.info(
-            "tc_piecewise: compiled the forward in %.1f s (%s): %d attention calls, %d compute "
-            "pieces%s", self.compile_seconds, self.backend.compiler,
+            "tc_piecewise: compiled the forward in %.1f s (%s, %s kernels): %d attention calls, "
+            "%d compute pieces%s", self.compile_seconds, self.options.compiler,
+            self.options.kernels,
             len(split.pieces) - len(split.compute_pieces), len(split.compute_pieces),
             f", {self.backend.cache_hits} from Inductor's cache"
             if self.backend.compiler == "inductor" else "",
@@ -107,9 +132,9 @@ def set_compile_cache_dir(path: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(path)
 
 
-def compiled_forward(model: nn.Module, compiler: str) -> CompiledForward:
-    """The model's one CompiledForward for `compiler` (both phases share it)."""
+def compiled_forward(model: nn.Module, options: TcPiecewiseOptions) -> CompiledForward:
+    """The model's one CompiledForward for `options` (both phases share it)."""
     per_model = _compiled.setdefault(model, {})
-    if compiler not in per_model:
-        per_model[compiler] = CompiledForward(model, compiler)
-    return per_model[compiler]
+    if options not in per_model:
+        per_model[options] = CompiledForward(model, options)
+    return per_model[options]

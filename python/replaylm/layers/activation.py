@@ -15,7 +15,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton_kernels(x):
-            from replaylm.layers.kernels.silu_mul import silu_and_mul
+            from replaylm.layers.kernels.ops import silu_and_mul
 
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)

@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if use_triton_kernels(x):
-            from replaylm.layers.kernels.rmsnorm import rms_norm
+            from replaylm.layers.kernels.ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:

@@ -72,7 +72,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if use_triton_kernels(q):
-            from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope
+            from replaylm.layers.kernels.ops import qk_norm_rope
 
             return qk_norm_rope(q, k, positions, self.cos_cache, self.sin_cache, self.head_dim)
         cos = self.cos_cache[positions].to(q.dtype)[:, None, :]

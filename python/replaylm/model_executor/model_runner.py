@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from replaylm.compilation.compile_model import set_compile_cache_dir
+from replaylm.compilation.compile_model import TcPiecewiseOptions, set_compile_cache_dir
 from replaylm.cuda_graph_config import PhaseConfig, resolve_cuda_graph_config
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
@@ -75,7 +75,8 @@ class ModelRunner:
                     set_compile_cache_dir(self.args.compile_cache_dir)
                 backend = create_graph_backend(
                     phase, phase_config.mode, self.attn_backend, self.args.debug_cuda_graph,
-                    self.args.tc_piecewise_compiler,
+                    TcPiecewiseOptions(self.args.tc_piecewise_compiler,
+                                       self.args.tc_piecewise_kernels),
                 )
                 runners[phase] = runner_cls(self, backend, self._fit_shapes(phase, phase_config))
                 runners[phase].capture()

@@ -58,7 +58,7 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head q/k norm and rope in one kernel, reading q and k in place from the QKV
         output (the Triton route of the qk-norm models)."""
-        from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope
+        from replaylm.layers.kernels.ops import qk_norm_rope
 
         return qk_norm_rope(
             q, k, positions, self.rotary.cos_cache, self.rotary.sin_cache, self.head_dim,

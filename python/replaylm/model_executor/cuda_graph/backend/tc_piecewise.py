@@ -5,7 +5,8 @@ attention custom op, each compute piece compiled for every token count). Each sh
 captured as a breakable graph of the compiled forward: every compute piece becomes one CUDA-graph
 segment, every attention call runs eagerly between them with the live batch's metadata. So, as
 with `breakable`, one prefill bucket serves any mix of requests and the attention backend needs no
-graph hooks; the pieces are Inductor-fused instead of the eager model's kernels.
+graph hooks. With the default options the pieces run the eager model's fused kernels (same
+numbers) and Inductor fuses the rest; with `kernels="native"` Inductor fuses the layers' torch code.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from replaylm.compilation.compile_model import (
     CompiledForward,
+    TcPiecewiseOptions,
     attention_layers,
     compiled_forward,
 )
@@ -34,9 +36,10 @@ if TYPE_CHECKING:
 class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
     mode = "tc_piecewise"
 
-    def __init__(self, attn_backend: AttentionBackend, compiler: str, debug: bool = False) -> None:
+    def __init__(self, attn_backend: AttentionBackend, options: TcPiecewiseOptions,
+                 debug: bool = False) -> None:
         super().__init__(attn_backend, debug)
-        self.compiler = compiler
+        self.options = options
         self.compiled: CompiledForward | None = None  # set by prepare
         self._layers: list[Attention] = []
 
@@ -46,7 +49,7 @@ class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
         super().prepare(runner)
         model = runner.model_runner.model
         self._layers = attention_layers(model)
-        self.compiled = compiled_forward(model, self.compiler)
+        self.compiled = compiled_forward(model, self.options)
         if not self.compiled.is_compiled:
             batch = runner.fill(None, runner.shapes[-1])
             self.attn.init_forward_metadata(batch)

@@ -1,0 +1,99 @@
+"""The layers' entry points to the fused kernels: a direct launch when run eagerly, a torch custom
+op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `qk_norm_rope`) under torch.compile.
+
+Inside compiled code (tc_piecewise with `kernels="fused"`, see `kernels_in_compiled_code`) the
+custom ops keep each kernel whole: Inductor calls it as it is instead of re-deriving its own
+fusion from the torch code, so a compiled piece computes the very numbers of the eager model.
+Eager calls skip the custom-op dispatch (tens of microseconds of host time per call).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replaylm.layers.kernels import qk_norm_rope as _qk_norm_rope
+from replaylm.layers.kernels import rmsnorm as _rmsnorm
+from replaylm.layers.kernels import silu_mul as _silu_mul
+
+
+@torch.library.custom_op("replaylm::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rmsnorm.rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+@torch.library.custom_op("replaylm::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rmsnorm.rms_norm(x, weight, eps, residual)
+
+
+@_add_rms_norm_op.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    return (x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype)),
+            x.new_empty(x.shape, dtype=sum_dtype))
+
+
+@torch.library.custom_op("replaylm::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
+    return _silu_mul.silu_and_mul(x)
+
+
+@_silu_and_mul_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op("replaylm::qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor, head_dim: int, q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = None if q_weight is None else (q_weight, k_weight, eps)
+    return _qk_norm_rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm)
+
+
+@_qk_norm_rope_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+      sin_cache: torch.Tensor, head_dim: int, q_weight: torch.Tensor | None,
+      k_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.rmsnorm.rms_norm` (same contract), as a custom op when compiling."""
+    if not torch.compiler.is_compiling():
+        return _rmsnorm.rms_norm(x, weight, eps, residual)
+    if residual is None:
+        return torch.ops.replaylm.rms_norm(x, weight, eps)
+    return torch.ops.replaylm.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`kernels.silu_mul.silu_and_mul` (same contract), as a custom op when compiling."""
+    if not torch.compiler.is_compiling():
+        return _silu_mul.silu_and_mul(x)
+    return torch.ops.replaylm.silu_and_mul(x)
+
+
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor, head_dim: int,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.qk_norm_rope.qk_norm_rope` (same contract), as a custom op when compiling."""
+    if not torch.compiler.is_compiling():
+        return _qk_norm_rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm)
+    q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
+    return torch.ops.replaylm.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim,
+                                           q_weight, k_weight, eps)
