@@ -2,6 +2,7 @@
 
     python benchmark/bench_one_batch.py [--models qwen3-0.6b llama-3.1-8b] [--bs 1 8 64]
                                         [--context 512] [--runs JSON ...] [--json out.json]
+                                        [--small-batch-matmul cublas|triton]
 
 Dummy weights with real architectures' configs (benchmark/configs/). Per model one ModelRunner is
 built per run (default: `{"decode": "full", "prefill": "breakable"}`, `{"decode": "breakable"}`,
@@ -9,6 +10,7 @@ built per run (default: `{"decode": "full", "prefill": "breakable"}`, `{"decode"
 memory (tc_piecewise: and its compile time). Eager numbers run the same model and batch through the
 eager path. Times are CUDA-event medians after warm-up. The decode floor is the bytes a step must
 read (weights + the batch's KV) over the device-to-device copy bandwidth measured in this run.
+`--small-batch-matmul` picks the kernel of matmuls of at most 16 rows (the server flag's choices).
 """
 
 from __future__ import annotations
@@ -60,14 +62,15 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / (ms / 1e3) / 1e9
 
 
-def build_runner(model: str, modes: str, max_bs: int, context: int) -> ModelRunner:
+def build_runner(model: str, modes: str, max_bs: int, context: int,
+                 small_batch_matmul: str = "cublas") -> ModelRunner:
     """Default decode shapes (up to 256) and prefill buckets (up to 2048): what capture time and
     memory are reported for."""
     return ModelRunner(ServerArgs(
         model_path=str(CONFIGS / f"{model}.json"), load_format="dummy", device="cuda",
         dtype="bfloat16", max_running_requests=256, context_length=max(context, 2048) + 64,
         max_total_tokens=max_bs * (context + 64) + 4096, cuda_graph_mode=modes,
-        chunked_prefill_size=2048, mem_fraction_static=0.85,
+        chunked_prefill_size=2048, mem_fraction_static=0.85, small_batch_matmul=small_batch_matmul,
     ))
 
 
@@ -126,11 +129,12 @@ def capture_row(model: str, runner: ModelRunner, phase: str) -> dict:
 
 
 def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,
-                bandwidth: float) -> tuple[list[dict], list[dict]]:
+                bandwidth: float, small_batch_matmul: str = "cublas"
+                ) -> tuple[list[dict], list[dict]]:
     """Each run is a `--cuda-graph-mode` JSON; eager times come from the first runner."""
     rows, captures, eager = [], [], {}
     for modes in runs:
-        runner = build_runner(model, modes, max(bs_list), context)
+        runner = build_runner(model, modes, max(bs_list), context, small_batch_matmul)
         config = json.loads(modes)
         for phase in ("decode", "prefill"):
             if config.get(phase, "disabled") != "disabled":
@@ -169,17 +173,19 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=RUNS,
                         help="--cuda-graph-mode JSON of each runner (default: all three modes)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--small-batch-matmul", choices=("cublas", "triton"), default="cublas")
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth_gbs()
     rows, captures = [], []
     for model in args.models:
         model_rows, model_captures = bench_model(model, args.runs, args.bs, args.context,
-                                                 bandwidth)
+                                                 bandwidth, args.small_batch_matmul)
         rows += model_rows
         captures += model_captures
 
-    print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens")
+    print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens; "
+          f"small-batch matmul {args.small_batch_matmul}")
     print(f"{'model':14} {'step':18} {'mode':10} {'eager ms':>9} {'graph ms':>9} "
           f"{'speedup':>8} {'floor ms':>9}")
     for r in rows:
@@ -196,7 +202,9 @@ def main() -> None:
                    if r["floor_ms"] else {})}
                for r in rows if r["step"] in ("decode bs1", "prefill 1x128")] + captures
     if args.json:
-        args.json.write_text(json.dumps({"copy_bandwidth_gbs": bandwidth, "rows": rows,
+        args.json.write_text(json.dumps({"copy_bandwidth_gbs": bandwidth,
+                                         "small_batch_matmul": args.small_batch_matmul,
+                                         "rows": rows,
                                          "captures": captures, "summary": summary}, indent=2))
 
 

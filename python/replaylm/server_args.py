@@ -97,6 +97,9 @@ class ServerArgs:
     tc_piecewise_compiler: str = field(default="inductor", metadata=_opt(
         "how tc_piecewise compiles the pieces of the forward (eager: split only, no fusion)",
         ("inductor", "eager")))
+    small_batch_matmul: str = field(default="cublas", metadata=_opt(
+        "kernel of the matmuls of at most 16 rows (decode batches) on CUDA: cublas, or triton (a "
+        "split-K kernel whose rows do not depend on the batch's size)", ("cublas", "triton")))
     tc_piecewise_kernels: str = field(default="fused", metadata=_opt(
         "what tc_piecewise pieces run for norms, rope and SiluAndMul: fused (replaylm's Triton "
         "kernels kept whole: the eager model's numbers) or native (the torch code, fused by the "

@@ -1,5 +1,6 @@
-"""Fused layer kernels (RMSNorm, q/k norm + rope, SiluAndMul) on CUDA against the layers' native
-torch code (`native_only()`), at Qwen3-0.6B and Llama-3.1-8B shapes, bfloat16 and float32.
+"""Fused layer kernels (RMSNorm, q/k norm + rope, SiluAndMul, the skinny matmul) on CUDA against the
+layers' native torch code (`native_only()`, F.linear), at Qwen3-0.6B and Llama-3.1-8B shapes,
+bfloat16 and float32; the skinny matmul's rows bit-equal whatever the batch's size.
 
 Relative error by norm: under 1e-2 for bf16 (the kernels round rope once where torch rounds each
 product and the sum), 1e-5 for fp32; residual sums bit-equal. Then the kernels captured in a CUDA
@@ -18,6 +19,7 @@ import torch
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import native_only, use_triton_kernels
 from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope
+from replaylm.layers.kernels.skinny_matmul import MAX_ROWS, _workspace, skinny_matmul
 from replaylm.layers.layernorm import RMSNorm
 from replaylm.layers.rotary_embedding import RotaryEmbedding
 
@@ -177,15 +179,51 @@ def test_cuda_graph_replay_equals_eager(tokens):
             assert torch.equal(replayed, eager)
 
 
+# (N, K): Qwen3-0.6B's qkv, o, gate_up, down; SmolLM2-135M's qkv, o, down, LM head
+MATMUL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (960, 576), (576, 576),
+                 (576, 1536), (49152, 576)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), MATMUL_SHAPES)
+def test_skinny_matmul_matches_linear_and_rows_are_batch_invariant(n, k, dtype):
+    w = _randn(n, k, dtype=dtype, seed=n) / k**0.5
+    x = _randn(MAX_ROWS, k, dtype=dtype, seed=k)
+    full = skinny_matmul(x, w)
+    _check(full, torch.nn.functional.linear(x, w), dtype)
+    for rows in range(1, MAX_ROWS + 1):
+        assert torch.equal(skinny_matmul(x[:rows], w), full[:rows])
+    assert int(_workspace(x.device)[1].count_nonzero()) == 0
+
+
+def test_skinny_matmul_in_a_cuda_graph_equals_eager():
+    w1 = _randn(1024, 2048, dtype=torch.bfloat16, seed=1) / 45  # split-K
+    w2 = _randn(4096, 1024, dtype=torch.bfloat16, seed=2) / 32  # one slice
+    x = _randn(3, 2048, dtype=torch.bfloat16, seed=3)
+
+    def step() -> torch.Tensor:
+        return skinny_matmul(skinny_matmul(x, w1), w2)
+
+    step()  # compiles the kernel and allocates the workspace outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (4, 5):
+        x.copy_(_randn(*x.shape, dtype=x.dtype, seed=seed))
+        graph.replay()
+        assert torch.equal(out, step())
+
+
+@pytest.mark.parametrize("matmul", ["cublas", "triton"])
 @pytest.mark.parametrize(("dtype", "tol"), [("bfloat16", 2e-2), ("float32", 1e-4)])
-def test_dummy_qwen3_logits_triton_vs_native(dtype, tol):
+def test_dummy_qwen3_logits_triton_vs_native(dtype, tol, matmul):
     eager = dummy_runner(QWEN3, "cuda", dtype, decode_disable_cuda_graph=True,
-                         prefill_disable_cuda_graph=True)
+                         prefill_disable_cuda_graph=True, small_batch_matmul=matmul)
     with native_only():
         want = scripted_logits(eager)
     runs = {"eager": scripted_logits(eager)}
     if dtype == "bfloat16":  # the kernels inside the default CUDA graphs too
-        graphed = dummy_runner(QWEN3, "cuda", dtype)
+        graphed = dummy_runner(QWEN3, "cuda", dtype, small_batch_matmul=matmul)
         graphed.model.load_state_dict(eager.model.state_dict())
         runs["graphed"] = scripted_logits(graphed)
         assert graphed.forward_stats.phases["decode"].graph > 0

@@ -32,8 +32,15 @@ from replaylm.layers.kernels import native_only, use_triton_kernels  # noqa: E40
 from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 from replaylm.layers.kernels.rmsnorm import rms_norm  # noqa: E402
 from replaylm.layers.kernels.silu_mul import silu_and_mul  # noqa: E402
+from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
+    MatmulConfig,
+    matmul_config,
+    skinny_matmul,
+)
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
+from replaylm.layers.linear import set_small_batch_matmul  # noqa: E402
 from replaylm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from replaylm.model_executor.model_runner import ModelRunner  # noqa: E402
 from replaylm.runtime.batch_ops import prepare_extend, release  # noqa: E402
 from replaylm.runtime.request import Req  # noqa: E402
 from replaylm.sampling_params import SamplingParams  # noqa: E402
@@ -126,6 +133,40 @@ def test_qk_norm_rope_rejects_an_odd_head_dim():
         qk_norm_rope(q, k, torch.zeros(2, dtype=torch.long), cache, cache, 15)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n", "k", "bias", "config"), [
+    (1, 96, 576, False, None),  # split-K 4 with an empty last slice (576 = 4.5 blocks)
+    (13, 1024, 2048, True, None),
+    (16, 300, 700, False, None),
+    (5, 70, 130, True, None),  # one slice (K < 4 blocks)
+    (3, 4200, 256, False, None),  # one slice (enough output tiles)
+    (7, 90, 200, True, MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4,
+                                    num_stages=2)),
+])
+def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
+        dtype, rows, n, k, bias, config):
+    x = _strided(_randn(rows, k, dtype=dtype, seed=rows))
+    w = _randn(n, k, dtype=dtype, seed=n) / k**0.5
+    b = _randn(n, dtype=dtype, seed=1) if bias else None
+    got = skinny_matmul(x, w, b, config)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), **TOL[dtype])
+    for i in (0, rows - 1):  # a row alone is computed as inside the batch (bit-equal on the GPU:
+        # test/gpu/test_fused_kernels.py; numpy's dots in the interpreter may round differently)
+        torch.testing.assert_close(skinny_matmul(x[i : i + 1], w, b, config), got[i : i + 1],
+                                   **TOL[dtype])
+    from replaylm.layers.kernels.skinny_matmul import _workspace
+
+    assert int(_workspace(x.device)[1].count_nonzero()) == 0  # every counter back to zero
+
+
+def test_skinny_matmul_config_depends_on_the_weight_only_and_rejects_many_rows():
+    assert matmul_config(1024, 3072).split_k == 4 and matmul_config(4096, 1024).split_k == 1
+    assert matmul_config(1024, 256).split_k == 1  # too few K blocks to split
+    with pytest.raises(ValueError, match="at most 16 rows, got 17"):
+        skinny_matmul(torch.ones(17, 8), torch.ones(4, 8))
+
+
 def test_use_triton_kernels_is_false_on_cpu_in_native_only_and_under_compile(monkeypatch):
     x = torch.ones(2, 4)
     assert not use_triton_kernels(x)
@@ -185,18 +226,23 @@ def test_layers_take_the_triton_route_and_match_native(kernel_calls):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+def _tiny_runner(tmp_path: Path, config: str) -> ModelRunner:
+    """A 2-layer model of the config's architecture, shrunk, on dummy float32 weights (CPU)."""
+    cfg = json.loads((CONFIGS / config).read_text())
+    cfg.update(hidden_size=96, intermediate_size=160, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, num_hidden_layers=2, vocab_size=1024)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return dummy_runner(tmp_path / "config.json", "cpu", "float32", max_total_tokens=256,
+                        context_length=64)
+
+
 @pytest.mark.parametrize("config", ["qwen3-0.6b.json", "llama-3.1-8b.json"])
 def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
     """A 2-layer model of the config's architecture, shrunk, on dummy weights, in float32:
     logits of a prefill and a decode step through the kernels equal the native route's. Qwen3
     takes LlamaAttention's fused q/k norm + rope (its per-head norms are no RMSNorm calls),
     Llama the rope alone through RotaryEmbedding (llama3 scaling)."""
-    cfg = json.loads((CONFIGS / config).read_text())
-    cfg.update(hidden_size=96, intermediate_size=160, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=24, num_hidden_layers=2, vocab_size=1024)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    runner = dummy_runner(tmp_path / "config.json", "cpu", "float32", max_total_tokens=256,
-                          context_length=64)
+    runner = _tiny_runner(tmp_path, config)
     with native_only():
         want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
     assert kernel_calls == {}
@@ -205,6 +251,29 @@ def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
     assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 10, "silu_and_mul": 4}
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_small_batch_matmul_triton_takes_the_skinny_kernel_up_to_16_rows(kernel_calls, tmp_path,
+                                                                          monkeypatch):
+    """With `--small-batch-matmul triton`, every matmul of at most 16 rows (the decode step, the
+    prefill's logits) runs the skinny kernel, larger ones F.linear; logits match cuBLAS's."""
+    from replaylm.layers.kernels import skinny_matmul as skinny_mod
+
+    calls = []
+    monkeypatch.setattr(skinny_mod, "skinny_matmul",
+                        lambda x, *a, **kw: calls.append(x.numel() // x.shape[-1])
+                        or skinny_matmul(x, *a, **kw))
+    runner = _tiny_runner(tmp_path, "llama-3.1-8b.json")
+    want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
+    assert calls == []
+    set_small_batch_matmul(runner.model, "triton")
+    got = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
+    # prefill (36 tokens): only the logits (3 rows); decode: 2 layers x 4 matmuls + logits
+    assert calls == [3] + [3] * 9
+    for ours, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="must be one of cublas, triton"):
+        set_small_batch_matmul(runner.model, "cutlass")
 
 
 def _compiled_ops(compiled: CompiledForward) -> set[str]:
@@ -224,12 +293,8 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, comp
     kernel launched once per layer call) and computes the eager Triton route's numbers exactly
     (Inductor too: it fuses only the glue); with "native" the pieces hold the torch code instead
     (no kernel runs) and match closely."""
-    cfg = json.loads((CONFIGS / "qwen3-0.6b.json").read_text())
-    cfg.update(hidden_size=64, intermediate_size=96, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=512)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    runner = dummy_runner(tmp_path / "config.json", "cpu", "float32", max_total_tokens=256,
-                          context_length=64)
+    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json")
+    set_small_batch_matmul(runner.model, "triton")  # the skinny matmul stays whole too
     reqs = [Req(i, list(range(10 + i, 10 + i + n)), SamplingParams(), 0, 4)
             for i, n in enumerate((5, 3))]
     batch = prepare_extend(reqs, runner)
@@ -241,7 +306,7 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, comp
         compiled = CompiledForward(runner.model, TcPiecewiseOptions(compiler, kernels))
         got = compiled(batch.input_ids, batch.positions)
     fused_ops = {"replaylm.rms_norm", "replaylm.add_rms_norm", "replaylm.qk_norm_rope",
-                 "replaylm.silu_and_mul"}
+                 "replaylm.silu_and_mul", "replaylm.linear"}
     if kernels == "fused":
         assert compiler == "inductor" or fused_ops <= _compiled_ops(compiled)
         # per layer: 2 norms, q/k norm + rope, SiluAndMul; then the final norm

@@ -1,10 +1,37 @@
-"""Linear layers without initialisation (weights are loaded or filled by the loader)."""
+"""Linear layers without initialisation (weights are loaded or filled by the loader), and the
+choice of kernel for small-batch matmuls (`--small-batch-matmul`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from replaylm.layers.kernels import use_triton_kernels
+
+SMALL_BATCH_MATMULS = ("cublas", "triton")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           small_batch_matmul: str) -> torch.Tensor:
+    """`F.linear`, except with `small_batch_matmul="triton"` on the Triton route
+    (`use_triton_kernels`), where inputs of at most 16 rows take the skinny split-K kernel."""
+    if small_batch_matmul == "triton" and use_triton_kernels(x):
+        from replaylm.layers.kernels import ops
+
+        return ops.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def set_small_batch_matmul(model: nn.Module, kernel: str) -> None:
+    """Make every matmul layer of `model` (those with a `small_batch_matmul` attribute) use
+    `kernel` (one of SMALL_BATCH_MATMULS) for inputs of few rows."""
+    if kernel not in SMALL_BATCH_MATMULS:
+        raise ValueError(f"small-batch matmul must be one of {', '.join(SMALL_BATCH_MATMULS)}, "
+                         f"not '{kernel}'")
+    for module in model.modules():
+        if hasattr(module, "small_batch_matmul"):
+            module.small_batch_matmul = kernel
 
 
 class Linear(nn.Module):
@@ -16,9 +43,10 @@ class Linear(nn.Module):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.small_batch_matmul = "cublas"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small_batch_matmul)
 
 
 class MergedLinear(Linear):

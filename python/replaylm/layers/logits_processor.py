@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from replaylm.layers.linear import linear
 
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
@@ -15,10 +16,14 @@ if TYPE_CHECKING:
 class LogitsProcessor(nn.Module):
     """`hidden [T, H] -> logits [B, V]` (float32): the last new token of every request."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.small_batch_matmul = "cublas"  # see layers/linear.py
+
     def forward(
         self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         if not batch.forward_mode.is_decode():
             last = batch.extend_start_loc + batch.extend_seq_lens - 1
             hidden = hidden[last]
-        return F.linear(hidden, lm_head_weight).float()
+        return linear(hidden, lm_head_weight, None, self.small_batch_matmul).float()

@@ -1,5 +1,6 @@
 """The layers' entry points to the fused kernels: a direct launch when run eagerly, a torch custom
-op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `qk_norm_rope`) under torch.compile.
+op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `qk_norm_rope`, `linear`) under
+torch.compile.
 
 Inside compiled code (tc_piecewise with `kernels="fused"`, see `kernels_in_compiled_code`) the
 custom ops keep each kernel whole: Inductor calls it as it is instead of re-deriving its own
@@ -10,10 +11,12 @@ Eager calls skip the custom-op dispatch (tens of microseconds of host time per c
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from replaylm.layers.kernels import qk_norm_rope as _qk_norm_rope
 from replaylm.layers.kernels import rmsnorm as _rmsnorm
 from replaylm.layers.kernels import silu_mul as _silu_mul
+from replaylm.layers.kernels import skinny_matmul as _skinny
 
 
 @torch.library.custom_op("replaylm::rms_norm", mutates_args=())
@@ -68,6 +71,22 @@ def _(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torc
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.numel() <= _skinny.MAX_ROWS * x.shape[-1]:
+        return _skinny.skinny_matmul(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("replaylm::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -97,3 +116,13 @@ def qk_norm_rope(
     q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
     return torch.ops.replaylm.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim,
                                            q_weight, k_weight, eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """`x @ weight.T (+ bias)`: the skinny kernel (`kernels.skinny_matmul`) for at most
+    `MAX_ROWS` rows, else `F.linear`; decided per call at run time, so also under torch.compile,
+    where the row count is symbolic (a custom op there)."""
+    if not torch.compiler.is_compiling():
+        return _linear(x, weight, bias)
+    return torch.ops.replaylm.linear(x, weight, bias)

@@ -1,0 +1,139 @@
+"""`y = x W^T (+ b)` for few rows (decode batches): a Triton kernel built for M <= `MAX_ROWS`.
+
+A program computes a `[16, BLOCK_N]` tile of `y` (all the rows) over one slice of K with
+tensor-core dots; with `split_k > 1` the slices' fp32 partials go to a workspace and the last
+slice to arrive on its tile's counter adds them in slice order (so the sum is deterministic),
+writes `y` and zeroes the counter. More programs than output tiles is what the narrow projections
+need: cuBLAS runs the N=1024 projections of Qwen3-0.6B at 0.66-0.77 TB/s, split-K 4 brings them to
+~1 TB/s (H100 sweep, docs/benchmarks.md).
+
+The launch configuration depends on N and K only, never on M: each row of `y` is computed the same
+way whatever the number of rows beside it (rows are batch-invariant).
+
+The workspace is one per device, shared by every call: calls must be stream-ordered (one stream),
+as the model's forward is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from replaylm.layers.attention.triton.common import dot_precision
+from replaylm.layers.kernels import as_rows
+
+MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
+# the workspace's bounds: output tiles of a split-K launch, slices, tile width
+_MAX_SPLIT_TILES, _MAX_SPLITS, _MAX_BLOCK_N = 256, 8, 64
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def matmul_config(n: int, k: int) -> MatmulConfig:
+    """The launch for `[*, k] x [n, k]^T`: split K in 4 when the output has too few tiles of 32
+    columns to occupy the GPU (n < 4096) and K has at least 4 blocks; else one slice per tile."""
+    block_n, block_k = 32, 128
+    tiles = triton.cdiv(n, block_n)
+    split = 4 if tiles < 128 and k >= 4 * block_k else 1
+    return MatmulConfig(block_n, block_k, split, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _write_tile(Y, B, acc, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _skinny_matmul_kernel(
+    X, W, B, Y, Partials, Arrivals, M, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCKS_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for i in range(0, BLOCKS_PER_SPLIT):
+        offs_k = (pid_k * BLOCKS_PER_SPLIT + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k[None, :] < K
+        w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                    mask=(offs_n[:, None] < N) & k_ok, other=0.0)
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=(offs_m[:, None] < M) & k_ok, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if SPLIT_K == 1:
+        _write_tile(Y, B, acc, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+    else:
+        tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        parts = Partials + pid_n * (SPLIT_K * BLOCK_M * BLOCK_N)
+        tl.store(parts + pid_k * (BLOCK_M * BLOCK_N) + tile, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Arrivals + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last slice of this tile: merge in slice order
+            tl.store(Arrivals + pid_n, 0)
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(0, SPLIT_K):
+                total += tl.load(parts + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+            _write_tile(Y, B, total, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+
+
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials, int32 arrival counters, all zero) of `device`, allocated on first use."""
+    if device not in _workspaces:
+        partials = torch.empty(_MAX_SPLIT_TILES * _MAX_SPLITS * MAX_ROWS * _MAX_BLOCK_N,
+                               dtype=torch.float32, device=device)
+        _workspaces[device] = (partials, torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32,
+                                                     device=device))
+    return _workspaces[device]
+
+
+def skinny_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` for `x` `[..., K]` with at most `MAX_ROWS` rows (unit column
+    stride; any row stride), `weight` `[N, K]` contiguous; a new `[..., N]` tensor in x's dtype.
+    `config` overrides `matmul_config(N, K)` (tests)."""
+    n, k = weight.shape
+    x2 = as_rows(x, k)
+    m = x2.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {m}")
+    if weight.stride(1) != 1 or weight.stride(0) != k:
+        raise ValueError("the weight must be contiguous [N, K]")
+    cfg = config or matmul_config(n, k)
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n, cfg.block_n)
+    if cfg.split_k > 1 and (tiles > _MAX_SPLIT_TILES or cfg.split_k > _MAX_SPLITS
+                            or cfg.block_n > _MAX_BLOCK_N):
+        raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
+    partials, arrivals = _workspace(x.device)
+    if m:
+        _skinny_matmul_kernel[(tiles, cfg.split_k)](
+            x2, weight, weight if bias is None else bias, y, partials, arrivals, m, n, k,
+            x2.stride(0), weight.stride(0), n,
+            BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=MAX_ROWS,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(x.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return y
