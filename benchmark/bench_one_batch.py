@@ -2,7 +2,7 @@
 
     python benchmark/bench_one_batch.py [--models qwen3-0.6b llama-3.1-8b] [--bs 1 8 64]
                                         [--context 512] [--runs JSON ...] [--json out.json]
-                                        [--small-batch-matmul cublas|triton]
+                                        [--server-args '{"small_batch_matmul": "triton"}']
 
 Dummy weights with real architectures' configs (benchmark/configs/). Per model one ModelRunner is
 built per run (default: `{"decode": "full", "prefill": "breakable"}`, `{"decode": "breakable"}`,
@@ -10,7 +10,8 @@ built per run (default: `{"decode": "full", "prefill": "breakable"}`, `{"decode"
 memory (tc_piecewise: and its compile time). Eager numbers run the same model and batch through the
 eager path. Times are CUDA-event medians after warm-up. The decode floor is the bytes a step must
 read (weights + the batch's KV) over the device-to-device copy bandwidth measured in this run.
-`--small-batch-matmul` picks the kernel of matmuls of at most 16 rows (the server flag's choices).
+`--server-args` sets further ServerArgs fields of every runner, e.g. `{"deterministic": true}` or
+`{"small_batch_matmul": "triton"}` (the server flags' names, underscored).
 """
 
 from __future__ import annotations
@@ -63,14 +64,14 @@ def copy_bandwidth_gbs() -> float:
 
 
 def build_runner(model: str, modes: str, max_bs: int, context: int,
-                 small_batch_matmul: str = "cublas") -> ModelRunner:
+                 extra: dict | None = None) -> ModelRunner:
     """Default decode shapes (up to 256) and prefill buckets (up to 2048): what capture time and
     memory are reported for."""
     return ModelRunner(ServerArgs(
         model_path=str(CONFIGS / f"{model}.json"), load_format="dummy", device="cuda",
         dtype="bfloat16", max_running_requests=256, context_length=max(context, 2048) + 64,
         max_total_tokens=max_bs * (context + 64) + 4096, cuda_graph_mode=modes,
-        chunked_prefill_size=2048, mem_fraction_static=0.85, small_batch_matmul=small_batch_matmul,
+        chunked_prefill_size=2048, mem_fraction_static=0.85, **(extra or {}),
     ))
 
 
@@ -129,12 +130,11 @@ def capture_row(model: str, runner: ModelRunner, phase: str) -> dict:
 
 
 def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,
-                bandwidth: float, small_batch_matmul: str = "cublas"
-                ) -> tuple[list[dict], list[dict]]:
+                bandwidth: float, extra: dict | None = None) -> tuple[list[dict], list[dict]]:
     """Each run is a `--cuda-graph-mode` JSON; eager times come from the first runner."""
     rows, captures, eager = [], [], {}
     for modes in runs:
-        runner = build_runner(model, modes, max(bs_list), context, small_batch_matmul)
+        runner = build_runner(model, modes, max(bs_list), context, extra)
         config = json.loads(modes)
         for phase in ("decode", "prefill"):
             if config.get(phase, "disabled") != "disabled":
@@ -173,19 +173,20 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=RUNS,
                         help="--cuda-graph-mode JSON of each runner (default: all three modes)")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--small-batch-matmul", choices=("cublas", "triton"), default="cublas")
+    parser.add_argument("--server-args", type=json.loads, default={},
+                        help="JSON object of further ServerArgs fields for every runner")
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth_gbs()
     rows, captures = [], []
     for model in args.models:
         model_rows, model_captures = bench_model(model, args.runs, args.bs, args.context,
-                                                 bandwidth, args.small_batch_matmul)
+                                                 bandwidth, args.server_args)
         rows += model_rows
         captures += model_captures
 
     print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens; "
-          f"small-batch matmul {args.small_batch_matmul}")
+          f"server args {json.dumps(args.server_args)}")
     print(f"{'model':14} {'step':18} {'mode':10} {'eager ms':>9} {'graph ms':>9} "
           f"{'speedup':>8} {'floor ms':>9}")
     for r in rows:
@@ -203,7 +204,7 @@ def main() -> None:
                for r in rows if r["step"] in ("decode bs1", "prefill 1x128")] + captures
     if args.json:
         args.json.write_text(json.dumps({"copy_bandwidth_gbs": bandwidth,
-                                         "small_batch_matmul": args.small_batch_matmul,
+                                         "server_args": args.server_args,
                                          "rows": rows,
                                          "captures": captures, "summary": summary}, indent=2))
 

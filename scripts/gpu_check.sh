@@ -5,8 +5,8 @@
 #   bash scripts/gpu_check.sh [pytest args...]
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention
-#   one_batch one_batch_mm startup offline serving; one_batch_mm: Qwen3-0.6B with
-#   --small-batch-matmul triton)
+#   one_batch one_batch_mm one_batch_det startup offline serving; one_batch_mm / _det:
+#   Qwen3-0.6B with --small-batch-matmul triton / --deterministic)
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
 #   (the all-mode accuracy suite: GPU_CHECK_TARGETS=test/accuracy/test_mode_accuracy.py)
 #   (pytest args are added to the targets, not instead of them)
@@ -71,12 +71,14 @@ bench_serving_local() {  # the built-in model with the default CUDA-graph modes,
     wait $server
 }
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-    for bench in ${GPU_CHECK_BENCHES:-attention one_batch one_batch_mm startup offline serving}; do
+    for bench in ${GPU_CHECK_BENCHES:-attention one_batch one_batch_mm one_batch_det startup offline serving}; do
         case $bench in
             serving) bench_serving_local ;;
             startup) run_bench bench_startup benchmark/bench_startup.py --log-dir "$OUT/startup" ;;
             one_batch_mm) run_bench bench_one_batch_mm benchmark/bench_one_batch.py \
-                --models qwen3-0.6b --small-batch-matmul triton ;;
+                --models qwen3-0.6b --server-args '{"small_batch_matmul": "triton"}' ;;
+            one_batch_det) run_bench bench_one_batch_det benchmark/bench_one_batch.py \
+                --models qwen3-0.6b --server-args '{"deterministic": true}' ;;
             *) run_bench "bench_$bench" "benchmark/bench_$bench.py" ;;
         esac
     done

@@ -21,6 +21,7 @@ from replaylm.cuda_graph_config import (
     CudaGraphConfig,
     resolve_cuda_graph_config,
 )
+from replaylm.layers.attention.selection import check_deterministic, resolve_attention_backend
 from replaylm.server_args import ServerArgs
 
 logger = logging.getLogger("replaylm.launch_server")
@@ -44,7 +45,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, CudaGraphConf
     args = ServerArgs.from_cli_args(ns)
     try:
         args.validate()
-        graphs = resolve_cuda_graph_config(args, _graph_device(args.device))
+        device = _graph_device(args.device)
+        graphs = resolve_cuda_graph_config(args, device)
+        if args.deterministic:
+            check_deterministic(resolve_attention_backend(args.attention_backend, device))
     except ValueError as err:
         _usage_error(str(err))
     return args, graphs, ns.print_cuda_graph_config

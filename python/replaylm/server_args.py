@@ -100,6 +100,9 @@ class ServerArgs:
     small_batch_matmul: str = field(default="cublas", metadata=_opt(
         "kernel of the matmuls of at most 16 rows (decode batches) on CUDA: cublas, or triton (a "
         "split-K kernel whose rows do not depend on the batch's size)", ("cublas", "triton")))
+    deterministic: bool = field(default=False, metadata=_opt(
+        "batch-invariant kernels: a request's outputs do not depend on the batches it shares or "
+        "on how its prompt is chunked (matmuls, attention); needs the triton attention backend"))
     tc_piecewise_kernels: str = field(default="fused", metadata=_opt(
         "what tc_piecewise pieces run for norms, rope and SiluAndMul: fused (replaylm's Triton "
         "kernels kept whole: the eager model's numbers) or native (the torch code, fused by the "

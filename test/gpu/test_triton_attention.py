@@ -91,8 +91,9 @@ EXTEND_CASES = {  # name: (prefix lengths, new lengths, heads, kv heads, head di
 }
 
 
+@pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("name", EXTEND_CASES)
-def test_extend_matches_torch_native(name):
+def test_extend_matches_torch_native(name, aligned):
     prefix, new, heads, kv_heads, dim, dtype = EXTEND_CASES[name]
     case = make_case(ForwardMode.EXTEND, prefix, new, heads, kv_heads, dim, dtype, "cuda",
                      seed=len(name))
@@ -101,7 +102,8 @@ def test_extend_matches_torch_native(name):
     out = torch.full_like(case.q, float("nan"))
     extend_attention(case.q, case.k, case.v, out, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
                      b.req_to_token_pool.req_to_token, b.req_pool_indices, b.prefix_lens,
-                     b.extend_seq_lens, b.extend_start_loc, max(new), case.layer.scaling)
+                     b.extend_seq_lens, b.extend_start_loc, max(new), case.layer.scaling,
+                     aligned=aligned)
     _check(out, reference(case), dtype)
 
 
@@ -207,3 +209,27 @@ def test_decode_graph_replay_equals_eager(shape, live):
         live_case = dataclasses.replace(case, batch=_live(batch, live), q=q[:live], k=k[:live],
                                         v=v[:live])
         _check(replayed[:live], reference(live_case), BF16)
+
+
+@pytest.mark.parametrize("first", [1, 100, 333, 511])
+def test_aligned_extend_does_not_depend_on_how_the_prompt_is_chunked(first):
+    """`--deterministic`'s extend: a 600-token prompt attended whole, and as `first` cached
+    tokens + the rest: the rest's outputs are bit-equal (keys fold in tiles at fixed positions)."""
+    case = make_case(ForwardMode.EXTEND, [0], [600], 16, 8, 128, BF16, "cuda", seed=first)
+    b = case.batch
+    b.kv_pool.store(0, b.out_cache_loc, case.k, case.v)
+    caches = (b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0], b.req_to_token_pool.req_to_token,
+              b.req_pool_indices)
+
+    def attend(start: int, aligned: bool) -> torch.Tensor:
+        q, k, v = case.q[start:], case.k[start:], case.v[start:]
+        lens = [torch.tensor([n], dtype=torch.int32, device="cuda") for n in (start, 600 - start,
+                                                                               0)]
+        return extend_attention(q, k, v, torch.empty_like(q), *caches, *lens, 600 - start,
+                                case.layer.scaling, aligned=aligned)
+
+    whole = attend(0, True)
+    assert rel_error(whole, reference(case)) < 1e-2
+    assert torch.equal(attend(first, True), whole[first:])
+    print(f"unaligned chunked vs whole bit-equal: "
+          f"{torch.equal(attend(first, False), attend(0, False)[first:])}")

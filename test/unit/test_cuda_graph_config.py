@@ -254,6 +254,17 @@ def test_launch_server_bad_mode_exits_2_with_one_line_and_no_traceback():
     ]
 
 
+@pytest.mark.parametrize("flags", [("--device", "cpu"),
+                                   ("--device", "cuda", "--attention-backend", "torch_native")])
+def test_launch_server_deterministic_without_triton_attention_exits_2_before_loading(flags):
+    proc = _launch("--deterministic", *flags)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --deterministic needs the triton attention backend (batch-invariant kernels, "
+        "CUDA only); torch_native has none"
+    ]
+
+
 def test_launch_server_prints_the_config_for_another_device_without_loading():
     proc = _launch("--print-cuda-graph-config", "--device", "cuda",
                    "--cuda-graph-mode", '{"prefill": "breakable"}', "--max-running-requests", "8")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton_interpreter import require_triton_interpreter
+from triton_interpreter import require_triton_interpreter, scalar_loop_bounds
 
 require_triton_interpreter()
 
@@ -38,7 +38,7 @@ from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
     skinny_matmul,
 )
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
-from replaylm.layers.linear import set_small_batch_matmul  # noqa: E402
+from replaylm.layers.linear import set_matmul  # noqa: E402
 from replaylm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from replaylm.model_executor.model_runner import ModelRunner  # noqa: E402
 from replaylm.runtime.batch_ops import prepare_extend, release  # noqa: E402
@@ -142,6 +142,7 @@ def test_qk_norm_rope_rejects_an_odd_head_dim():
     (3, 4200, 256, False, None),  # one slice (enough output tiles)
     (7, 90, 200, True, MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4,
                                     num_stages=2)),
+    (40, 96, 576, True, matmul_config(96, 576, split=False)),  # 3 row tiles (--deterministic)
 ])
 def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
         dtype, rows, n, k, bias, config):
@@ -160,11 +161,12 @@ def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
     assert int(_workspace(x.device)[1].count_nonzero()) == 0  # every counter back to zero
 
 
-def test_skinny_matmul_config_depends_on_the_weight_only_and_rejects_many_rows():
+def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_only():
     assert matmul_config(1024, 3072).split_k == 4 and matmul_config(4096, 1024).split_k == 1
     assert matmul_config(1024, 256).split_k == 1  # too few K blocks to split
-    with pytest.raises(ValueError, match="at most 16 rows, got 17"):
-        skinny_matmul(torch.ones(17, 8), torch.ones(4, 8))
+    assert matmul_config(1024, 3072, split=False).split_k == 1
+    with pytest.raises(ValueError, match="split-K takes at most 16 rows, got 17"):
+        skinny_matmul(torch.ones(17, 1024), torch.ones(64, 1024))
 
 
 def test_use_triton_kernels_is_false_on_cpu_in_native_only_and_under_compile(monkeypatch):
@@ -226,14 +228,15 @@ def test_layers_take_the_triton_route_and_match_native(kernel_calls):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
-def _tiny_runner(tmp_path: Path, config: str) -> ModelRunner:
-    """A 2-layer model of the config's architecture, shrunk, on dummy float32 weights (CPU)."""
+def _tiny_runner(tmp_path: Path, config: str, **args) -> ModelRunner:
+    """A 2-layer model of the config's architecture, shrunk, on dummy float32 weights (CPU);
+    `args`: further ServerArgs fields."""
     cfg = json.loads((CONFIGS / config).read_text())
     cfg.update(hidden_size=96, intermediate_size=160, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=24, num_hidden_layers=2, vocab_size=1024)
+               num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=1024)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return dummy_runner(tmp_path / "config.json", "cpu", "float32", max_total_tokens=256,
-                        context_length=64)
+                        context_length=64, **args)
 
 
 @pytest.mark.parametrize("config", ["qwen3-0.6b.json", "llama-3.1-8b.json"])
@@ -266,14 +269,45 @@ def test_small_batch_matmul_triton_takes_the_skinny_kernel_up_to_16_rows(kernel_
     runner = _tiny_runner(tmp_path, "llama-3.1-8b.json")
     want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
     assert calls == []
-    set_small_batch_matmul(runner.model, "triton")
+    set_matmul(runner.model, "triton")
     got = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
     # prefill (36 tokens): only the logits (3 rows); decode: 2 layers x 4 matmuls + logits
     assert calls == [3] + [3] * 9
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="must be one of cublas, triton"):
-        set_small_batch_matmul(runner.model, "cutlass")
+    with pytest.raises(ValueError, match="must be one of cublas, triton, invariant"):
+        set_matmul(runner.model, "cutlass")
+
+
+def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
+        kernel_calls, tmp_path, monkeypatch):
+    """`--deterministic`: all matmuls (any row count) take the skinny kernel with K unsplit, the
+    attention backend is the batch-invariant one; logits match the default route's."""
+    from replaylm.layers.attention import selection
+    from replaylm.layers.kernels import skinny_matmul as skinny_mod
+
+    monkeypatch.setattr(selection, "GPU_ONLY_BACKENDS", ())  # triton attention, interpreted
+    splits = []
+    monkeypatch.setattr(skinny_mod, "skinny_matmul",
+                        lambda x, w, b=None, config=None: splits.append(
+                            (x.numel() // x.shape[-1], config.split_k))
+                        or skinny_matmul(x, w, b, config))
+    want = scripted_logits(_tiny_runner(tmp_path, "qwen3-0.6b.json"), prompt_lens=(5, 30, 1),
+                           decode_steps=1)
+    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", deterministic=True,
+                          attention_backend="triton")
+    assert runner.attn_backend.deterministic
+    with scalar_loop_bounds():
+        got = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
+    # prefill: 2 layers x 4 matmuls over 36 tokens, the logits of 3; decode: all over 3 rows
+    assert splits == [(36, 1)] * 8 + [(3, 1)] + [(3, 1)] * 9
+    for ours, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_deterministic_needs_the_triton_attention_backend(tmp_path):
+    with pytest.raises(ValueError, match="--deterministic needs the triton attention backend"):
+        _tiny_runner(tmp_path, "qwen3-0.6b.json", deterministic=True)
 
 
 def _compiled_ops(compiled: CompiledForward) -> set[str]:
@@ -294,7 +328,7 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, comp
     (Inductor too: it fuses only the glue); with "native" the pieces hold the torch code instead
     (no kernel runs) and match closely."""
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json")
-    set_small_batch_matmul(runner.model, "triton")  # the skinny matmul stays whole too
+    set_matmul(runner.model, "triton")  # the skinny matmul stays whole too
     reqs = [Req(i, list(range(10 + i, 10 + i + n)), SamplingParams(), 0, 4)
             for i, n in enumerate((5, 3))]
     batch = prepare_extend(reqs, runner)

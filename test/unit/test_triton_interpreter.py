@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpreter import require_triton_interpreter
+from triton_interpreter import require_triton_interpreter, scalar_loop_bounds
 
 require_triton_interpreter()
 
 from replaylm.layers.attention.triton import TritonAttnBackend  # noqa: E402
+from replaylm.layers.attention.triton.backend import DETERMINISTIC_SPLITS  # noqa: E402
 from replaylm.layers.attention.triton.common import KernelConfig  # noqa: E402
 from replaylm.layers.attention.triton.decode import (  # noqa: E402
     decode_attention,
@@ -32,21 +33,7 @@ SMALL_TILES = KernelConfig(block_n=16, num_warps=4, num_stages=1, block_m=32)
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_scalar_index():
-    """Triton 3.6's interpreter turns a loop bound into an int with int() of a 1-element array,
-    which NumPy >= 2.4 refuses; go through .item() (as later Triton does)."""
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:  # a Triton without this hook
-        yield
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", patched)
+    with scalar_loop_bounds():
         yield
 
 
@@ -106,13 +93,14 @@ def test_decode_workspace_is_reusable_across_launches():
             assert not torch.isnan(out).any()
 
 
+@pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("prefix", "extend", "heads", "kv_heads"), [
     ([0], [70], 2, 2),
     ([0, 40, 3], [33, 1, 50], 4, 2),
     ([90, 0], [17, 64], 8, 2),
 ])
-def test_extend_matches_reference(dtype, prefix, extend, heads, kv_heads):
+def test_extend_matches_reference(dtype, prefix, extend, heads, kv_heads, aligned):
     case = make_case(ForwardMode.EXTEND, prefix, extend, heads, kv_heads, 16, dtype, "cpu",
                      seed=sum(prefix) + sum(extend))
     _store(case)
@@ -121,7 +109,7 @@ def test_extend_matches_reference(dtype, prefix, extend, heads, kv_heads):
     extend_attention(case.q, case.k, case.v, out, b.kv_pool.k_buffers[0],
                      b.kv_pool.v_buffers[0], b.req_to_token_pool.req_to_token,
                      b.req_pool_indices, b.prefix_lens, b.extend_seq_lens, b.extend_start_loc,
-                     max(extend), case.layer.scaling, config=SMALL_TILES)
+                     max(extend), case.layer.scaling, config=SMALL_TILES, aligned=aligned)
     assert rel_error(out, reference(case)) < TOL[dtype]
 
 
@@ -137,9 +125,22 @@ def test_store_kv_writes_only_the_given_slots():
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+def test_deterministic_backend_splits_decode_whatever_the_batch_size():
+    def splits(backend: TritonAttnBackend, bs: int) -> int:
+        case = make_case(ForwardMode.DECODE, [5] * bs, [1] * bs, 4, 2, 16, torch.float32, "cpu",
+                         seed=bs, backend=backend)
+        backend.init_forward_metadata(case.batch)
+        return backend._meta.num_splits
+
+    deterministic = TritonAttnBackend(deterministic=True)
+    assert splits(deterministic, 1) == splits(deterministic, 9) == DETERMINISTIC_SPLITS
+    assert TritonAttnBackend().deterministic is False
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_backend_stores_then_attends(mode):
-    backend = TritonAttnBackend()
+def test_backend_stores_then_attends(mode, deterministic):
+    backend = TritonAttnBackend(deterministic)
     extend = [1, 1, 1] if mode is ForwardMode.DECODE else [9, 30, 2]
     case = make_case(mode, [12, 0, 40], extend, 4, 2, 32, torch.float32, "cpu", seed=7,
                      backend=backend)

@@ -1,5 +1,5 @@
 """Linear layers without initialisation (weights are loaded or filled by the loader), and the
-choice of kernel for small-batch matmuls (`--small-batch-matmul`)."""
+choice of matmul kernel (`--small-batch-matmul`, `--deterministic`)."""
 
 from __future__ import annotations
 
@@ -9,29 +9,30 @@ from torch import nn
 
 from replaylm.layers.kernels import use_triton_kernels
 
-SMALL_BATCH_MATMULS = ("cublas", "triton")
+# cublas: F.linear; triton: the skinny split-K kernel for inputs of at most 16 rows (F.linear
+# above); invariant: the skinny kernel for every input, K unsplit (rows independent of the batch)
+MATMULS = ("cublas", "triton", "invariant")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           small_batch_matmul: str) -> torch.Tensor:
-    """`F.linear`, except with `small_batch_matmul="triton"` on the Triton route
-    (`use_triton_kernels`), where inputs of at most 16 rows take the skinny split-K kernel."""
-    if small_batch_matmul == "triton" and use_triton_kernels(x):
+           matmul: str) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` by the `matmul` kernel (one of MATMULS); the Triton ones only on the
+    Triton route (`use_triton_kernels`), `F.linear` elsewhere."""
+    if matmul != "cublas" and use_triton_kernels(x):
         from replaylm.layers.kernels import ops
 
-        return ops.linear(x, weight, bias)
+        return ops.linear(x, weight, bias, all_rows=matmul == "invariant")
     return F.linear(x, weight, bias)
 
 
-def set_small_batch_matmul(model: nn.Module, kernel: str) -> None:
-    """Make every matmul layer of `model` (those with a `small_batch_matmul` attribute) use
-    `kernel` (one of SMALL_BATCH_MATMULS) for inputs of few rows."""
-    if kernel not in SMALL_BATCH_MATMULS:
-        raise ValueError(f"small-batch matmul must be one of {', '.join(SMALL_BATCH_MATMULS)}, "
-                         f"not '{kernel}'")
+def set_matmul(model: nn.Module, matmul: str) -> None:
+    """Make every matmul layer of `model` (those with a `matmul` attribute) use `matmul` (one
+    of MATMULS)."""
+    if matmul not in MATMULS:
+        raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, not '{matmul}'")
     for module in model.modules():
-        if hasattr(module, "small_batch_matmul"):
-            module.small_batch_matmul = kernel
+        if hasattr(module, "matmul"):
+            module.matmul = matmul
 
 
 class Linear(nn.Module):
@@ -43,10 +44,10 @@ class Linear(nn.Module):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
-        self.small_batch_matmul = "cublas"
+        self.matmul = "cublas"  # see MATMULS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.small_batch_matmul)
+        return linear(x, self.weight, self.bias, self.matmul)
 
 
 class MergedLinear(Linear):

@@ -18,7 +18,7 @@ class LogitsProcessor(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.small_batch_matmul = "cublas"  # see layers/linear.py
+        self.matmul = "cublas"  # see layers/linear.py
 
     def forward(
         self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: ForwardBatch
@@ -26,4 +26,4 @@ class LogitsProcessor(nn.Module):
         if not batch.forward_mode.is_decode():
             last = batch.extend_start_loc + batch.extend_seq_lens - 1
             hidden = hidden[last]
-        return linear(hidden, lm_head_weight, None, self.small_batch_matmul).float()
+        return linear(hidden, lm_head_weight, None, self.matmul).float()

@@ -15,7 +15,7 @@ from replaylm.compilation.compile_model import TcPiecewiseOptions, set_compile_c
 from replaylm.cuda_graph_config import PhaseConfig, resolve_cuda_graph_config
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
-from replaylm.layers.linear import set_small_batch_matmul
+from replaylm.layers.linear import set_matmul
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -51,11 +51,11 @@ class ModelRunner:
         self.model = load_model(
             path, self.config, args.load_format, self.dtype, self.device, args.seed
         )
-        set_small_batch_matmul(self.model, args.small_batch_matmul)
+        set_matmul(self.model, "invariant" if args.deterministic else args.small_batch_matmul)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
         backend = resolve_attention_backend(args.attention_backend, self.device.type)
-        self.attn_backend = create_attention_backend(backend)
+        self.attn_backend = create_attention_backend(backend, args.deterministic)
         self.sampler = Sampler()
         logger.info(
             "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s",

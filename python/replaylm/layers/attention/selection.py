@@ -6,6 +6,7 @@ from __future__ import annotations
 GPU_ONLY_BACKENDS = frozenset({"triton"})
 # backends implementing the `full`-graph hooks of CudaGraphAttentionBackend (base.py)
 BACKENDS_WITH_GRAPH_HOOKS = frozenset({"triton", "flashinfer"})
+DETERMINISTIC_BACKENDS = frozenset({"triton"})  # with batch-invariant kernels (--deterministic)
 
 
 def resolve_attention_backend(name: str, device_type: str) -> str:
@@ -19,3 +20,10 @@ def resolve_attention_backend(name: str, device_type: str) -> str:
             "(use torch_native or auto)"
         )
     return name
+
+
+def check_deterministic(backend: str) -> None:
+    """ValueError unless the resolved `backend` has batch-invariant kernels (`--deterministic`)."""
+    if backend not in DETERMINISTIC_BACKENDS:
+        raise ValueError(f"--deterministic needs the triton attention backend (batch-invariant "
+                         f"kernels, CUDA only); {backend} has none")

@@ -71,19 +71,25 @@ def _(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torc
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            all_rows: bool) -> torch.Tensor:
+    if all_rows:
+        config = _skinny.matmul_config(*weight.shape, split=False)
+        return _skinny.skinny_matmul(x, weight, bias, config)
     if x.numel() <= _skinny.MAX_ROWS * x.shape[-1]:
         return _skinny.skinny_matmul(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 @torch.library.custom_op("replaylm::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _linear(x, weight, bias)
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               all_rows: bool) -> torch.Tensor:
+    return _linear(x, weight, bias, all_rows)
 
 
 @_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+      all_rows: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -118,11 +124,12 @@ def qk_norm_rope(
                                            q_weight, k_weight, eps)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           all_rows: bool = False) -> torch.Tensor:
     """`x @ weight.T (+ bias)`: the skinny kernel (`kernels.skinny_matmul`) for at most
     `MAX_ROWS` rows, else `F.linear`; decided per call at run time, so also under torch.compile,
-    where the row count is symbolic (a custom op there)."""
+    where the row count is symbolic (a custom op there). `all_rows`: the kernel for any number of
+    rows, K unsplit (batch-invariant rows)."""
     if not torch.compiler.is_compiling():
-        return _linear(x, weight, bias)
-    return torch.ops.replaylm.linear(x, weight, bias)
+        return _linear(x, weight, bias, all_rows)
+    return torch.ops.replaylm.linear(x, weight, bias, all_rows)

@@ -1,14 +1,15 @@
-"""`y = x W^T (+ b)` for few rows (decode batches): a Triton kernel built for M <= `MAX_ROWS`.
+"""`y = x W^T (+ b)` in a Triton kernel built for few rows (decode batches, M <= `MAX_ROWS`), and
+usable for any M without splitting K (the batch-invariant matmul of `--deterministic`).
 
-A program computes a `[16, BLOCK_N]` tile of `y` (all the rows) over one slice of K with
-tensor-core dots; with `split_k > 1` the slices' fp32 partials go to a workspace and the last
-slice to arrive on its tile's counter adds them in slice order (so the sum is deterministic),
+A program computes a `[16, BLOCK_N]` tile of `y` over one slice of K with tensor-core dots; with
+`split_k > 1` (at most 16 rows) the slices' fp32 partials go to a workspace and the last slice to
+arrive on its tile's counter adds them in slice order (so the sum is deterministic),
 writes `y` and zeroes the counter. More programs than output tiles is what the narrow projections
 need: cuBLAS runs the N=1024 projections of Qwen3-0.6B at 0.66-0.77 TB/s, split-K 4 brings them to
 ~1 TB/s (H100 sweep, docs/benchmarks.md).
 
-The launch configuration depends on N and K only, never on M: each row of `y` is computed the same
-way whatever the number of rows beside it (rows are batch-invariant).
+The launch configuration depends on N, K and whether K may be split, never on M: each row of `y`
+is computed the same way whatever the number of rows beside it (rows are batch-invariant).
 
 The workspace is one per device, shared by every call: calls must be stream-ordered (one stream),
 as the model's forward is.
@@ -39,12 +40,13 @@ class MatmulConfig:
     num_stages: int
 
 
-def matmul_config(n: int, k: int) -> MatmulConfig:
-    """The launch for `[*, k] x [n, k]^T`: split K in 4 when the output has too few tiles of 32
-    columns to occupy the GPU (n < 4096) and K has at least 4 blocks; else one slice per tile."""
+def matmul_config(n: int, k: int, split: bool = True) -> MatmulConfig:
+    """The launch for `[*, k] x [n, k]^T`: with `split`, K in 4 slices when the output has too few
+    tiles of 32 columns to occupy the GPU (n < 4096) and K has at least 4 blocks; else one slice
+    per tile."""
     block_n, block_k = 32, 128
     tiles = triton.cdiv(n, block_n)
-    split = 4 if tiles < 128 and k >= 4 * block_k else 1
+    split = 4 if split and tiles < 128 and k >= 4 * block_k else 1
     return MatmulConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
 
@@ -65,7 +67,7 @@ def _skinny_matmul_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for i in range(0, BLOCKS_PER_SPLIT):
@@ -73,13 +75,13 @@ def _skinny_matmul_kernel(
         k_ok = offs_k[None, :] < K
         w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                     mask=(offs_n[:, None] < N) & k_ok, other=0.0)
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+        x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & k_ok, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if SPLIT_K == 1:
         _write_tile(Y, B, acc, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
     else:
-        tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         parts = Partials + pid_n * (SPLIT_K * BLOCK_M * BLOCK_N)
         tl.store(parts + pid_k * (BLOCK_M * BLOCK_N) + tile, acc)
         tl.debug_barrier()
@@ -109,17 +111,17 @@ def skinny_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
 ) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` for `x` `[..., K]` with at most `MAX_ROWS` rows (unit column
-    stride; any row stride), `weight` `[N, K]` contiguous; a new `[..., N]` tensor in x's dtype.
-    `config` overrides `matmul_config(N, K)` (tests)."""
+    """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
+    `[N, K]` contiguous; a new `[..., N]` tensor in x's dtype. `config` overrides
+    `matmul_config(N, K)`; more than `MAX_ROWS` rows need a config without split-K."""
     n, k = weight.shape
     x2 = as_rows(x, k)
     m = x2.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {m}")
+    cfg = config or matmul_config(n, k)
+    if m > MAX_ROWS and cfg.split_k > 1:
+        raise ValueError(f"split-K takes at most {MAX_ROWS} rows, got {m}")
     if weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError("the weight must be contiguous [N, K]")
-    cfg = config or matmul_config(n, k)
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, cfg.block_n)
     if cfg.split_k > 1 and (tiles > _MAX_SPLIT_TILES or cfg.split_k > _MAX_SPLITS
@@ -127,7 +129,7 @@ def skinny_matmul(
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
     partials, arrivals = _workspace(x.device)
     if m:
-        _skinny_matmul_kernel[(tiles, cfg.split_k)](
+        _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, MAX_ROWS))](
             x2, weight, weight if bias is None else bias, y, partials, arrivals, m, n, k,
             x2.stride(0), weight.stride(0), n,
             BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),

@@ -73,12 +73,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+DETERMINISTIC_SPLITS = 16  # decode slices per request whatever the batch (`deterministic`)
+
+
 class TritonAttnBackend(CudaGraphAttentionBackend):
-    """Paged attention through the Triton kernels of this package."""
+    """Paged attention through the Triton kernels of this package. `deterministic`: batch-invariant
+    kernels (`--deterministic`): decode splits each request in DETERMINISTIC_SPLITS slices
+    whatever the batch size, extend folds keys in tiles at fixed positions (`aligned`)."""
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
         self._meta: _DecodeMetadata | _ExtendMetadata | None = None
         self._graph: _GraphBuffers | None = None
 
@@ -116,6 +122,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             q, k, v, out, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
             batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.prefix_lens,
             meta.extend_seq_lens, meta.extend_start_loc, meta.max_extend_len, layer.scaling,
+            aligned=self.deterministic,
         )
 
     def forward_decode(
@@ -187,8 +194,9 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         graph.seq_lens[:bs].copy_(batch.seq_lens)
         graph.out_cache_loc[:bs].copy_(batch.out_cache_loc)
 
-    @staticmethod
-    def _num_splits(batch: ForwardBatch) -> int:
+    def _num_splits(self, batch: ForwardBatch) -> int:
+        if self.deterministic:
+            return DETERMINISTIC_SPLITS
         return num_kv_splits(
             batch.batch_size, batch.kv_pool.num_kv_heads, _sm_count(batch.seq_lens.device)
         )

@@ -8,6 +8,11 @@ Grid `(num_heads, query blocks, bs)`: a program computes one BLOCK_M block of on
 queries for one head, in three passes over the keys: the prefix (gathered from the cache), the new
 tokens before the block (read straight from k and v, no mask), and the block's diagonal (causal
 mask). Query blocks run latest first: they have the most keys, so the tail of the launch is short.
+
+`aligned=True` (the batch-invariant attention of `--deterministic`) makes one pass instead, over
+the keys in tiles at fixed positions of the sequence, all read from the cache (the layer stores
+the new tokens' K/V before attending): a query's softmax then folds the same tiles in the same
+order however its prompt was chunked and whichever batch it came in.
 """
 
 from __future__ import annotations
@@ -35,13 +40,30 @@ FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1, block_m=32)
 
 
 @triton.jit
+def _fold_cached_keys(
+    q, m_i, l_i, acc, row, cols, load_ok, visible, KCache, VCache, kv_head, stride_kt, stride_kh,
+    stride_vt, stride_vh, qk_scale, offs_d, PRECISION: tl.constexpr,
+):
+    """Fold the request's cached keys at positions `cols` (loaded where `load_ok`) into the
+    running softmax; logits outside `visible` `[M, N]` are masked."""
+    slots = tl.load(row + cols, mask=load_ok, other=0).to(tl.int64)
+    k = tl.load(KCache + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                mask=load_ok[:, None], other=0.0)
+    v = tl.load(VCache + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                mask=load_ok[:, None], other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    qk = tl.where(visible, qk, float("-inf"))
+    return softmax_update(qk, v, m_i, l_i, acc, PRECISION)
+
+
+@triton.jit
 def _extend_kernel(
     Q, KNew, VNew, Out, KCache, VCache, ReqToToken, ReqPoolIndices, PrefixLens, ExtendLens,
     ExtendStart, qk_scale,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     head = tl.program_id(0)
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -63,36 +85,44 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-        for n0 in range(0, prefix_len, BLOCK_N):  # the cached prefix, through the table
-            cols = n0 + offs_n
-            valid = cols < prefix_len
-            slots = tl.load(row + cols, mask=valid, other=0).to(tl.int64)
-            k = tl.load(KCache + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
-            v = tl.load(VCache + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, PRECISION)
+        if ALIGNED:  # every key from the cache, in tiles at fixed sequence positions
+            end = prefix_len + tl.minimum(m_start + BLOCK_M, ext_len)
+            for n0 in range(0, end, BLOCK_N):
+                cols = n0 + offs_n
+                load_ok = cols < end
+                visible = load_ok[None, :] & (cols[None, :] <= prefix_len + offs_m[:, None])
+                m_i, l_i, acc = _fold_cached_keys(
+                    q, m_i, l_i, acc, row, cols, load_ok, visible, KCache, VCache, kv_head,
+                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, offs_d, PRECISION)
+        else:
+            for n0 in range(0, prefix_len, BLOCK_N):  # the cached prefix, through the table
+                cols = n0 + offs_n
+                valid = cols < prefix_len
+                m_i, l_i, acc = _fold_cached_keys(
+                    q, m_i, l_i, acc, row, cols, valid, valid[None, :], KCache, VCache, kv_head,
+                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, offs_d, PRECISION)
 
-        for n0 in range(0, m_start, BLOCK_N):  # new tokens before this block: all visible
-            rows = first + n0 + offs_n
-            k = tl.load(KNew + rows[:, None] * stride_knt + kv_head * stride_knh + offs_d[None, :])
-            v = tl.load(VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :])
-            qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=PRECISION) * qk_scale
-            m_i, l_i, acc = softmax_update(qk, v.to(dtype), m_i, l_i, acc, PRECISION)
+            for n0 in range(0, m_start, BLOCK_N):  # new tokens before this block: all visible
+                rows = first + n0 + offs_n
+                k = tl.load(KNew + rows[:, None] * stride_knt + kv_head * stride_knh
+                            + offs_d[None, :])
+                v = tl.load(VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh
+                            + offs_d[None, :])
+                qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=PRECISION) * qk_scale
+                m_i, l_i, acc = softmax_update(qk, v.to(dtype), m_i, l_i, acc, PRECISION)
 
-        for n0 in range(m_start, tl.minimum(m_start + BLOCK_M, ext_len), BLOCK_N):  # diagonal
-            cols = n0 + offs_n
-            valid = cols < ext_len
-            rows = first + cols
-            k = tl.load(KNew + rows[:, None] * stride_knt + kv_head * stride_knh + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
-            v = tl.load(VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=PRECISION) * qk_scale
-            qk = tl.where(valid[None, :] & (cols[None, :] <= offs_m[:, None]), qk, float("-inf"))
-            m_i, l_i, acc = softmax_update(qk, v.to(dtype), m_i, l_i, acc, PRECISION)
+            for n0 in range(m_start, tl.minimum(m_start + BLOCK_M, ext_len), BLOCK_N):  # diagonal
+                cols = n0 + offs_n
+                valid = cols < ext_len
+                rows = first + cols
+                k = tl.load(KNew + rows[:, None] * stride_knt + kv_head * stride_knh
+                            + offs_d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh
+                            + offs_d[None, :], mask=valid[:, None], other=0.0)
+                qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=PRECISION) * qk_scale
+                qk = tl.where(valid[None, :] & (cols[None, :] <= offs_m[:, None]), qk,
+                              float("-inf"))
+                m_i, l_i, acc = softmax_update(qk, v.to(dtype), m_i, l_i, acc, PRECISION)
 
         out = acc / l_i[:, None]
         tl.store(Out + (first + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -103,11 +133,12 @@ def extend_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_start: torch.Tensor,
-    max_extend_len: int, scale: float, config: KernelConfig | None = None,
+    max_extend_len: int, scale: float, config: KernelConfig | None = None, aligned: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the new tokens `q` `[T, H, D]` (with their own `k`, `v` `[T, Hkv, D]`)
     over each request's cached prefix plus themselves. `max_extend_len` (>= every extend length)
-    sizes the grid. Writes and returns `out` `[T, H, D]`."""
+    sizes the grid. `aligned`: the batch-invariant single pass (the new tokens' K/V must be in the
+    cache already). Writes and returns `out` `[T, H, D]`."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v must be contiguous along the head dim")
@@ -125,7 +156,7 @@ def extend_attention(
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, PRECISION=dot_precision(k_cache.dtype),
+        BLOCK_N=cfg.block_n, PRECISION=dot_precision(k_cache.dtype), ALIGNED=aligned,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
