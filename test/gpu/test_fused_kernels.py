@@ -19,7 +19,12 @@ import torch
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import native_only, use_triton_kernels
 from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope
-from replaylm.layers.kernels.skinny_matmul import MAX_ROWS, _workspace, skinny_matmul
+from replaylm.layers.kernels.skinny_matmul import (
+    INVARIANT_CONFIG,
+    MAX_ROWS,
+    _workspace,
+    skinny_matmul,
+)
 from replaylm.layers.layernorm import RMSNorm
 from replaylm.layers.rotary_embedding import RotaryEmbedding
 
@@ -194,6 +199,18 @@ def test_skinny_matmul_matches_linear_and_rows_are_batch_invariant(n, k, dtype):
     for rows in range(1, MAX_ROWS + 1):
         assert torch.equal(skinny_matmul(x[:rows], w), full[:rows])
     assert int(_workspace(x.device)[1].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(("n", "k"), MATMUL_SHAPES[:4])
+def test_invariant_matmul_rows_do_not_depend_on_the_row_count(n, k):
+    """`--deterministic`'s matmul: any row count, each row bit-equal to the same row computed in
+    a batch of another size (1, 3, 16, 64, 65, 300 and 1000 rows)."""
+    w = _randn(n, k, dtype=torch.bfloat16, seed=n) / k**0.5
+    x = _randn(1000, k, dtype=torch.bfloat16, seed=k)
+    full = skinny_matmul(x, w, None, INVARIANT_CONFIG)
+    _check(full, torch.nn.functional.linear(x, w), torch.bfloat16)
+    for rows in (1, 3, 16, 64, 65, 300):
+        assert torch.equal(skinny_matmul(x[-rows:], w, None, INVARIANT_CONFIG), full[-rows:])
 
 
 def test_skinny_matmul_in_a_cuda_graph_equals_eager():

@@ -74,8 +74,7 @@ def _(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torc
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             all_rows: bool) -> torch.Tensor:
     if all_rows:
-        config = _skinny.matmul_config(*weight.shape, split=False)
-        return _skinny.skinny_matmul(x, weight, bias, config)
+        return _skinny.skinny_matmul(x, weight, bias, _skinny.INVARIANT_CONFIG)
     if x.numel() <= _skinny.MAX_ROWS * x.shape[-1]:
         return _skinny.skinny_matmul(x, weight, bias)
     return F.linear(x, weight, bias)

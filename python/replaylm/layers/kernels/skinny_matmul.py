@@ -1,15 +1,16 @@
 """`y = x W^T (+ b)` in a Triton kernel built for few rows (decode batches, M <= `MAX_ROWS`), and
-usable for any M without splitting K (the batch-invariant matmul of `--deterministic`).
+for any M with `INVARIANT_CONFIG` (the batch-invariant matmul of `--deterministic`).
 
-A program computes a `[16, BLOCK_N]` tile of `y` over one slice of K with tensor-core dots; with
-`split_k > 1` (at most 16 rows) the slices' fp32 partials go to a workspace and the last slice to
-arrive on its tile's counter adds them in slice order (so the sum is deterministic),
+A program computes a `[BLOCK_M, BLOCK_N]` tile of `y` over one slice of K with tensor-core dots;
+with `split_k > 1` (at most 16 rows) the slices' fp32 partials go to a workspace and the last
+slice to arrive on its tile's counter adds them in slice order (so the sum is deterministic),
 writes `y` and zeroes the counter. More programs than output tiles is what the narrow projections
 need: cuBLAS runs the N=1024 projections of Qwen3-0.6B at 0.66-0.77 TB/s, split-K 4 brings them to
 ~1 TB/s (H100 sweep, docs/benchmarks.md).
 
-The launch configuration depends on N, K and whether K may be split, never on M: each row of `y`
-is computed the same way whatever the number of rows beside it (rows are batch-invariant).
+The launch configuration never depends on M: each row of `y` is computed the same way whatever the
+number of rows beside it (rows are batch-invariant: across 1..16 rows with `matmul_config`, across
+any number with `INVARIANT_CONFIG`).
 
 The workspace is one per device, shared by every call: calls must be stream-ordered (one stream),
 as the model's forward is.
@@ -38,15 +39,22 @@ class MatmulConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    block_m: int = MAX_ROWS
 
 
-def matmul_config(n: int, k: int, split: bool = True) -> MatmulConfig:
-    """The launch for `[*, k] x [n, k]^T`: with `split`, K in 4 slices when the output has too few
-    tiles of 32 columns to occupy the GPU (n < 4096) and K has at least 4 blocks; else one slice
-    per tile."""
+# any row count, one launch for every weight: rows never depend on the others (64-row tiles, so a
+# long prefill reloads each weight M/64 times, not M/16)
+INVARIANT_CONFIG = MatmulConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3,
+                                block_m=64)
+
+
+def matmul_config(n: int, k: int) -> MatmulConfig:
+    """The launch for `[<= 16, k] x [n, k]^T`: K in 4 slices when the output has too few tiles of
+    32 columns to occupy the GPU (n < 4096) and K has at least 4 blocks; else one slice per
+    tile."""
     block_n, block_k = 32, 128
     tiles = triton.cdiv(n, block_n)
-    split = 4 if split and tiles < 128 and k >= 4 * block_k else 1
+    split = 4 if tiles < 128 and k >= 4 * block_k else 1
     return MatmulConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
 
@@ -113,13 +121,13 @@ def skinny_matmul(
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous; a new `[..., N]` tensor in x's dtype. `config` overrides
-    `matmul_config(N, K)`; more than `MAX_ROWS` rows need a config without split-K."""
+    `matmul_config(N, K)`; a split-K config takes at most its `block_m` (<= 16) rows."""
     n, k = weight.shape
     x2 = as_rows(x, k)
     m = x2.shape[0]
     cfg = config or matmul_config(n, k)
-    if m > MAX_ROWS and cfg.split_k > 1:
-        raise ValueError(f"split-K takes at most {MAX_ROWS} rows, got {m}")
+    if cfg.split_k > 1 and m > min(cfg.block_m, MAX_ROWS):
+        raise ValueError(f"split-K takes at most {min(cfg.block_m, MAX_ROWS)} rows, got {m}")
     if weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError("the weight must be contiguous [N, K]")
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -129,11 +137,11 @@ def skinny_matmul(
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
     partials, arrivals = _workspace(x.device)
     if m:
-        _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, MAX_ROWS))](
+        _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, cfg.block_m))](
             x2, weight, weight if bias is None else bias, y, partials, arrivals, m, n, k,
             x2.stride(0), weight.stride(0), n,
             BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),
-            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=MAX_ROWS,
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(x.dtype),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
