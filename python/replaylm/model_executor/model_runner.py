@@ -51,16 +51,21 @@ class ModelRunner:
         self.model = load_model(
             path, self.config, args.load_format, self.dtype, self.device, args.seed
         )
-        set_matmul(self.model, "invariant" if args.deterministic else args.small_batch_matmul)
+        self.matmul = "invariant" if args.deterministic else args.small_batch_matmul
+        if args.deterministic and args.small_batch_matmul != "cublas":
+            logger.warning("--deterministic overrides --small-batch-matmul %s: every matmul runs "
+                           "the batch-invariant kernel", args.small_batch_matmul)
+        set_matmul(self.model, self.matmul)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
         backend = resolve_attention_backend(args.attention_backend, self.device.type)
         self.attn_backend = create_attention_backend(backend, args.deterministic)
         self.sampler = Sampler()
         logger.info(
-            "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s",
-            self.dtype, self.device, self.max_total_tokens,
-            self.kv_pool.memory_bytes() / 2**30, backend,
+            "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s, "
+            "matmul %s%s", self.dtype, self.device, self.max_total_tokens,
+            self.kv_pool.memory_bytes() / 2**30, backend, self.matmul,
+            " (--deterministic: batch-invariant kernels)" if args.deterministic else "",
         )
         self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)
         self.forward_stats = ForwardStats()
