@@ -27,12 +27,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def set_matmul(model: nn.Module, matmul: str) -> None:
     """Make every matmul layer of `model` (those with a `matmul` attribute) use `matmul` (one
-    of MATMULS)."""
+    of MATMULS); for "triton", reserve the split-K workspace on the model's device now."""
     if matmul not in MATMULS:
         raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, not '{matmul}'")
     for module in model.modules():
         if hasattr(module, "matmul"):
             module.matmul = matmul
+    weight = next(model.parameters(), None)
+    if matmul == "triton" and weight is not None and use_triton_kernels(weight):
+        from replaylm.layers.kernels.skinny_matmul import reserve_workspace
+
+        reserve_workspace(weight.device)
 
 
 class Linear(nn.Module):

@@ -106,13 +106,20 @@ _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partials, int32 arrival counters, all zero) of `device`, allocated on first use."""
+    """(fp32 partials, int32 arrival counters, all zero) of `device`, allocated on first use
+    (`reserve_workspace` makes that happen before any CUDA-graph capture)."""
     if device not in _workspaces:
         partials = torch.empty(_MAX_SPLIT_TILES * _MAX_SPLITS * MAX_ROWS * _MAX_BLOCK_N,
                                dtype=torch.float32, device=device)
         _workspaces[device] = (partials, torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32,
                                                      device=device))
     return _workspaces[device]
+
+
+def reserve_workspace(device: torch.device) -> None:
+    """Allocate `device`'s split-K workspace now, so that no first call allocates it inside a
+    CUDA-graph capture (into a graph's private pool)."""
+    _workspace(device)
 
 
 def skinny_matmul(
@@ -135,7 +142,7 @@ def skinny_matmul(
     if cfg.split_k > 1 and (tiles > _MAX_SPLIT_TILES or cfg.split_k > _MAX_SPLITS
                             or cfg.block_n > _MAX_BLOCK_N):
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
-    partials, arrivals = _workspace(x.device)
+    partials, arrivals = _workspace(x.device) if cfg.split_k > 1 else (y, y)  # y: unused
     if m:
         _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, cfg.block_m))](
             x2, weight, weight if bias is None else bias, y, partials, arrivals, m, n, k,
