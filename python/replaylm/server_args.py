@@ -137,6 +137,9 @@ class ServerArgs:
                     f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, "
                     f"got '{getattr(self, f.name)}'"
                 )
+        if self.deterministic and self.tc_piecewise_kernels == "native":
+            raise ValueError("--deterministic needs --tc-piecewise-kernels fused (with native, "
+                             "compiled pieces would run the compiler's matmuls and fusions)")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

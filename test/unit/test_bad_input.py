@@ -69,3 +69,10 @@ def test_malformed_config_json(tmp_path):
 def test_server_args_validation_names_the_flag(field, value, flag):
     with pytest.raises(ValueError, match=flag):
         ServerArgs(**{field: value}).validate()
+
+
+def test_deterministic_rejects_native_tc_piecewise_kernels():
+    args = ServerArgs(deterministic=True, tc_piecewise_kernels="native")
+    with pytest.raises(ValueError, match="--deterministic needs --tc-piecewise-kernels fused"):
+        args.validate()
+    ServerArgs(deterministic=True).validate()  # the default kernels are fine
