@@ -25,13 +25,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
+class MatmulLayer(nn.Module):
+    """A layer whose matmul kernel `set_matmul` chooses (`matmul`, one of MATMULS)."""
+
+    matmul = "cublas"
+
+
 def set_matmul(model: nn.Module, matmul: str) -> None:
-    """Make every matmul layer of `model` (those with a `matmul` attribute) use `matmul` (one
-    of MATMULS); for "triton", reserve the split-K workspace on the model's device now."""
+    """Make every MatmulLayer of `model` use `matmul` (one of MATMULS); for "triton", reserve
+    the split-K workspace on the model's device now."""
     if matmul not in MATMULS:
         raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, not '{matmul}'")
     for module in model.modules():
-        if hasattr(module, "matmul"):
+        if isinstance(module, MatmulLayer):
             module.matmul = matmul
     weight = next(model.parameters(), None)
     if matmul == "triton" and weight is not None and use_triton_kernels(weight):
@@ -40,7 +46,7 @@ def set_matmul(model: nn.Module, matmul: str) -> None:
         reserve_workspace(weight.device)
 
 
-class Linear(nn.Module):
+class Linear(MatmulLayer):
     """`y = x W^T (+ b)` with `W` `[out, in]`, allocated uninitialised on the default device."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -49,7 +55,6 @@ class Linear(nn.Module):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
-        self.matmul = "cublas"  # see MATMULS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.matmul)

@@ -5,20 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from replaylm.layers.linear import linear
+from replaylm.layers.linear import MatmulLayer, linear
 
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
 
 
-class LogitsProcessor(nn.Module):
+class LogitsProcessor(MatmulLayer):
     """`hidden [T, H] -> logits [B, V]` (float32): the last new token of every request."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.matmul = "cublas"  # see layers/linear.py
 
     def forward(
         self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: ForwardBatch
