@@ -1,7 +1,7 @@
 """Online serving benchmark against any OpenAI-compatible server (streaming requests).
 
     python benchmark/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 \\
-        [--request-rate 4 8 inf] [--max-concurrency 32] [--endpoint completions|chat] \\
+        [--request-rate 4 8 inf] [--max-concurrency 4 32] [--endpoint completions|chat] \\
         [--dataset random | PATH.jsonl | URL] [--json out.json]
 
 Prompts: `random` sends token-id prompts of random length (uniform in
@@ -10,18 +10,20 @@ lengths with `ignore_eos` (a vLLM / SGLang / replaylm extension; `--no-ignore-eo
 OpenAI servers); a dataset file or URL (JSON lines or a JSON list) supplies text prompts from
 `--dataset-field` (default: the first of question, prompt, text), each asking for
 `--dataset-output-len` tokens. Arrivals are Poisson at each `--request-rate` (req/s; `inf` sends
-all at once), optionally capped at `--max-concurrency` requests in flight.
+all at once), optionally capped at `--max-concurrency` requests in flight (several values: a run
+for each, under every rate).
 
-Per rate it prints a table: request and token throughput, TTFT, inter-token latency (the gap
-between streamed chunks that carry text), time per output token and end-to-end latency
-(mean / p50 / p90 / p99). `--json` writes `{"config", "summary": [one flat dict per rate],
-"requests": [...]}`.
+Per run (rate x concurrency) it prints a table: request and token throughput, TTFT,
+inter-token latency (the gap between streamed chunks that carry text), time per output token and
+end-to-end latency (mean / p50 / p90 / p99). `--json` writes `{"config", "summary": [one flat
+dict per run], "requests": [...]}`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -155,17 +157,19 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any],
 
 
 async def run(args: argparse.Namespace, model: str, specs: list[RequestSpec], rate: float,
-              rng: random.Random) -> tuple[list[RequestResult], float]:
-    """Send every spec (Poisson arrivals at `rate`); return the results and the wall time."""
+              concurrency: int | None, rng: random.Random) -> tuple[list[RequestResult], float]:
+    """Send every spec (Poisson arrivals at `rate`, at most `concurrency` in flight when set);
+    return the results and the wall time."""
     path = "chat/completions" if args.endpoint == "chat" else "completions"
     url = f"{args.base_url.rstrip('/')}/v1/{path}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.max_concurrency or len(specs) + 1)
-    gate = asyncio.Semaphore(args.max_concurrency or len(specs))
+    limits = httpx.Limits(max_connections=concurrency or len(specs) + 1)
+    gate = asyncio.Semaphore(concurrency or len(specs))
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         for spec in specs[: args.warmup]:
             await send(client, url, payload(args, model, spec), spec)
-        bar = tqdm(total=len(specs), desc=f"rate {rate}", disable=args.disable_tqdm)
+        bar = tqdm(total=len(specs), desc=f"rate {rate}, max concurrency {concurrency}",
+                   disable=args.disable_tqdm)
 
         async def one(spec: RequestSpec) -> RequestResult:
             async with gate:
@@ -193,8 +197,8 @@ def _stats(name: str, values_s: list[float]) -> dict[str, float | None]:
     return out
 
 
-def summarize(args: argparse.Namespace, model: str, rate: float, results: list[RequestResult],
-              duration: float) -> dict[str, Any]:
+def summarize(args: argparse.Namespace, model: str, rate: float, concurrency: int | None,
+              results: list[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     inputs = sum(r.input_len or 0 for r in ok)
     outputs = sum(r.output_len for r in ok)
@@ -202,10 +206,10 @@ def summarize(args: argparse.Namespace, model: str, rate: float, results: list[R
             if r.ttft is not None and r.output_len > 1]
     shown_rate = rate if math.isfinite(rate) else "inf"
     row = {
-        "name": f"serving rate={shown_rate} max_concurrency={args.max_concurrency}",
+        "name": f"serving rate={shown_rate} max_concurrency={concurrency}",
         "model": model, "endpoint": args.endpoint, "dataset": args.dataset,
         "request_rate": shown_rate,
-        "max_concurrency": args.max_concurrency,
+        "max_concurrency": concurrency,
         "num_prompts": len(results), "completed": len(ok), "failed": len(results) - len(ok),
         "duration_s": duration, "total_input_tokens": inputs, "total_output_tokens": outputs,
         "request_throughput": len(ok) / duration,
@@ -254,7 +258,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="token ids of random prompts are drawn from [LOW, HIGH)")
     parser.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                         help="requests per second (Poisson); inf = all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
+                        help="requests in flight at most (several: a run for each)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each run")
@@ -274,15 +279,16 @@ def main(argv: list[str] | None = None) -> None:
     specs = random_specs(args, rng) if args.dataset == "random" else dataset_specs(args, rng)
     model = asyncio.run(resolve_model(args))
     summary, requests = [], []
-    for rate in args.request_rate:
-        results, duration = asyncio.run(run(args, model, specs, rate, rng))
-        row = summarize(args, model, rate, results, duration)
+    for rate, concurrency in itertools.product(args.request_rate, args.max_concurrency):
+        results, duration = asyncio.run(run(args, model, specs, rate, concurrency, rng))
+        row = summarize(args, model, rate, concurrency, results, duration)
         print_table(row)
         errors = [r.error for r in results if not r.ok]
         if errors:
             print(f"{len(errors)} requests failed; the first: {errors[0]}")
         summary.append(row)
-        requests += [{"request_rate": row["request_rate"], **asdict(r)} for r in results]
+        requests += [{"request_rate": row["request_rate"], "max_concurrency": concurrency,
+                      **asdict(r)} for r in results]
     if args.json:
         config = {**vars(args), "json": str(args.json),
                   "request_rate": [str(r) for r in args.request_rate]}

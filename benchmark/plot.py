@@ -128,12 +128,29 @@ def _up_to(row: dict[str, Any], key: str, upper: str) -> tuple[float, float]:
     return 0.0, row[upper] - row[key]
 
 
+def _serving_run(row: dict[str, Any]) -> tuple[Any, int | None]:
+    """A bench_serving summary row's run: (request rate, max concurrency or None)."""
+    return row["request_rate"], row.get("max_concurrency")
+
+
+def serving_runs(docs: list[Doc]) -> list[tuple[Any, int | None]]:
+    """Every (rate, max concurrency) run in the docs, by rate then concurrency (uncapped last)."""
+    return sorted({_serving_run(r) for _, doc in docs for r in doc["summary"]},
+                  key=lambda run: (_rate(run[0]), run[1] or math.inf))
+
+
+def _serving_label(run: tuple[Any, int | None]) -> str:
+    rate, concurrency = run
+    return f"{rate} req/s" + (f", {concurrency} in flight" if concurrency else "")
+
+
 def plot_serving(docs: list[Doc], out: Path) -> list[Path]:
-    """Output throughput, TTFT and ITL per request rate; one series per file."""
-    rates = sorted({r["request_rate"] for _, doc in docs for r in doc["summary"]}, key=_rate)
-    groups = [f"{r} req/s" for r in rates]
-    fig = Figure(figsize=(13, 4.5), layout="constrained")
-    fig.suptitle("serving: per request rate")
+    """Output throughput, TTFT and ITL per run (request rate, max concurrency); one series per
+    file."""
+    runs = serving_runs(docs)
+    groups = [_serving_label(run) for run in runs]
+    fig = Figure(figsize=(max(13.0, 1.4 * len(runs) * 3), 4.5), layout="constrained")
+    fig.suptitle("serving: per request rate and concurrency")
     panels = (("output_token_throughput", None, "output tok/s"),
               ("p50_ttft_ms", "p99_ttft_ms", "TTFT ms (p50, to p99)"),
               ("p50_itl_ms", "p99_itl_ms", "inter-token latency ms (p50, to p99)"))
@@ -141,11 +158,11 @@ def plot_serving(docs: list[Doc], out: Path) -> list[Path]:
         series: Series = {}
         whiskers: Whiskers = {}
         for stem, doc in docs:
-            by_rate = {r["request_rate"]: r for r in doc["summary"]}
+            by_run = {_serving_run(r): r for r in doc["summary"]}
             name = stem if len(docs) > 1 else "serving"
-            series[name] = [by_rate[r][key] if r in by_rate else None for r in rates]
+            series[name] = [by_run[run][key] if run in by_run else None for run in runs]
             if upper:
-                whiskers[name] = [_up_to(by_rate.get(r, {}), key, upper) for r in rates]
+                whiskers[name] = [_up_to(by_run.get(run, {}), key, upper) for run in runs]
         grouped_bars(ax, groups, series, ylabel, whiskers)
     return [_save(fig, out / "serving.png")]
 
@@ -202,7 +219,7 @@ def plot_accuracy(docs: list[Doc], out: Path) -> list[Path]:
             "accuracy", {"accuracy": [(r["accuracy"] - r["ci95"][0], r["ci95"][1] - r["accuracy"])
                                       for r in mine]})
         ax.bar_label(bars, [f"{r['identical']:.0%} same" for r in mine], fontsize="x-small",
-                     label_type="center")
+                     label_type="center", rotation=90)
         ax.set_title(f"{name} ({mine[0]['num_examples']} questions)")
         ax.legend(fontsize="small")
     return [_save(fig, out / "accuracy.png")]

@@ -6,7 +6,9 @@
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention
 #   one_batch one_batch_mm one_batch_det startup offline serving; one_batch_mm / _det:
-#   Qwen3-0.6B with --small-batch-matmul triton / --deterministic)
+#   Qwen3-0.6B with --small-batch-matmul triton / --deterministic; serving: one server per
+#   GPU_CHECK_SERVING_MODES entry, decode/prefill, default "full/breakable breakable/breakable
+#   tc_piecewise/tc_piecewise", 4, 32 and 256 requests in flight)
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
 #   (the all-mode accuracy suite: GPU_CHECK_TARGETS=test/accuracy/test_mode_accuracy.py)
 #   (pytest args are added to the targets, not instead of them)
@@ -55,25 +57,29 @@ run_bench() {  # name, script, args...: JSON to $OUT/name.json, output appended 
     python3 "$script" --json "$OUT/$name.json" "$@" 2>&1 | tee -a "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || bench_rc=1
 }
-bench_serving_local() {  # the built-in model with the default CUDA-graph modes, on a local port
-    local port=30123 server
-    python3 -m replaylm.launch_server --port $port >"$OUT/server.log" 2>&1 &
+bench_serving_local() {  # decode/prefill: the built-in model in those modes, on a local port
+    local port=30123 server decode=${1%/*} prefill=${1#*/}
+    python3 -m replaylm.launch_server --port $port \
+        --cuda-graph-mode "{\"decode\": \"$decode\", \"prefill\": \"$prefill\"}" \
+        >"$OUT/server_${decode}_${prefill}.log" 2>&1 &
     server=$!
     for _ in $(seq 300); do
         curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
         kill -0 $server 2>/dev/null || break
         sleep 1
     done
-    run_bench bench_serving benchmark/bench_serving.py --base-url "http://127.0.0.1:$port" \
-        --num-prompts 256 --request-rate 16 inf --random-input-len 512 \
-        --random-output-len 128 --random-token-range 100 40000 --disable-tqdm
+    run_bench "bench_serving_${decode}_${prefill}" benchmark/bench_serving.py \
+        --base-url "http://127.0.0.1:$port" --num-prompts 256 --max-concurrency 4 32 256 \
+        --random-input-len 512 --random-output-len 128 --random-token-range 100 40000 \
+        --disable-tqdm
     kill -INT $server 2>/dev/null
     wait $server
 }
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     for bench in ${GPU_CHECK_BENCHES:-attention one_batch one_batch_mm one_batch_det startup offline serving}; do
         case $bench in
-            serving) bench_serving_local ;;
+            serving) for modes in ${GPU_CHECK_SERVING_MODES:-full/breakable breakable/breakable \
+                                   tc_piecewise/tc_piecewise}; do bench_serving_local "$modes"; done ;;
             startup) run_bench bench_startup benchmark/bench_startup.py --log-dir "$OUT/startup" ;;
             one_batch_mm) run_bench bench_one_batch_mm benchmark/bench_one_batch.py \
                 --models qwen3-0.6b --server-args '{"small_batch_matmul": "triton"}' ;;

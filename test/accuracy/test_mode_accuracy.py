@@ -17,12 +17,15 @@ Eval data: the shared data folder (`$REPLAYLM_DATA_DIR` overrides). The summary 
 `benchmark/plot.py --accuracy`) of the cells that ran goes to `$REPLAYLM_ACCURACY_JSON`, else
 `$OUT/accuracy.json` when `$OUT` is set, else `accuracy.json` in the temporary directory. The eager
 reference runs once per session of this module, whatever `-k` selects; servers run one at a time.
+`$REPLAYLM_ACCURACY_SERVER_ARGS` adds launch_server flags to every server (e.g.
+`--mem-fraction-static 0.2`, so that several sessions with different `-k` share one GPU).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +48,7 @@ PARALLEL = 128  # requests in flight, and the server's --max-running-requests
 EAGER = ("disabled", "disabled")
 MODEL = os.environ.get("REPLAYLM_ACCURACY_MODEL", DEFAULT_MODEL)
 DETERMINISTIC = os.environ.get("REPLAYLM_ACCURACY_DETERMINISTIC", "1") != "0"
+EXTRA_SERVER_ARGS = shlex.split(os.environ.get("REPLAYLM_ACCURACY_SERVER_ARGS", ""))
 
 
 def accepted_cells() -> list[tuple[str, str]]:
@@ -73,7 +77,8 @@ def ask_cell(cell: tuple[str, str]) -> dict[str, EvalRun]:
     server = start_server("--model-path", MODEL,
                           "--cuda-graph-mode", json.dumps({"decode": decode, "prefill": prefill}),
                           "--max-running-requests", str(PARALLEL),
-                          *(["--deterministic"] if DETERMINISTIC else []), device="cuda")
+                          *(["--deterministic"] if DETERMINISTIC else []), *EXTRA_SERVER_ARGS,
+                          device="cuda")
     try:
         return {spec.name: ask(server.base_url, spec, f"{decode}/{prefill}", PARALLEL)
                 for spec in SPECS}

@@ -287,13 +287,20 @@ def test_bench_serving_runs_against_the_server(http_server, tmp_path):
     subprocess.run(
         [sys.executable, str(BENCH_SERVING), "--base-url", http_server.base_url,
          "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3",
-         "--random-range-ratio", "1", "--warmup", "0", "--disable-tqdm", "--json", str(out)],
+         "--random-range-ratio", "1", "--warmup", "0", "--max-concurrency", "1", "3",
+         "--disable-tqdm", "--json", str(out)],
         check=True, timeout=300, capture_output=True)
-    (row,) = json.loads(out.read_text())["summary"]
-    assert row["completed"] == 3 and row["failed"] == 0 and row["model"] == MODEL
-    assert row["total_input_tokens"] == 24 and row["total_output_tokens"] == 9
-    assert row["p50_ttft_ms"] > 0 and row["p99_itl_ms"] >= row["p50_itl_ms"] > 0
-    assert row["output_token_throughput"] > 0
+    doc = json.loads(out.read_text())
+    assert [row["max_concurrency"] for row in doc["summary"]] == [1, 3]
+    for row in doc["summary"]:
+        assert row["completed"] == 3 and row["failed"] == 0 and row["model"] == MODEL
+        assert row["total_input_tokens"] == 24 and row["total_output_tokens"] == 9
+        assert row["p50_ttft_ms"] > 0 and row["p99_itl_ms"] >= row["p50_itl_ms"] > 0
+        assert row["output_token_throughput"] > 0
+    # one in flight: the requests' lifetimes do not overlap, so they sum to at most the run's time
+    one_at_a_time = [r["latency"] for r in doc["requests"] if r["max_concurrency"] == 1]
+    assert len(one_at_a_time) == 3
+    assert sum(one_at_a_time) <= doc["summary"][0]["duration_s"]
 
 
 # ---- API key and a dead scheduler (tiny checkpoint, no tokenizer: starts in seconds) --------

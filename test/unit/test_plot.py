@@ -37,8 +37,8 @@ def serving_doc(bench_serving, scale: float) -> dict:
     args = bench_serving.parse_args(["--num-prompts", "2"])
     results = [bench_serving.RequestResult(ok=True, input_len=8, output_len=4, ttft=0.02 * scale,
                                            latency=0.1 * scale, itl=[0.01 * scale] * 3)] * 2
-    summary = [bench_serving.summarize(args, "m", rate, results, 1.0 * scale)
-               for rate in (4.0, math.inf)]
+    summary = [bench_serving.summarize(args, "m", rate, concurrency, results, 1.0 * scale)
+               for rate, concurrency in ((math.inf, None), (4.0, None), (math.inf, 8))]
     return {"config": {}, "summary": summary, "requests": []}
 
 
@@ -105,6 +105,14 @@ def test_every_plot_is_written(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"skipped {tmp_path / 'missing.json'}: no such file" in printed
     assert printed.count("wrote ") == len(names)
+
+
+def test_serving_runs_are_grouped_by_rate_then_concurrency():
+    pytest.importorskip("matplotlib")
+    plot = import_script("benchmark/plot.py")
+    bench_serving = import_script("benchmark/bench_serving.py")
+    docs = [("a", serving_doc(bench_serving, 1.0)), ("b", serving_doc(bench_serving, 2.0))]
+    assert plot.serving_runs(docs) == [(4.0, None), ("inf", 8), ("inf", None)]
 
 
 def test_only_missing_inputs_write_nothing(tmp_path, capsys):
