@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, CudaGraphConf
         graphs = resolve_cuda_graph_config(args, device)
         if args.deterministic:
             check_deterministic(resolve_attention_backend(args.attention_backend, device))
+        if args.enable_pdl and device != "cuda":  # a GPU's capability: where the model loads
+            import torch
+
+            from replaylm.layers.kernels import check_pdl
+
+            check_pdl(True, torch.device(device))
     except ValueError as err:
         _usage_error(str(err))
     return args, graphs, ns.print_cuda_graph_config

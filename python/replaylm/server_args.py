@@ -103,6 +103,10 @@ class ServerArgs:
     deterministic: bool = field(default=False, metadata=_opt(
         "batch-invariant kernels: a request's outputs do not depend on the batches it shares or "
         "on how its prompt is chunked (matmuls, attention); needs the triton attention backend"))
+    enable_pdl: bool = field(default=False, metadata=_opt(
+        "launch replaylm's Triton kernels with programmatic dependent launch (Hopper or newer): "
+        "each may start while the kernel before it finishes, the matmuls loading weights "
+        "meanwhile; same numbers"))
     tc_piecewise_kernels: str = field(default="fused", metadata=_opt(
         "what tc_piecewise pieces run for norms, rope and SiluAndMul: fused (replaylm's Triton "
         "kernels kept whole: the eager model's numbers) or native (the torch code, fused by the "

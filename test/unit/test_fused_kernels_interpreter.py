@@ -350,3 +350,45 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, comp
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for req in reqs:
         release(req, runner)
+
+
+def test_pdl_launches_wait_in_every_kernel_and_change_no_number(kernel_calls, tmp_path,
+                                                                monkeypatch):
+    """With PDL on (`set_pdl`; the capability check is bypassed: the interpreter runs the kernels'
+    PDL branch, with the two grid-dependency instructions counted instead of executed), a tiny
+    Qwen3 on the triton attention and matmul kernels computes bit-equal logits, and every kernel
+    program waits for its producers: the kernels are launched with `launch_pdl`."""
+    import triton.language.extra.cuda as tl_cuda
+
+    from replaylm.layers.attention import selection
+
+    monkeypatch.setattr(selection, "GPU_ONLY_BACKENDS", ())  # triton attention, interpreted
+    waits = {"gdc_wait": 0, "gdc_launch_dependents": 0}
+
+    def counted(name: str):
+        def instruction():
+            waits[name] += 1
+        return instruction
+
+    for name in waits:
+        monkeypatch.setattr(tl_cuda, name, counted(name))
+    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", attention_backend="triton",
+                          small_batch_matmul="triton")
+    with scalar_loop_bounds():
+        want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
+        assert waits == {"gdc_wait": 0, "gdc_launch_dependents": 0}
+        kernels.set_pdl(True)
+        try:
+            assert kernels.pdl_launch() == {"USE_PDL": True, "launch_pdl": True}
+            got = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
+        finally:
+            kernels.set_pdl(False)
+    assert waits["gdc_wait"] > 0 and waits["gdc_wait"] == waits["gdc_launch_dependents"]
+    for ours, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+
+
+def test_enable_pdl_is_refused_off_hopper(tmp_path):
+    with pytest.raises(ValueError, match=r"--enable-pdl needs a CUDA GPU of compute capability "
+                                         r"9\.0\+, not cpu"):
+        _tiny_runner(tmp_path, "qwen3-0.6b.json", enable_pdl=True)

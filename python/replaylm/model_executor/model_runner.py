@@ -15,6 +15,7 @@ from replaylm.compilation.compile_model import TcPiecewiseOptions, set_compile_c
 from replaylm.cuda_graph_config import PhaseConfig, resolve_cuda_graph_config
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
+from replaylm.layers.kernels import check_pdl, set_pdl
 from replaylm.layers.linear import set_matmul
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
@@ -45,6 +46,8 @@ class ModelRunner:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.device = resolve_device(args.device)
+        check_pdl(args.enable_pdl, self.device)
+        set_pdl(args.enable_pdl)
         path = resolve_model_path(args.model_path)
         self.config = load_model_config(path)
         self.dtype = resolve_dtype(args.dtype, self.device, self.config.torch_dtype)
@@ -63,8 +66,9 @@ class ModelRunner:
         self.sampler = Sampler()
         logger.info(
             "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s, "
-            "matmul %s%s", self.dtype, self.device, self.max_total_tokens,
+            "matmul %s%s%s", self.dtype, self.device, self.max_total_tokens,
             self.kv_pool.memory_bytes() / 2**30, backend, self.matmul,
+            ", programmatic dependent launch" if args.enable_pdl else "",
             " (--deterministic: batch-invariant kernels)" if args.deterministic else "",
         )
         self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)

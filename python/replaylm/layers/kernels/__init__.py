@@ -22,6 +22,7 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_DEVICE_TYPE = "cuda"
 _native_only = False
 _kernels_when_compiling = False
+_pdl = False
 
 
 def use_triton_kernels(x: torch.Tensor) -> bool:
@@ -33,6 +34,35 @@ def use_triton_kernels(x: torch.Tensor) -> bool:
         x.device.type == KERNEL_DEVICE_TYPE and _HAS_TRITON and not _native_only
         and (_kernels_when_compiling or not torch.compiler.is_compiling())
     )
+
+
+def check_pdl(enabled: bool, device: torch.device) -> None:
+    """Raise ValueError when `--enable-pdl` is asked for on a device without it: PDL needs a CUDA
+    GPU of compute capability 9.0 or newer (Hopper)."""
+    if not enabled:
+        return
+    if device.type != "cuda":
+        raise ValueError(f"--enable-pdl needs a CUDA GPU of compute capability 9.0+, not {device}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (9, 0):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"--enable-pdl needs compute capability 9.0+ (Hopper); {name} has "
+                         f"{capability[0]}.{capability[1]}")
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch every replaylm Triton kernel with programmatic dependent launch (PDL, sm90+) from
+    now on, or not. Process-wide: set once when the model loads, before any graph capture (a
+    captured graph keeps the launches it recorded)."""
+    global _pdl
+    _pdl = enabled
+
+
+def pdl_launch() -> dict[str, bool]:
+    """The keywords every kernel launch adds: the kernel's `USE_PDL` constexpr and, when PDL is
+    on, triton's `launch_pdl` (the launch may start before the previous kernel ends; the kernel's
+    `wait_for_producers` keeps it correct)."""
+    return {"USE_PDL": True, "launch_pdl": True} if _pdl else {"USE_PDL": False}
 
 
 def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from replaylm.layers.kernels import pdl_launch
+from replaylm.layers.kernels.pdl import wait_for_producers
+
 
 @triton.jit
 def _norm_rope_heads(
@@ -48,8 +51,10 @@ def _qk_norm_rope_kernel(
     Q, K, QOut, KOut, QW, KW, Cos, Sin, Pos, stride_q, stride_k, stride_cos, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid (T, q head blocks + k head blocks): one block of one token's q or k heads."""
+    wait_for_producers(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -104,6 +109,6 @@ def qk_norm_rope(
             q.stride(0), k.stride(0), cos_cache.stride(0), eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_H=heads_per_program,
-            HAS_NORM=norm is not None, num_warps=4,
+            HAS_NORM=norm is not None, num_warps=4, **pdl_launch(),
         )
     return q_out, k_out

@@ -12,14 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
-from replaylm.layers.kernels import as_rows
+from replaylm.layers.kernels import as_rows, pdl_launch
+from replaylm.layers.kernels.pdl import wait_for_producers
 
 
 @triton.jit
 def _rms_norm_kernel(
     X, R, W, Out, ResOut, n_rows, n_cols, stride_x, stride_r, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producers(USE_PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
@@ -56,6 +59,6 @@ def rms_norm(
             x2, r2, weight, out, out if res_out is None else res_out, n_rows, width,
             x2.stride(0), r2.stride(0), eps,
             HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
-            num_warps=min(max(block_d * block_rows // 256, 1), 8),
+            num_warps=min(max(block_d * block_rows // 256, 1), 8), **pdl_launch(),
         )
     return out if res_out is None else (out, res_out)

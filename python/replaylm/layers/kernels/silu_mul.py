@@ -11,11 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from replaylm.layers.kernels import as_rows
+from replaylm.layers.kernels import as_rows, pdl_launch
+from replaylm.layers.kernels.pdl import wait_for_producers
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, width, stride_x, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Out, width, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_producers(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -34,6 +36,6 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(width, block))](
-            x2, out, width, x2.stride(0), BLOCK=block, num_warps=4,
+            x2, out, width, x2.stride(0), BLOCK=block, num_warps=4, **pdl_launch(),
         )
     return out

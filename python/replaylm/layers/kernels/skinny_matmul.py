@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from replaylm.layers.attention.triton.common import dot_precision
-from replaylm.layers.kernels import as_rows
+from replaylm.layers.kernels import as_rows, pdl_launch
+from replaylm.layers.kernels.pdl import wait_for_producers
 
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
 # the workspace's bounds: output tiles of a split-K launch, slices, tile width
@@ -68,24 +69,47 @@ def _write_tile(Y, B, acc, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constex
 
 
 @triton.jit
+def _weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K: tl.constexpr):
+    """Rows `offs_n` of W over the `k_block`-th BLOCK_K columns (zeros past N and K)."""
+    offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                   mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _dot_tile(X, w, acc, offs_m, k_block, M, K, stride_xm, BLOCK_K: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """`acc + X[offs_m, k_block-th BLOCK_K columns] @ w^T`."""
+    offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _skinny_matmul_kernel(
     X, W, B, Y, Partials, Arrivals, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCKS_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for i in range(0, BLOCKS_PER_SPLIT):
-        offs_k = (pid_k * BLOCKS_PER_SPLIT + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k[None, :] < K
-        w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=(offs_n[:, None] < N) & k_ok, other=0.0)
-        x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & k_ok, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    first = pid_k * BLOCKS_PER_SPLIT  # this slice's first block of K
+    if USE_PDL:  # the weights are constant: their first tile loads while the producer of X runs
+        w = _weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
+        wait_for_producers(USE_PDL)
+        acc = _dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION)
+        for i in range(1, BLOCKS_PER_SPLIT):
+            w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION)
+    else:
+        for i in range(0, BLOCKS_PER_SPLIT):
+            w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION)
     if SPLIT_K == 1:
         _write_tile(Y, B, acc, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
     else:
@@ -150,7 +174,6 @@ def skinny_matmul(
             BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),
             HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(x.dtype),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
         )
     return y

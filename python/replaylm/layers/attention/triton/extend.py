@@ -28,6 +28,8 @@ from replaylm.layers.attention.triton.common import (
     dot_precision,
     softmax_update,
 )
+from replaylm.layers.kernels import pdl_launch
+from replaylm.layers.kernels.pdl import wait_for_producers
 
 CONFIGS = {  # head dim -> tiles for 16-bit inputs (block_m a multiple of block_n)
     16: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),
@@ -63,8 +65,9 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+    PRECISION: tl.constexpr, ALIGNED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_producers(USE_PDL)
     head = tl.program_id(0)
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = tl.program_id(2)
@@ -157,6 +160,6 @@ def extend_attention(
         v_cache.stride(1), req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, PRECISION=dot_precision(k_cache.dtype), ALIGNED=aligned,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
     )
     return out

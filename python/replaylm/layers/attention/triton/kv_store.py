@@ -7,13 +7,18 @@ import torch
 import triton
 import triton.language as tl
 
+from replaylm.layers.kernels import pdl_launch
+from replaylm.layers.kernels.pdl import wait_for_producers
+
 
 @triton.jit
 def _store_kv_kernel(
     K, V, KCache, VCache, Loc,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_ch,
     NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producers(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(Loc + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)[:, None]
@@ -44,5 +49,5 @@ def store_kv(
         k, v, k_cache, v_cache, loc,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
         NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, num_warps=4,
+        HEAD_DIM=head_dim, num_warps=4, **pdl_launch(),
     )
