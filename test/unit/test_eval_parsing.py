@@ -127,6 +127,11 @@ def test_wilson_interval():
     assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
     assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
     assert wilson_interval(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    for n in range(1, 60):  # the interval holds the proportion exactly, 0/n and n/n included
+        for s in range(n + 1):
+            lo, hi = wilson_interval(s, n)
+            assert 0.0 <= lo <= s / n <= hi <= 1.0
+    assert wilson_interval(0, 6)[0] == 0.0 and wilson_interval(6, 6)[1] == 1.0
     lo, hi = wilson_interval(150, 200)
     assert lo < 0.75 < hi and hi - lo < wilson_interval(15, 20)[1] - wilson_interval(15, 20)[0]
     for bad in ((1, 0), (-1, 5), (6, 5)):

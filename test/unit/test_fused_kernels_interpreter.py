@@ -375,12 +375,12 @@ def test_pdl_launches_wait_in_every_kernel_and_change_no_number(kernel_calls, tm
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", attention_backend="triton",
                           small_batch_matmul="triton")
     with scalar_loop_bounds():
-        want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
+        want = scripted_logits(runner, prompt_lens=(5, 12, 1), decode_steps=1)
         assert waits == {"gdc_wait": 0, "gdc_launch_dependents": 0}
         kernels.set_pdl(True)
         try:
             assert kernels.pdl_launch() == {"USE_PDL": True, "launch_pdl": True}
-            got = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
+            got = scripted_logits(runner, prompt_lens=(5, 12, 1), decode_steps=1)
         finally:
             kernels.set_pdl(False)
     assert waits["gdc_wait"] > 0 and waits["gdc_wait"] == waits["gdc_launch_dependents"]

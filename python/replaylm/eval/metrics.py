@@ -12,14 +12,15 @@ Z95 = 1.959963984540054  # the 97.5th percentile of the standard normal
 
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
     """The Wilson score interval of a binomial proportion; ValueError unless 0 <= successes <= n
-    and n > 0. Unlike the normal approximation it stays inside [0, 1] and is not empty at 0/n."""
+    and n > 0. Unlike the normal approximation it stays inside [0, 1] and is not empty at 0/n.
+    It always contains successes / n (exactly: at 0/n the float lower bound would be ~1e-17)."""
     if n <= 0 or not 0 <= successes <= n:
         raise ValueError(f"need 0 <= successes <= n and n > 0, got {successes}/{n}")
     p = successes / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
 @dataclass(frozen=True)
