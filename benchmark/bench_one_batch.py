@@ -2,7 +2,7 @@
 
     python benchmark/bench_one_batch.py [--models qwen3-0.6b llama-3.1-8b] [--bs 1 8 64]
                                         [--context 512] [--runs JSON ...] [--json out.json]
-                                        [--server-args '{"small_batch_matmul": "triton"}']
+                                        [--server-args '{}' '{"small_batch_matmul": "triton"}']
 
 Dummy weights with real architectures' configs (benchmark/configs/). Per model one ModelRunner is
 built per run (default: `{"decode": "full", "prefill": "breakable"}`, `{"decode": "breakable"}`,
@@ -11,7 +11,8 @@ memory (tc_piecewise: and its compile time). Eager numbers run the same model an
 eager path. Times are CUDA-event medians after warm-up. The decode floor is the bytes a step must
 read (weights + the batch's KV) over the device-to-device copy bandwidth measured in this run.
 `--server-args` sets further ServerArgs fields of every runner, e.g. `{"deterministic": true}` or
-`{"small_batch_matmul": "triton"}` (the server flags' names, underscored).
+`{"small_batch_matmul": "triton"}` (the server flags' names, underscored); given several JSON
+objects, every run is repeated for each (a "variant" column), so kernels compare on one host.
 """
 
 from __future__ import annotations
@@ -131,21 +132,23 @@ def capture_row(model: str, runner: ModelRunner, phase: str) -> dict:
 
 def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,
                 bandwidth: float, extra: dict | None = None) -> tuple[list[dict], list[dict]]:
-    """Each run is a `--cuda-graph-mode` JSON; eager times come from the first runner."""
+    """Each run is a `--cuda-graph-mode` JSON; eager times come from the first runner. Rows and
+    captures name `extra` as their "variant"."""
     rows, captures, eager = [], [], {}
+    variant = json.dumps(extra or {})
     for modes in runs:
         runner = build_runner(model, modes, max(bs_list), context, extra)
         config = json.loads(modes)
         for phase in ("decode", "prefill"):
             if config.get(phase, "disabled") != "disabled":
-                captures.append(capture_row(model, runner, phase))
+                captures.append({**capture_row(model, runner, phase), "variant": variant})
         if config.get("prefill", "disabled") != "disabled":
             for n, length in PREFILL_CASES:
                 step = f"prefill {n}x{length}"
                 t = time_prefill(runner, n, length, eager=step not in eager)
                 eager.setdefault(step, t.get("eager_ms"))
                 rows.append({"model": model, "step": step, "mode": config["prefill"],
-                             "eager_ms": eager[step], "graph_ms": t["graph_ms"],
+                             "variant": variant, "eager_ms": eager[step], "graph_ms": t["graph_ms"],
                              "floor_ms": None})
         if config.get("decode", "disabled") != "disabled":
             for bs in bs_list:
@@ -153,7 +156,7 @@ def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,
                 t = time_decode(runner, bs, context, eager=step not in eager)
                 eager.setdefault(step, t.get("eager_ms"))
                 rows.append({"model": model, "step": step, "mode": config["decode"],
-                             "eager_ms": eager[step], "graph_ms": t["graph_ms"],
+                             "variant": variant, "eager_ms": eager[step], "graph_ms": t["graph_ms"],
                              "floor_ms": decode_bytes(runner, bs, context) / (bandwidth * 1e6)})
         del runner
         gc.collect()
@@ -173,31 +176,32 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=RUNS,
                         help="--cuda-graph-mode JSON of each runner (default: all three modes)")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--server-args", type=json.loads, default={},
-                        help="JSON object of further ServerArgs fields for every runner")
+    parser.add_argument("--server-args", type=json.loads, nargs="+", default=[{}],
+                        help="JSON object of further ServerArgs fields for every runner; "
+                             "several: every run once per object")
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth_gbs()
     rows, captures = [], []
     for model in args.models:
-        model_rows, model_captures = bench_model(model, args.runs, args.bs, args.context,
-                                                 bandwidth, args.server_args)
-        rows += model_rows
-        captures += model_captures
+        for extra in args.server_args:
+            model_rows, model_captures = bench_model(model, args.runs, args.bs, args.context,
+                                                     bandwidth, extra)
+            rows += model_rows
+            captures += model_captures
 
-    print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens; "
-          f"server args {json.dumps(args.server_args)}")
-    print(f"{'model':14} {'step':18} {'mode':10} {'eager ms':>9} {'graph ms':>9} "
-          f"{'speedup':>8} {'floor ms':>9}")
+    print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens")
+    print(f"{'model':14} {'step':18} {'mode':13} {'eager ms':>9} {'graph ms':>9} "
+          f"{'speedup':>8} {'floor ms':>9}  variant")
     for r in rows:
         floor = f"{r['floor_ms']:9.3f}" if r["floor_ms"] is not None else f"{'':9}"
-        print(f"{r['model']:14} {r['step']:18} {r['mode']:10} {r['eager_ms']:9.3f} "
-              f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {floor}")
+        print(f"{r['model']:14} {r['step']:18} {r['mode']:13} {r['eager_ms']:9.3f} "
+              f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {floor}  {r['variant']}")
     for c in captures:
         compile_s = f" after {c['compile_s']} s compiling" if c["compile_s"] is not None else ""
         print(f"{c['model']}: {c['phase']} {c['mode']}: {c['shapes']} shapes captured in "
-              f"{c['capture_s']} s{compile_s}, {c['graph_mib']} MiB")
-    summary = [{"model": r["model"], "step": r["step"], "mode": r["mode"],
+              f"{c['capture_s']} s{compile_s}, {c['graph_mib']} MiB  {c['variant']}")
+    summary = [{"model": r["model"], "step": r["step"], "mode": r["mode"], "variant": r["variant"],
                 "graph_ms": round(r["graph_ms"], 3), "speedup": round(r["speedup"], 2),
                 **({"over_floor": round(r["graph_ms"] / r["floor_ms"], 2)}
                    if r["floor_ms"] else {})}

@@ -5,9 +5,11 @@
 #   bash scripts/gpu_check.sh [pytest args...]
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention
-#   one_batch one_batch_mm one_batch_pdl one_batch_det startup offline serving; one_batch_mm:
-#   Qwen3-0.6B and Llama-3.1-8B with --small-batch-matmul triton, one_batch_pdl: the same with
-#   --enable-pdl, one_batch_det: Qwen3-0.6B with --deterministic; serving: one server per
+#   one_batch one_batch_kernels one_batch_det profile startup offline serving;
+#   one_batch_kernels: Qwen3-0.6B and Llama-3.1-8B, full decode and breakable prefill, with the
+#   cuBLAS matmul, --small-batch-matmul triton, and that with --enable-pdl, on one host;
+#   one_batch_det: Qwen3-0.6B with --deterministic; profile: kernels of the full bs1 step of both
+#   models under the same three kernel choices (bench_profile.py); serving: one server per
 #   GPU_CHECK_SERVING_MODES entry, decode/prefill, default "full/breakable breakable/breakable
 #   tc_piecewise/tc_piecewise", 4, 32 and 256 requests in flight)
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
@@ -77,16 +79,18 @@ bench_serving_local() {  # decode/prefill: the built-in model in those modes, on
     wait $server
 }
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-    for bench in ${GPU_CHECK_BENCHES:-attention one_batch one_batch_mm one_batch_pdl one_batch_det startup offline serving}; do
+    kernel_variants=('{}' '{"small_batch_matmul": "triton"}'
+                     '{"small_batch_matmul": "triton", "enable_pdl": true}')
+    for bench in ${GPU_CHECK_BENCHES:-attention one_batch one_batch_kernels one_batch_det profile startup offline serving}; do
         case $bench in
             serving) for modes in ${GPU_CHECK_SERVING_MODES:-full/breakable breakable/breakable \
                                    tc_piecewise/tc_piecewise}; do bench_serving_local "$modes"; done ;;
             startup) run_bench bench_startup benchmark/bench_startup.py --log-dir "$OUT/startup" ;;
-            one_batch_mm) run_bench bench_one_batch_mm benchmark/bench_one_batch.py \
-                --models qwen3-0.6b llama-3.1-8b --server-args '{"small_batch_matmul": "triton"}' ;;
-            one_batch_pdl) run_bench bench_one_batch_pdl benchmark/bench_one_batch.py \
-                --models qwen3-0.6b llama-3.1-8b \
-                --server-args '{"small_batch_matmul": "triton", "enable_pdl": true}' ;;
+            one_batch_kernels) run_bench bench_one_batch_kernels benchmark/bench_one_batch.py \
+                --models qwen3-0.6b llama-3.1-8b --runs '{"decode": "full", "prefill": "breakable"}' \
+                --server-args "${kernel_variants[@]}" ;;
+            profile) run_bench bench_profile benchmark/bench_profile.py \
+                --models qwen3-0.6b llama-3.1-8b --server-args "${kernel_variants[@]}" ;;
             one_batch_det) run_bench bench_one_batch_det benchmark/bench_one_batch.py \
                 --models qwen3-0.6b --server-args '{"deterministic": true}' ;;
             *) run_bench "bench_$bench" "benchmark/bench_$bench.py" ;;

@@ -42,7 +42,7 @@ def _logits(enable_pdl: bool, decode: str, prefill: str) -> tuple[list[torch.Ten
     return logits, graphed
 
 
-@pytest.mark.parametrize(("decode", "prefill"), MODES, ids="-".join)
+@pytest.mark.parametrize(("decode", "prefill"), MODES, ids=[f"{d}-{p}" for d, p in MODES])
 def test_pdl_logits_equal_plain_launches(decode, prefill):
     want, _ = _logits(False, decode, prefill)
     got, graphed = _logits(True, decode, prefill)
