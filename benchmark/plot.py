@@ -89,6 +89,12 @@ def _mode_label(row: dict[str, Any]) -> str:
     return f"{row['decode']} / {row['prefill']}"
 
 
+def _variant_label(row: dict[str, Any]) -> str:
+    """" [key=value, ...]" of a bench_one_batch row's ServerArgs variant; "" for none."""
+    fields = json.loads(row.get("variant") or "{}")
+    return f" [{', '.join(f'{k}={v}' for k, v in fields.items())}]" if fields else ""
+
+
 def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     return path
@@ -106,7 +112,9 @@ def plot_one_batch(docs: list[Doc], out: Path) -> list[Path]:
             steps = list(dict.fromkeys(r["step"] for _, r in mine))
             series: Series = {}
             for stem, r in mine:
-                for name, ms in (("eager", r["eager_ms"]), (r["mode"], r["graph_ms"])):
+                variant = _variant_label(r)
+                for name, ms in ((f"eager{variant}", r["eager_ms"]),
+                                 (f"{r['mode']}{variant}", r["graph_ms"])):
                     values = series.setdefault(_name(stem, name, docs), [None] * len(steps))
                     values[steps.index(r["step"])] = ms
             if steps:
@@ -141,7 +149,9 @@ def serving_runs(docs: list[Doc]) -> list[tuple[Any, int | None]]:
 
 def _serving_label(run: tuple[Any, int | None]) -> str:
     rate, concurrency = run
-    return f"{rate} req/s" + (f", {concurrency} in flight" if concurrency else "")
+    if concurrency and math.isinf(_rate(rate)):
+        return f"{concurrency} in flight"  # all sent at once, the concurrency is what bounds
+    return f"{rate} req/s" + (f",\n{concurrency} in flight" if concurrency else "")
 
 
 def plot_serving(docs: list[Doc], out: Path) -> list[Path]:

@@ -29,6 +29,8 @@ def one_batch_doc() -> dict:
                       "graph_ms": graph_ms, "floor_ms": 0.4, "speedup": eager_ms / graph_ms}
                      for mode, graph_ms in (("full", 4.1), ("breakable", 4.3),
                                             ("tc_piecewise", 3.0))]
+    variant = json.dumps({"small_batch_matmul": "triton"})  # a second kernel variant's rows
+    rows += [{**r, "variant": variant, "graph_ms": r["graph_ms"] * 0.9} for r in rows[:5]]
     return {"copy_bandwidth_gbs": 3000.0, "rows": rows, "captures": [], "summary": []}
 
 
@@ -131,3 +133,20 @@ def test_without_matplotlib_it_exits_with_one_line(monkeypatch):
         import_script("benchmark/plot.py")
     message = exit_info.value.code
     assert message == "benchmark/plot.py needs matplotlib: pip install -e '.[bench]'"
+
+
+def test_one_batch_series_name_their_kernel_variant():
+    pytest.importorskip("matplotlib")
+    plot = import_script("benchmark/plot.py")
+    assert plot._variant_label({"mode": "full"}) == ""
+    assert plot._variant_label({"variant": "{}"}) == ""
+    pdl = json.dumps({"small_batch_matmul": "triton", "enable_pdl": True})
+    assert plot._variant_label({"variant": pdl}) == " [small_batch_matmul=triton, enable_pdl=True]"
+
+
+def test_serving_groups_are_labelled_by_what_bounds_them():
+    pytest.importorskip("matplotlib")
+    plot = import_script("benchmark/plot.py")
+    assert plot._serving_label(("inf", 32)) == "32 in flight"
+    assert plot._serving_label((4.0, None)) == "4.0 req/s"
+    assert plot._serving_label((4.0, 8)) == "4.0 req/s,\n8 in flight"
