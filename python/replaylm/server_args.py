@@ -97,9 +97,11 @@ class ServerArgs:
     tc_piecewise_compiler: str = field(default="inductor", metadata=_opt(
         "how tc_piecewise compiles the pieces of the forward (eager: split only, no fusion)",
         ("inductor", "eager")))
-    small_batch_matmul: str = field(default="cublas", metadata=_opt(
-        "kernel of the matmuls of at most 16 rows (decode batches) on CUDA: cublas, or triton (a "
-        "split-K kernel whose rows do not depend on the batch's size)", ("cublas", "triton")))
+    small_batch_matmul: str = field(default="auto", metadata=_opt(
+        "kernel of the matmuls of at most 16 rows (decode batches) on CUDA: triton (a split-K "
+        "kernel whose rows do not depend on the batch's size), cublas, or auto: triton for the "
+        "LM head and layer weights up to 64 MiB, cublas for larger ones (where it measured "
+        "faster on the H100)", ("auto", "cublas", "triton")))
     deterministic: bool = field(default=False, metadata=_opt(
         "batch-invariant kernels: a request's outputs do not depend on the batches it shares or "
         "on how its prompt is chunked (matmuls, attention); needs the triton attention backend"))

@@ -265,7 +265,7 @@ def test_small_batch_matmul_triton_takes_the_skinny_kernel_up_to_16_rows(kernel_
     monkeypatch.setattr(skinny_mod, "skinny_matmul",
                         lambda x, *a, **kw: calls.append(x.numel() // x.shape[-1])
                         or skinny_matmul(x, *a, **kw))
-    runner = _tiny_runner(tmp_path, "llama-3.1-8b.json")
+    runner = _tiny_runner(tmp_path, "llama-3.1-8b.json", small_batch_matmul="cublas")
     want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
     assert calls == []
     set_matmul(runner.model, "triton")
@@ -274,14 +274,43 @@ def test_small_batch_matmul_triton_takes_the_skinny_kernel_up_to_16_rows(kernel_
     assert calls == [3] + [3] * 9
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="must be one of cublas, triton, invariant"):
+    with pytest.raises(ValueError, match="must be one of cublas, triton, invariant, auto"):
         set_matmul(runner.model, "cutlass")
+
+
+def test_small_batch_matmul_auto_takes_the_skinny_kernel_for_small_weights_and_the_lm_head(
+        kernel_calls, tmp_path, monkeypatch):
+    """`auto` (the default): layers whose weight is at most AUTO_SKINNY_MAX_BYTES, and the LM head
+    whatever its size, take the skinny kernel (up to 16 rows); larger weights F.linear. With the
+    bound set between the tiny Llama's weights (fp32 bytes: o 49,152, down 61,440, qkv 98,304,
+    gate_up 122,880), gate_up goes to cuBLAS; logits match cuBLAS's."""
+    from replaylm.layers import linear as linear_mod
+    from replaylm.layers.kernels import skinny_matmul as skinny_mod
+
+    calls = []
+    monkeypatch.setattr(skinny_mod, "skinny_matmul",
+                        lambda x, *a, **kw: calls.append(tuple(a[0].shape))
+                        or skinny_matmul(x, *a, **kw))
+    runner = _tiny_runner(tmp_path, "llama-3.1-8b.json", small_batch_matmul="cublas")
+    want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
+    monkeypatch.setattr(linear_mod, "AUTO_SKINNY_MAX_BYTES", 100_000)
+    chosen = set_matmul(runner.model, "auto")
+    assert chosen == {"triton": 2 * 3 + 1, "cublas": 2}  # per layer qkv, o, down; the LM head
+    got = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
+    lm_head, qkv, o, down = (1024, 96), (256, 96), (96, 128), (96, 160)
+    # prefill: only the logits (3 rows); decode: per layer qkv, o, down, then the logits
+    assert calls == [lm_head] + [qkv, o, down] * 2 + [lm_head]
+    for ours, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert set_matmul(runner.model, "auto") == chosen  # the same answer on a second call
+    monkeypatch.setattr(linear_mod, "AUTO_SKINNY_MAX_BYTES", 64 * 2**20)
+    assert set_matmul(runner.model, "auto") == {"triton": 2 * 4 + 1}
 
 
 def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
         kernel_calls, tmp_path, monkeypatch):
     """`--deterministic`: all matmuls (any row count) take the skinny kernel with K unsplit, the
-    attention backend is the batch-invariant one; logits match the default route's."""
+    attention backend is the batch-invariant one; logits match the cuBLAS route's."""
     from replaylm.layers.attention import selection
     from replaylm.layers.kernels import skinny_matmul as skinny_mod
 
@@ -291,8 +320,8 @@ def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
                         lambda x, w, b=None, config=None: configs.append(
                             (x.numel() // x.shape[-1], config))
                         or skinny_matmul(x, w, b, config))
-    want = scripted_logits(_tiny_runner(tmp_path, "qwen3-0.6b.json"), prompt_lens=(5, 30, 1),
-                           decode_steps=1)
+    want = scripted_logits(_tiny_runner(tmp_path, "qwen3-0.6b.json", small_batch_matmul="cublas"),
+                           prompt_lens=(5, 30, 1), decode_steps=1)
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", deterministic=True,
                           attention_backend="triton")
     assert runner.attn_backend.deterministic

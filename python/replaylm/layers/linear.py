@@ -3,6 +3,8 @@ choice of matmul kernel (`--small-batch-matmul`, `--deterministic`)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,8 +12,15 @@ from torch import nn
 from replaylm.layers.kernels import use_triton_kernels
 
 # cublas: F.linear; triton: the skinny split-K kernel for inputs of at most 16 rows (F.linear
-# above); invariant: the skinny kernel for every input, K unsplit (rows independent of the batch)
-MATMULS = ("cublas", "triton", "invariant")
+# above); invariant: the skinny kernel for every input, K unsplit (rows independent of the batch);
+# auto: per layer, triton or cublas (`MatmulLayer.auto_matmul`)
+MATMULS = ("cublas", "triton", "invariant", "auto")
+# auto: layer weights up to this size take the skinny kernel. On the H100 (bench_matmul.py,
+# docs/benchmarks.md) it beat cuBLAS on every weight of Qwen3-0.6B (5-36% faster) and on
+# Llama-3.1-8B's qkv (48 MiB) and o (32 MiB), and lost on Llama's gate_up (224 MiB, 12% slower)
+# and down (112 MiB, 9% slower); on the LM head (`LogitsProcessor`) it won at every size (7%
+# faster on Llama's 1 GiB one)
+AUTO_SKINNY_MAX_BYTES = 64 * 2**20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -26,24 +35,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class MatmulLayer(nn.Module):
-    """A layer whose matmul kernel `set_matmul` chooses (`matmul`, one of MATMULS)."""
+    """A layer whose matmul kernel `set_matmul` chooses (`matmul`, one of MATMULS less auto)."""
 
     matmul = "cublas"
 
+    def auto_matmul(self) -> str:
+        """The kernel `--small-batch-matmul auto` picks for this layer: the skinny one."""
+        return "triton"
 
-def set_matmul(model: nn.Module, matmul: str) -> None:
-    """Make every MatmulLayer of `model` use `matmul` (one of MATMULS); for "triton", reserve
-    the split-K workspace on the model's device now."""
+
+def set_matmul(model: nn.Module, matmul: str) -> Counter[str]:
+    """Make every MatmulLayer of `model` use `matmul` (one of MATMULS; auto: each layer's
+    `auto_matmul`); when any takes "triton", reserve the split-K workspace on the model's device
+    now. Returns how many layers take each kernel."""
     if matmul not in MATMULS:
         raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, not '{matmul}'")
+    chosen: Counter[str] = Counter()
     for module in model.modules():
         if isinstance(module, MatmulLayer):
-            module.matmul = matmul
+            module.matmul = module.auto_matmul() if matmul == "auto" else matmul
+            chosen[module.matmul] += 1
     weight = next(model.parameters(), None)
-    if matmul == "triton" and weight is not None and use_triton_kernels(weight):
+    if chosen["triton"] and weight is not None and use_triton_kernels(weight):
         from replaylm.layers.kernels.skinny_matmul import reserve_workspace
 
         reserve_workspace(weight.device)
+    return chosen
 
 
 class Linear(MatmulLayer):
@@ -58,6 +75,11 @@ class Linear(MatmulLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.matmul)
+
+    def auto_matmul(self) -> str:
+        """The skinny kernel for weights up to AUTO_SKINNY_MAX_BYTES, cuBLAS above."""
+        size = self.weight.numel() * self.weight.element_size()
+        return "triton" if size <= AUTO_SKINNY_MAX_BYTES else "cublas"
 
 
 class MergedLinear(Linear):

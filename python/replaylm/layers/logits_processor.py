@@ -5,11 +5,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from replaylm.layers.linear import MatmulLayer, linear
 
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
+
+
+class LMHead(nn.Module):
+    """An untied LM head: its `[V, H]` weight only (checkpoint name `lm_head.weight`); the
+    projection is LogitsProcessor's, so the head is no MatmulLayer of its own."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
 
 class LogitsProcessor(MatmulLayer):

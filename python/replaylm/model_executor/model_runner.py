@@ -16,7 +16,7 @@ from replaylm.cuda_graph_config import PhaseConfig, resolve_cuda_graph_config
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
 from replaylm.layers.kernels import check_pdl, set_pdl
-from replaylm.layers.linear import set_matmul
+from replaylm.layers.linear import AUTO_SKINNY_MAX_BYTES, set_matmul
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -55,10 +55,14 @@ class ModelRunner:
             path, self.config, args.load_format, self.dtype, self.device, args.seed
         )
         self.matmul = "invariant" if args.deterministic else args.small_batch_matmul
-        if args.deterministic and args.small_batch_matmul != "cublas":
+        if args.deterministic and args.small_batch_matmul != "auto":
             logger.warning("--deterministic overrides --small-batch-matmul %s: every matmul runs "
                            "the batch-invariant kernel", args.small_batch_matmul)
-        set_matmul(self.model, self.matmul)
+        layers = set_matmul(self.model, self.matmul)
+        if self.matmul == "auto":
+            logger.info("--small-batch-matmul auto: the skinny triton kernel for %d matmul layers "
+                        "(the LM head and weights up to %d MiB), cuBLAS for %d (larger weights)",
+                        layers["triton"], AUTO_SKINNY_MAX_BYTES // 2**20, layers["cublas"])
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
         backend = resolve_attention_backend(args.attention_backend, self.device.type)

@@ -16,7 +16,7 @@ from replaylm.layers.attention.layer import Attention
 from replaylm.layers.kernels import use_triton_kernels
 from replaylm.layers.layernorm import RMSNorm
 from replaylm.layers.linear import Linear, MergedLinear
-from replaylm.layers.logits_processor import LogitsProcessor
+from replaylm.layers.logits_processor import LMHead, LogitsProcessor
 from replaylm.layers.rotary_embedding import RotaryEmbedding
 from replaylm.layers.vocab_embedding import VocabEmbedding
 from replaylm.model_executor.forward_batch import ForwardBatch
@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.uses_qkv_bias(config), self.uses_qk_norm())
         self.lm_head = (
             None if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size)
+            else LMHead(config.hidden_size, config.vocab_size)
         )
         self.logits_processor = LogitsProcessor()
 

@@ -1,0 +1,110 @@
+"""Small-batch matmuls of real models' projections: cuBLAS vs the skinny Triton kernel (with and
+without PDL), each launch inside a CUDA graph, as a decode step runs them.
+
+    python benchmark/bench_matmul.py [--models qwen3-0.6b llama-3.1-8b] [--rows 1 8 16]
+                                     [--json out.json]
+
+Per model (benchmark/configs/) and projection (qkv, o, gate_up, down, lm_head) and row count:
+a graph of one launch per layer over that many distinct random weights (so that L2 holds none of
+them, as in a step), replayed and timed with CUDA events (median); microseconds per launch and
+the weight bytes per second that makes. The choice of `--small-batch-matmul auto` is read off
+this table (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from replaylm.layers import kernels
+from replaylm.layers.kernels.skinny_matmul import reserve_workspace, skinny_matmul
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+WARMUP, REPEAT = 5, 30
+MAX_COPY_BYTES = 4 * 2**30  # weights of one graph, at most (lm_head: fewer copies)
+
+
+def projections(cfg: dict) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of a Llama-family layer's projections and the LM head."""
+    h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg[
+        "num_attention_heads"]
+    heads, kv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg[
+        "intermediate_size"]
+    return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * inter, h),
+            "down": (h, inter), "lm_head": (cfg["vocab_size"], h)}
+
+
+def graph_us(launch, count: int) -> float:
+    """Median microseconds per launch of a CUDA graph of `launch(i)` for i < count."""
+    launch(0)  # compile / plan outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(count):
+            launch(i)
+    for _ in range(WARMUP):
+        graph.replay()
+    times = []
+    for _ in range(REPEAT):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / count)
+    return statistics.median(times)
+
+
+def bench_shape(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
+    copies = max(1, min(layers, MAX_COPY_BYTES // (2 * n * k)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+               for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    out = {"copies": copies,
+           "cublas_us": graph_us(lambda i: F.linear(x, weights[i]), copies),
+           "triton_us": graph_us(lambda i: skinny_matmul(x, weights[i]), copies)}
+    kernels.set_pdl(True)
+    try:
+        out["triton_pdl_us"] = graph_us(lambda i: skinny_matmul(x, weights[i]), copies)
+    finally:
+        kernels.set_pdl(False)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    reserve_workspace(torch.device("cuda"))
+    rows = []
+    print(f"{'model':14} {'proj':8} {'N':>7} {'K':>6} {'M':>3} {'cuBLAS us':>10} "
+          f"{'triton us':>10} {'+PDL us':>8} {'cuBLAS GB/s':>12} {'triton GB/s':>12}")
+    for model in args.models:
+        cfg = json.loads((CONFIGS / f"{model}.json").read_text())
+        for name, (n, k) in projections(cfg).items():
+            for m in args.rows:
+                r = {"model": model, "proj": name, "n": n, "k": k, "rows": m,
+                     **bench_shape(n, k, m, cfg["num_hidden_layers"])}
+                torch.cuda.empty_cache()  # the shape's weights and graphs are gone
+                gbs = {key: 2 * n * k / (r[f"{key}_us"] * 1e3) for key in ("cublas", "triton")}
+                rows.append(r)
+                print(f"{model:14} {name:8} {n:7d} {k:6d} {m:3d} {r['cublas_us']:10.2f} "
+                      f"{r['triton_us']:10.2f} {r['triton_pdl_us']:8.2f} "
+                      f"{gbs['cublas']:12.0f} {gbs['triton']:12.0f}")
+    summary = [{"model": r["model"], "proj": r["proj"], "rows": r["rows"],
+                "cublas_us": round(r["cublas_us"], 2), "triton_us": round(r["triton_us"], 2),
+                "triton_pdl_us": round(r["triton_pdl_us"], 2)} for r in rows if r["rows"] == 1]
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
