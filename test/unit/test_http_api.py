@@ -298,9 +298,10 @@ def test_bench_serving_runs_against_the_server(http_server, tmp_path):
         assert row["p50_ttft_ms"] > 0 and row["p99_itl_ms"] >= row["p50_itl_ms"] > 0
         assert row["output_token_throughput"] > 0
     # one in flight: the requests' lifetimes do not overlap, so they sum to at most the run's time
+    # (the summary rounds it to 3 decimals: up to 0.5 ms below the measured one)
     one_at_a_time = [r["latency"] for r in doc["requests"] if r["max_concurrency"] == 1]
     assert len(one_at_a_time) == 3
-    assert sum(one_at_a_time) <= doc["summary"][0]["duration_s"]
+    assert sum(one_at_a_time) <= doc["summary"][0]["duration_s"] + 5e-4
 
 
 # ---- API key and a dead scheduler (tiny checkpoint, no tokenizer: starts in seconds) --------
