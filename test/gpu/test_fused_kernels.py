@@ -201,21 +201,6 @@ def test_skinny_matmul_matches_linear_and_rows_are_batch_invariant(n, k, dtype):
     assert int(_workspace(x.device)[1].count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "k"), [(1024, 3072), (576, 1536), (4096, 14336)])  # down projs
-def test_skinny_matmul_with_silu_mul_equals_the_two_launches(n, k, dtype):
-    """The down projection with SiLU-mul in its prologue: bit-equal to SiluAndMul's kernel then
-    the plain skinny kernel, for every row count up to 16."""
-    from replaylm.layers.kernels.silu_mul import silu_and_mul
-
-    w = _randn(n, k, dtype=dtype, seed=n) / k**0.5
-    gate_up = _randn(MAX_ROWS, 2 * k, dtype=dtype, seed=k, scale=3.0)
-    for rows in (1, 2, 7, MAX_ROWS):
-        got = skinny_matmul(gate_up[:rows], w, silu_mul=True)
-        assert torch.equal(got, skinny_matmul(silu_and_mul(gate_up[:rows]), w))
-    assert int(_workspace(gate_up.device)[1].count_nonzero()) == 0
-
-
 @pytest.mark.parametrize(("n", "k"), MATMUL_SHAPES[:4])
 def test_invariant_matmul_rows_do_not_depend_on_the_row_count(n, k):
     """`--deterministic`'s matmul: any row count, each row bit-equal to the same row computed in

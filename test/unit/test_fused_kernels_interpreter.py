@@ -161,24 +161,6 @@ def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
     assert int(_workspace(x.device)[1].count_nonzero()) == 0  # every counter back to zero
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "n", "k", "config"), [
-    (1, 40, 600, None),  # K split in 4
-    (3, 70, 130, None),  # one slice
-    (16, 90, 200, MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4, num_stages=2)),
-])
-def test_skinny_matmul_with_silu_mul_equals_the_two_launches(dtype, rows, n, k, config):
-    """`silu_mul=True` computes SiLU-mul of gate | up as the tiles load: exactly the SiluAndMul
-    kernel's output fed to the plain kernel (same roundings, same dots)."""
-    gate_up = _strided(_randn(rows, 2 * k, dtype=dtype, seed=rows))
-    w = _randn(n, k, dtype=dtype, seed=n) / k**0.5
-    b = _randn(n, dtype=dtype, seed=2)
-    got = skinny_matmul(gate_up, w, b, config, silu_mul=True)
-    assert torch.equal(got, skinny_matmul(silu_and_mul(gate_up), w, b, config))
-    with pytest.raises(ValueError, match=f"silu_mul takes gate | up of width {2 * k}"):
-        skinny_matmul(gate_up[:, :k], w, b, config, silu_mul=True)
-
-
 def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_only():
     assert matmul_config(1024, 3072).split_k == 4 and matmul_config(4096, 1024).split_k == 1
     assert matmul_config(1024, 256).split_k == 1  # too few K blocks to split
@@ -256,24 +238,19 @@ def _tiny_runner(tmp_path: Path, config: str, **args) -> ModelRunner:
                         context_length=64, **args)
 
 
-@pytest.mark.parametrize(("matmul", "silu_calls"), [("cublas", 4), ("auto", 0)])
 @pytest.mark.parametrize("config", ["qwen3-0.6b.json", "llama-3.1-8b.json"])
-def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config, matmul,
-                                                silu_calls):
+def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
     """A 2-layer model of the config's architecture, shrunk, on dummy weights, in float32:
     logits of a prefill and a decode step through the kernels equal the native route's. Qwen3
     takes LlamaAttention's fused q/k norm + rope (its per-head norms are no RMSNorm calls),
-    Llama the rope alone through RotaryEmbedding (llama3 scaling). With the skinny matmul (auto:
-    every weight here is small; both forwards have at most 16 rows) the down projection computes
-    SiLU-mul itself: no SiluAndMul launch."""
-    runner = _tiny_runner(tmp_path, config, small_batch_matmul=matmul)
+    Llama the rope alone through RotaryEmbedding (llama3 scaling)."""
+    runner = _tiny_runner(tmp_path, config)
     with native_only():
         want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
     assert kernel_calls == {}
     got = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
     # 2 forwards x 2 layers; RMSNorm: 2 forwards x (2 per layer + the final norm)
-    assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 10,
-                            **({"silu_and_mul": silu_calls} if silu_calls else {})}
+    assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 10, "silu_and_mul": 4}
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
@@ -375,9 +352,9 @@ def _compiled_ops(compiled: CompiledForward) -> set[str]:
 @torch.inference_mode()
 def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, compiler, kernels):
     """With kernels="fused" the compiled forward calls the fused kernels as custom ops (each
-    kernel launched once per layer call; the skinny down projection with SiLU-mul inside) and
-    computes the eager Triton route's numbers exactly (Inductor too: it fuses only the glue);
-    with "native" the pieces hold the torch code instead (no kernel runs) and match closely."""
+    kernel launched once per layer call) and computes the eager Triton route's numbers exactly
+    (Inductor too: it fuses only the glue); with "native" the pieces hold the torch code instead
+    (no kernel runs) and match closely."""
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json")
     set_matmul(runner.model, "triton")  # the skinny matmul stays whole too
     reqs = [Req(i, list(range(10 + i, 10 + i + n)), SamplingParams(), 0, 4)
@@ -391,11 +368,11 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, comp
         compiled = CompiledForward(runner.model, TcPiecewiseOptions(compiler, kernels))
         got = compiled(batch.input_ids, batch.positions)
     fused_ops = {"replaylm.rms_norm", "replaylm.add_rms_norm", "replaylm.qk_norm_rope",
-                 "replaylm.silu_mul_linear", "replaylm.linear"}
+                 "replaylm.silu_and_mul", "replaylm.linear"}
     if kernels == "fused":
         assert compiler == "inductor" or fused_ops <= _compiled_ops(compiled)
-        # per layer: 2 norms, q/k norm + rope (SiLU-mul is in the matmul); then the final norm
-        assert kernel_calls == {"rms_norm": 5, "qk_norm_rope": 2}
+        # per layer: 2 norms, q/k norm + rope, SiluAndMul; then the final norm
+        assert kernel_calls == {"rms_norm": 5, "qk_norm_rope": 2, "silu_and_mul": 2}
         assert torch.equal(got, want)
     else:
         assert not fused_ops & _compiled_ops(compiled) and kernel_calls == {}

@@ -89,13 +89,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.down_proj.matmul == "triton" and use_triton_kernels(gate_up):
-            # the skinny down projection computes SiLU-mul as it loads: one launch fewer
-            from replaylm.layers.kernels.ops import silu_mul_linear
-
-            return silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
-        return self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

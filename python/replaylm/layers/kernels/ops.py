@@ -1,6 +1,6 @@
 """The layers' entry points to the fused kernels: a direct launch when run eagerly, a torch custom
-op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `qk_norm_rope`, `linear`,
-`silu_mul_linear`) under torch.compile.
+op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `qk_norm_rope`, `linear`) under
+torch.compile.
 
 Inside compiled code (tc_piecewise with `kernels="fused"`, see `kernels_in_compiled_code`) the
 custom ops keep each kernel whole: Inductor calls it as it is instead of re-deriving its own
@@ -80,24 +80,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
-def _silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    if gate_up.numel() <= _skinny.MAX_ROWS * gate_up.shape[-1]:
-        return _skinny.skinny_matmul(gate_up, weight, bias, silu_mul=True)
-    return F.linear(_silu_mul.silu_and_mul(gate_up), weight, bias)
-
-
-@torch.library.custom_op("replaylm::silu_mul_linear", mutates_args=())
-def _silu_mul_linear_op(gate_up: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None) -> torch.Tensor:
-    return _silu_mul_linear(gate_up, weight, bias)
-
-
-@_silu_mul_linear_op.register_fake
-def _(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))
-
-
 @torch.library.custom_op("replaylm::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                all_rows: bool) -> torch.Tensor:
@@ -150,13 +132,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not torch.compiler.is_compiling():
         return _linear(x, weight, bias, all_rows)
     return torch.ops.replaylm.linear(x, weight, bias, all_rows)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear(silu_and_mul(gate_up), weight, bias)`: for at most `MAX_ROWS` rows one launch of
-    the skinny kernel, which computes SiLU-mul as it loads (the numbers of the two launches),
-    else the SiluAndMul kernel then `F.linear`; decided per call, a custom op when compiling."""
-    if not torch.compiler.is_compiling():
-        return _silu_mul_linear(gate_up, weight, bias)
-    return torch.ops.replaylm.silu_mul_linear(gate_up, weight, bias)

@@ -16,24 +16,16 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 
 
 @triton.jit
-def silu_mul_values(gate, up):
-    """`silu(gate) * up` in gate's dtype, rounded as the torch code rounds: silu in float32
-    rounded to the dtype, times `up` in float32, rounded again. Also the skinny matmul's prologue
-    (`skinny_matmul(..., silu_mul=True)`), which so computes the numbers of the two launches."""
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    return (silu * up.to(tl.float32)).to(gate.dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(X, Out, width, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_producers(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(X + row * stride_x + width + cols, mask=mask, other=0.0)
-    tl.store(Out + row * width + cols, silu_mul_values(gate, up), mask=mask)
+    up = tl.load(X + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(Out + row * width + cols, (silu * up).to(gate.dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:

@@ -27,7 +27,6 @@ import triton.language as tl
 from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
-from replaylm.layers.kernels.silu_mul import silu_mul_values
 
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
 # the workspace's bounds: output tiles of a split-K launch, slices, tile width
@@ -79,15 +78,11 @@ def _weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _dot_tile(X, w, acc, offs_m, k_block, M, K, stride_xm, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr, SILU_MUL: tl.constexpr):
-    """`acc + x[offs_m, k_block-th BLOCK_K columns] @ w^T`, where x is X, or with SILU_MUL
-    `silu(X[:, :K]) * X[:, K:]` (X holds gate | up)."""
+              PRECISION: tl.constexpr):
+    """`acc + X[offs_m, k_block-th BLOCK_K columns] @ w^T`."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if SILU_MUL:
-        x = silu_mul_values(x, tl.load(ptrs + K, mask=mask, other=0.0))
+    x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
 
@@ -96,7 +91,7 @@ def _skinny_matmul_kernel(
     X, W, B, Y, Partials, Arrivals, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCKS_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -107,16 +102,14 @@ def _skinny_matmul_kernel(
     if USE_PDL:  # the weights are constant: their first tile loads while the producer of X runs
         w = _weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
         wait_for_producers(USE_PDL)
-        acc = _dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SILU_MUL)
+        acc = _dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION)
         for i in range(1, BLOCKS_PER_SPLIT):
             w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION,
-                            SILU_MUL)
+            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION)
     else:
         for i in range(0, BLOCKS_PER_SPLIT):
             w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION,
-                            SILU_MUL)
+            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION)
     if SPLIT_K == 1:
         _write_tile(Y, B, acc, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
     else:
@@ -155,17 +148,13 @@ def reserve_workspace(device: torch.device) -> None:
 
 def skinny_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: MatmulConfig | None = None, silu_mul: bool = False,
+    config: MatmulConfig | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous; a new `[..., N]` tensor in x's dtype. `config` overrides
-    `matmul_config(N, K)`; a split-K config takes at most its `block_m` (<= 16) rows.
-    `silu_mul`: `x` is `[..., 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`,
-    SiLU-mul computed as the tiles load (the SiluAndMul kernel's numbers, one launch fewer)."""
+    `matmul_config(N, K)`; a split-K config takes at most its `block_m` (<= 16) rows."""
     n, k = weight.shape
-    if silu_mul and x.shape[-1] != 2 * k:
-        raise ValueError(f"silu_mul takes gate | up of width {2 * k}, got {x.shape[-1]}")
-    x2 = as_rows(x, 2 * k if silu_mul else k)
+    x2 = as_rows(x, k)
     m = x2.shape[0]
     cfg = config or matmul_config(n, k)
     if cfg.split_k > 1 and m > min(cfg.block_m, MAX_ROWS):
@@ -185,6 +174,6 @@ def skinny_matmul(
             BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),
             HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(x.dtype),
-            SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
         )
     return y
