@@ -8,18 +8,22 @@ token for a fixed 16-token prompt) is retried until it answers: the time from sp
 process to that answer is the start time (loading, KV allocation, compiling, capturing, first
 forward). Every mode runs once with an empty `--compile-cache-dir` ("cold"); modes that compile
 (tc_piecewise) run a second time on the same directory ("warm"). The table also gives each start
-as a fraction of the cold tc_piecewise start.
+as a fraction of the cold tc_piecewise start, and where each start's time went: the seconds from
+the spawn to each milestone the server logs (`PHASES`: arguments parsed, model loaded, compiled,
+CUDA graphs captured, serving), read from the log's timestamps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -33,6 +37,30 @@ MODES = [
 ]
 PROMPT = list(range(100, 116))
 TIMEOUT_S = 600.0
+# milestone -> what its log line says (the last such line counts: capture logs once per phase)
+PHASES = {
+    "args": "replaylm.launch_server: server args",
+    "loaded": "replaylm.model_loader.loader: loaded",
+    "compiled": "tc_piecewise: compiled the forward",
+    "captured": "CUDA graphs (",
+    "serving": "replaylm.launch_server: serving",
+}
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def phases(log: str, spawned: float) -> dict[str, float]:
+    """Seconds from `spawned` (epoch seconds) to each PHASES milestone found in a server `log`
+    (lines stamped by logging's default asctime, local time)."""
+    found = {}
+    for line in log.splitlines():
+        stamp = _STAMP.match(line)
+        if not stamp:
+            continue
+        at = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for name, marker in PHASES.items():
+            if marker in line:
+                found[name] = round(at - spawned, 2)
+    return {name: found[name] for name in PHASES if name in found}
 
 
 def _free_port() -> int:
@@ -41,16 +69,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def time_to_first_token(server_args: list[str], log: Path) -> float:
-    """Seconds from spawning `launch_server server_args` to its first generated token; the
-    server is stopped afterwards. Raises RuntimeError (with the log's tail) if it dies."""
+def time_to_first_token(server_args: list[str], log: Path) -> tuple[float, float]:
+    """(seconds from spawning `launch_server server_args` to its first generated token, the
+    spawn's epoch time); the server is stopped afterwards. Raises RuntimeError (with the log's
+    tail) if it dies."""
     port = _free_port()
     cmd = [sys.executable, "-m", "replaylm.launch_server", "--host", "127.0.0.1",
            "--port", str(port), *server_args]
     url = f"http://127.0.0.1:{port}/generate"
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     with log.open("w") as out:
-        start = time.perf_counter()
+        spawned, start = time.time(), time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             while time.perf_counter() - start < TIMEOUT_S:
@@ -59,7 +88,7 @@ def time_to_first_token(server_args: list[str], log: Path) -> float:
                                        f"{log.read_text()[-3000:]}")
                 try:
                     if httpx.post(url, json=body, timeout=TIMEOUT_S).status_code == 200:
-                        return time.perf_counter() - start
+                        return time.perf_counter() - start, spawned
                 except httpx.TransportError:
                     pass
                 time.sleep(0.1)
@@ -92,8 +121,10 @@ def main() -> None:
             server_args = ["--model-path", args.model_path, "--load-format", args.load_format,
                            "--device", args.device, "--cuda-graph-mode", modes,
                            "--compile-cache-dir", str(cache)]
-            seconds = time_to_first_token(server_args, log_dir / f"server_{i}_{start}.log")
-            rows.append({"modes": json.loads(modes), "start": start, "seconds": seconds})
+            log = log_dir / f"server_{i}_{start}.log"
+            seconds, spawned = time_to_first_token(server_args, log)
+            rows.append({"modes": json.loads(modes), "start": start, "seconds": seconds,
+                         "phases": phases(log.read_text(), spawned)})
             print(f"{modes} {start}: {seconds:.1f} s", flush=True)
 
     tc_cold = next((r["seconds"] for r in rows if r["start"] == "cold"
@@ -104,6 +135,12 @@ def main() -> None:
         r["of_tc_piecewise_cold"] = r["seconds"] / tc_cold if tc_cold else None
         print(f"{r['modes']['decode']:14} {r['modes']['prefill']:14} {r['start']:6} "
               f"{r['seconds']:8.1f} {share}")
+    print(f"\nseconds from the spawn to each milestone: {', '.join(PHASES)}, first token")
+    for r in rows:
+        marks = "  ".join(f"{name} {r['phases'][name]:5.1f}" if name in r["phases"]
+                          else f"{name}   -  " for name in PHASES)
+        print(f"{r['modes']['decode']:14} {r['modes']['prefill']:14} {r['start']:6} {marks}  "
+              f"first token {r['seconds']:5.1f}")
     if args.json:
         summary = [{"decode": r["modes"]["decode"], "prefill": r["modes"]["prefill"],
                     "start": r["start"], "seconds": round(r["seconds"], 1)} for r in rows]
