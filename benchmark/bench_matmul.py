@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_one_batch import cuda_time_ms
 
 from replaylm.layers import kernels
 from replaylm.layers.kernels.skinny_matmul import reserve_workspace, skinny_matmul
@@ -31,10 +31,8 @@ MAX_COPY_BYTES = 4 * 2**30  # weights of one graph, at most (lm_head: fewer copi
 
 def projections(cfg: dict) -> dict[str, tuple[int, int]]:
     """name -> (N, K) of a Llama-family layer's projections and the LM head."""
-    h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg[
-        "num_attention_heads"]
-    heads, kv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg[
-        "intermediate_size"]
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, inter = cfg.get("head_dim") or h // heads, cfg["intermediate_size"]
     return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * inter, h),
             "down": (h, inter), "lm_head": (cfg["vocab_size"], h)}
 
@@ -47,17 +45,7 @@ def graph_us(launch, count: int) -> float:
     with torch.cuda.graph(graph):
         for i in range(count):
             launch(i)
-    for _ in range(WARMUP):
-        graph.replay()
-    times = []
-    for _ in range(REPEAT):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / count)
-    return statistics.median(times)
+    return cuda_time_ms(graph.replay, WARMUP, REPEAT) * 1e3 / count
 
 
 def bench_shape(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
