@@ -37,6 +37,7 @@ DTYPE = torch.bfloat16
 DECODE_BS = (1, 8, 64, 256)
 DECODE_CTX = (1024, 4096, 16384)
 CALLS_PER_GRAPH = 10
+SHORT_CONTEXTS = ((1, 512), (8, 512), (1, 2048))
 GOAL_DECODE_PCT = 70.0  # decode bs 64, ctx 4096: % of the copy bandwidth
 GOAL_PREFILL_RATIO = 1.5  # 4096 causal prefill: time over SDPA flash
 
@@ -175,6 +176,13 @@ def bench_store(tokens: int) -> dict:
 
 def sweep(cache: KVCache, prompt: ExtendCase) -> list[dict]:
     rows = []
+    for bs, ctx in SHORT_CONTEXTS:  # a decode step of a short chat: split count and split length
+        for splits in (1, 2, 4, 8):
+            for min_len in (64, 128, 256):
+                ms = bench_decode(cache, bs, ctx, None, splits, min_split_len=min_len)
+                rows.append({"kernel": "decode", "case": f"bs{bs} ctx{ctx}", "config": "default",
+                             "splits": splits, "min_split_len": min_len, "us": 1e3 * ms,
+                             "GB/s": decode_bytes(bs, ctx) / (ms / 1e3) / 1e9})
     for bs, ctx in ((64, 4096), (1, 16384), (256, 1024)):
         for bn, warps, stages in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3)):
             for splits in (None, 1, 2, 4, 16, 64):

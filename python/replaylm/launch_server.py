@@ -14,27 +14,31 @@ import logging
 import signal
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import uvicorn
 
 from replaylm.cuda_graph_config import (
     CudaGraphConfig,
+    check_cuda_graph_args,
     resolve_cuda_graph_config,
 )
 from replaylm.layers.attention.selection import check_deterministic, resolve_attention_backend
+from replaylm.runtime.scheduler_process import SchedulerProcess
 from replaylm.server_args import ServerArgs
 
 logger = logging.getLogger("replaylm.launch_server")
 
 
-def _usage_error(message: str) -> None:
+def _usage_error(message: str) -> NoReturn:
     """A bad command line: one line on stderr, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, CudaGraphConfig, bool]:
-    """(server args, the resolved CUDA-graph config, whether to only print that config)."""
+def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
+    """(server args, whether to only print the CUDA-graph config). Checks what needs no device
+    (and so no torch); `resolve_for_device` checks the rest."""
     parser = argparse.ArgumentParser(prog="python -m replaylm.launch_server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
@@ -45,19 +49,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, CudaGraphConf
     args = ServerArgs.from_cli_args(ns)
     try:
         args.validate()
-        device = _graph_device(args.device)
-        graphs = resolve_cuda_graph_config(args, device)
-        if args.deterministic:
-            check_deterministic(resolve_attention_backend(args.attention_backend, device))
-        if args.enable_pdl and device != "cuda":  # a GPU's capability: where the model loads
-            import torch
-
-            from replaylm.layers.kernels import check_pdl
-
-            check_pdl(True, torch.device(device))
+        check_cuda_graph_args(args)
     except ValueError as err:
         _usage_error(str(err))
-    return args, graphs, ns.print_cuda_graph_config
+    return args, ns.print_cuda_graph_config
+
+
+def resolve_for_device(args: ServerArgs) -> CudaGraphConfig:
+    """The CUDA-graph config for the device the model will load on, after the checks that
+    depend on it; ValueError with a one-line message for a bad combination."""
+    device = _graph_device(args.device)
+    graphs = resolve_cuda_graph_config(args, device)
+    if args.deterministic:
+        check_deterministic(resolve_attention_backend(args.attention_backend, device))
+    if args.enable_pdl and device != "cuda":  # a GPU's capability: where the model loads
+        import torch
+
+        from replaylm.layers.kernels import check_pdl
+
+        check_pdl(True, torch.device(device))
+    return graphs
 
 
 def _graph_device(device: str) -> str:
@@ -94,21 +105,27 @@ class GracefulServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, graphs, print_only = parse_args(argv)
+    """Start-up runs in parallel: the scheduler process starts loading the model first, while
+    this process resolves the device-dependent config (importing torch) and loads the tokenizer
+    (importing transformers); each takes seconds."""
+    args, print_only = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if print_only:
+        graphs = _resolve_or_exit(args)
         for warning in graphs.warnings:
             logger.warning("%s", warning)
         print(json.dumps(graphs.to_dict()))
         return 0
+    scheduler = SchedulerProcess.start(args)
+    graphs = _resolve_or_exit(args, scheduler)
+    logger.info("server args: %s", args)
+    log_cuda_graph_config(graphs)
     from replaylm.entrypoints.http_server import create_app
     from replaylm.runtime.tokenizer_manager import TokenizerManager
 
-    logger.info("server args: %s", args)
-    log_cuda_graph_config(graphs)
     try:
-        manager = TokenizerManager(args, graphs)
+        manager = TokenizerManager(args, graphs, scheduler)
     except (RuntimeError, FileNotFoundError, ValueError) as err:
         logger.error("%s", err)
         return 1
@@ -123,6 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         manager.shutdown()
     return 0
+
+
+def _resolve_or_exit(
+    args: ServerArgs, scheduler: SchedulerProcess | None = None
+) -> CudaGraphConfig:
+    """resolve_for_device, or a usage error (after stopping `scheduler`, when one started)."""
+    try:
+        return resolve_for_device(args)
+    except ValueError as err:
+        if scheduler is not None:
+            scheduler.stop(timeout_s=0)
+        _usage_error(str(err))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
-from replaylm.model_loader.loader import LOAD_FORMATS
-from replaylm.utils import DTYPES
 
 
 def _opt(help_text: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -21,6 +19,10 @@ def _opt(help_text: str, choices: tuple[str, ...] | None = None) -> Any:
 
 
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
+# Choices named here, not imported from the modules that use them: the HTTP process parses its
+# command line without importing torch (it starts the scheduler process first; see launch_server).
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -41,7 +43,7 @@ class ServerArgs:
         "weights format; dummy = random weights of the right shapes", LOAD_FORMATS))
     dtype: str = field(default="auto", metadata=_opt(
         "weights/activations dtype; auto = float32 on CPU, the checkpoint's 16-bit type on GPU",
-        ("auto", *DTYPES)))
+        ("auto", *DTYPE_NAMES)))
     device: str = field(default="auto", metadata=_opt("where to run", ("auto", "cuda", "cpu")))
     seed: int = field(default=0, metadata=_opt(
         "seed for dummy weights and for requests that give no sampling seed"))
@@ -105,10 +107,12 @@ class ServerArgs:
     deterministic: bool = field(default=False, metadata=_opt(
         "batch-invariant kernels: a request's outputs do not depend on the batches it shares or "
         "on how its prompt is chunked (matmuls, attention); needs the triton attention backend"))
-    enable_pdl: bool = field(default=False, metadata=_opt(
+    enable_pdl: bool | None = field(default=None, metadata=_opt(
         "launch replaylm's Triton kernels with programmatic dependent launch (Hopper or newer): "
         "each may start while the kernel before it finishes, the matmuls loading weights "
-        "meanwhile; same numbers"))
+        "meanwhile; same numbers. Default: on where it measured faster (a GPU of compute "
+        "capability 9.0+ with every matmul layer on replaylm's Triton kernels, see "
+        "--small-batch-matmul); --no-enable-pdl turns it off"))
     tc_piecewise_kernels: str = field(default="fused", metadata=_opt(
         "what tc_piecewise pieces run for norms, rope and SiluAndMul: fused (replaylm's Triton "
         "kernels kept whole: the eager model's numbers) or native (the torch code, fused by the "

@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from replaylm.server_args import DTYPE_NAMES
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_device(device: str) -> torch.device:

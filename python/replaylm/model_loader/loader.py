@@ -24,11 +24,10 @@ from replaylm.model_loader.safetensors_loader import (
     safetensors_files,
 )
 from replaylm.models.registry import get_model_class
+from replaylm.server_args import LOAD_FORMATS
 from replaylm.utils import default_dtype
 
 logger = logging.getLogger(__name__)
-
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 def is_gguf_file(path: str) -> bool:

@@ -1,15 +1,21 @@
-"""Tokenizer loading for every model-path kind the loader accepts."""
+"""Tokenizer loading for every model-path kind the loader accepts, and the tokenizer's share
+that the scheduler process needs (a stop-string decoder and the EOS id) without transformers."""
 
 from __future__ import annotations
 
 import os
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from replaylm.model_loader.builtin_models import resolve_model_path
-from replaylm.model_loader.gguf_loader import load_gguf_tokenizer
+from replaylm.runtime.io_struct import TokenizerInfo
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+Decoder = Callable[[list[int]], str]
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
@@ -17,7 +23,55 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     used with dummy weights: such a model takes token ids only)."""
     path = resolve_model_path(path)
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        from replaylm.model_loader.gguf_loader import load_gguf_tokenizer
+
         return load_gguf_tokenizer(path)
     if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        # imported here: transformers takes seconds to import, and only a model with a
+        # tokenizer needs it
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     return None
+
+
+def text_decoder(tokenizer: Any) -> Decoder:
+    """`ids -> text` without special tokens: what the detokenizer shows and stop strings match."""
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return decode
+
+
+# text on which transformers' clean-up of tokenization spaces (" ." -> ".", " n't" -> "n't", ...)
+# changes a decode, where it is on
+_CLEANUP_PROBE = "it is done . is it ? yes ! a , b don't I 'm it 's we 've they 're"
+
+
+def tokenizer_info(tokenizer: PreTrainedTokenizerBase | None) -> TokenizerInfo:
+    """What the scheduler process needs of `tokenizer`. A fast tokenizer that decodes as its
+    tokenizers-library backend does (no clean-up of spaces on top: checked on a probe text)
+    travels as that backend's JSON; any other asks the scheduler to load the tokenizer itself
+    (slower: transformers' import)."""
+    if tokenizer is None:
+        return TokenizerInfo(has_tokenizer=False, eos_token_id=None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    shareable = False
+    if backend is not None:
+        ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
+        shareable = backend.decode(ids, skip_special_tokens=True) == text_decoder(tokenizer)(ids)
+    return TokenizerInfo(has_tokenizer=True, eos_token_id=tokenizer.eos_token_id,
+                         fast_json=backend.to_str() if shareable else None)
+
+
+def scheduler_decoder(info: TokenizerInfo, path: str) -> Decoder | None:
+    """The scheduler's stop-string decoder for `info`; None when there is no tokenizer. `path`
+    (the tokenizer's location) is loaded only when the tokenizer did not travel as JSON."""
+    if not info.has_tokenizer:
+        return None
+    if info.fast_json is not None:
+        from tokenizers import Tokenizer
+
+        return text_decoder(Tokenizer.from_str(info.fast_json))
+    return text_decoder(load_tokenizer(path))

@@ -9,12 +9,16 @@ from replaylm.model_loader.tokenizer import load_tokenizer
 from replaylm.server_args import ServerArgs
 
 
+def eos_token_ids(runner: ModelRunner, tokenizer_eos: int | None) -> frozenset[int]:
+    """The EOS token ids: the model config's plus the tokenizer's."""
+    eos = set(runner.config.eos_token_ids)
+    if tokenizer_eos is not None:
+        eos.add(tokenizer_eos)
+    return frozenset(eos)
+
+
 def load_runner_and_tokenizer(args: ServerArgs) -> tuple[ModelRunner, Any, frozenset[int]]:
-    """The ModelRunner, the tokenizer (None for a weights-only folder) and the EOS token ids
-    (the model config's plus the tokenizer's)."""
+    """The ModelRunner, the tokenizer (None for a weights-only folder) and the EOS token ids."""
     runner = ModelRunner(args)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-    eos = set(runner.config.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return runner, tokenizer, frozenset(eos)
+    return runner, tokenizer, eos_token_ids(runner, tokenizer and tokenizer.eos_token_id)

@@ -1,17 +1,26 @@
 """The scheduler's child process: load the model, then loop — drain requests, step, send outputs.
 
-It talks to the tokenizer manager over one duplex `multiprocessing` pipe. It sends
+It talks to the tokenizer manager over one duplex `multiprocessing` pipe. The manager sends
+`TokenizerInfo` first (its tokenizer loads while the model does); the process sends
 `SchedulerReady` (or `SchedulerFailed`) once, then one `BatchTokenOut` per step that produced
 tokens or aborts. It exits on `ShutdownReq` or when the parent end of the pipe closes.
+
+This module is imported by the HTTP process (to start the child), so it imports nothing heavy at
+the top: torch and the model code load in the child only, while the parent goes on with its own
+start-up (resolving the config, loading the tokenizer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing as mp
 import signal
 import traceback
-from functools import partial
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 from replaylm.runtime.io_struct import (
     AbortReq,
@@ -21,15 +30,47 @@ from replaylm.runtime.io_struct import (
     SchedulerReady,
     ShutdownReq,
     TokenizedGenerateReq,
+    TokenizerInfo,
 )
-from replaylm.runtime.model_setup import load_runner_and_tokenizer
 from replaylm.runtime.request import Req
-from replaylm.runtime.scheduler import Scheduler
 from replaylm.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from replaylm.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+
+
+@dataclass
+class SchedulerProcess:
+    """The scheduler child process and the parent's end of its pipe."""
+
+    proc: BaseProcess
+    conn: Connection
+
+    @classmethod
+    def start(cls, args: ServerArgs) -> SchedulerProcess:
+        """Spawn the child; it starts loading the model at once (send it TokenizerInfo next)."""
+        ctx = mp.get_context("spawn")
+        conn, child_conn = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=run_scheduler_process, args=(args, child_conn), daemon=True,
+                           name="replaylm-scheduler")
+        proc.start()
+        child_conn.close()
+        return cls(proc, conn)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the child to exit; terminate it if it does not in time. Safe to call twice."""
+        if self.proc.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(ShutdownReq())
+            self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout_s)
+        self.conn.close()
 
 
 def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
@@ -38,15 +79,16 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
     try:
-        runner, tokenizer, eos_ids = load_runner_and_tokenizer(args)
-        decode = partial(tokenizer.decode, skip_special_tokens=True) if tokenizer else None
-        scheduler = Scheduler(
-            runner, eos_ids, decode, args.chunked_prefill_size, args.max_prefill_tokens
-        )
+        scheduler = _build_scheduler(args, conn)
+        if scheduler is None:
+            return  # shut down before it was ready
+        runner = scheduler.runner
         conn.send(SchedulerReady(
             max_total_tokens=runner.max_total_tokens, context_len=runner.context_len,
             vocab_size=runner.config.vocab_size, cuda_graph_capture=runner.cuda_graph_stats(),
         ))
+    except (EOFError, BrokenPipeError):
+        return  # the parent gave up before the model was ready
     except Exception:
         conn.send(SchedulerFailed(traceback.format_exc()))
         return
@@ -57,6 +99,24 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
     except Exception:
         logger.exception("scheduler crashed")
         conn.send(SchedulerFailed(traceback.format_exc()))
+
+
+def _build_scheduler(args: ServerArgs, conn: Connection) -> Scheduler | None:
+    """Load the model, then take the manager's TokenizerInfo; None if it sent ShutdownReq."""
+    from replaylm.model_executor.model_runner import ModelRunner
+    from replaylm.model_loader.tokenizer import scheduler_decoder
+    from replaylm.runtime.model_setup import eos_token_ids
+    from replaylm.runtime.scheduler import Scheduler
+
+    runner = ModelRunner(args)
+    info = conn.recv()
+    if isinstance(info, ShutdownReq):
+        return None
+    if not isinstance(info, TokenizerInfo):
+        raise TypeError(f"expected TokenizerInfo first, got {type(info).__name__}")
+    decode = scheduler_decoder(info, args.tokenizer_path or args.model_path)
+    return Scheduler(runner, eos_token_ids(runner, info.eos_token_id), decode,
+                     args.chunked_prefill_size, args.max_prefill_tokens)
 
 
 def _loop(scheduler: Scheduler, conn: Connection) -> None:

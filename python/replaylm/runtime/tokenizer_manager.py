@@ -1,6 +1,7 @@
 """TokenizerManager: the main process's side of serving.
 
-It starts the scheduler child process and waits for the model, tokenizes and validates requests,
+It starts the scheduler child process (or takes one already started), loads the tokenizer while
+the child loads the model, and waits for the model; then it tokenizes and validates requests,
 sends them to the scheduler, and turns the scheduler's per-step token outputs into text deltas
 for the HTTP layer. A reader thread receives from the child; it hands each message to the event
 loop, so all request state is touched on the loop's thread only. If the child dies, every pending
@@ -13,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import multiprocessing as mp
 import random
 import threading
 import time
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from replaylm.cuda_graph_config import CudaGraphConfig
-from replaylm.model_loader.tokenizer import load_tokenizer
+from replaylm.model_loader.tokenizer import load_tokenizer, tokenizer_info
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
 from replaylm.runtime.io_struct import (
@@ -33,12 +33,11 @@ from replaylm.runtime.io_struct import (
     ReqTokenOut,
     SchedulerFailed,
     SchedulerReady,
-    ShutdownReq,
     TokenizedGenerateReq,
 )
 from replaylm.runtime.metrics import ServerMetrics
 from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
-from replaylm.runtime.scheduler_process import run_scheduler_process
+from replaylm.runtime.scheduler_process import SchedulerProcess
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
@@ -65,13 +64,24 @@ class TokenizerManager:
     """See the module docstring. Construct it, then use `generate` from one asyncio loop."""
 
     def __init__(
-        self, server_args: ServerArgs, cuda_graphs: CudaGraphConfig | None = None
+        self, server_args: ServerArgs, cuda_graphs: CudaGraphConfig | None = None,
+        scheduler: SchedulerProcess | None = None,
     ) -> None:
-        """`cuda_graphs`: the resolved CUDA-graph config, reported by `server_info`."""
+        """`cuda_graphs`: the resolved CUDA-graph config, reported by `server_info`;
+        `scheduler`: a child already started for `server_args` (default: start one now). It is
+        stopped if the tokenizer fails to load."""
         self.server_args = server_args
         self.cuda_graphs = cuda_graphs
         self.served_model_name = server_args.served_model_name or server_args.model_path
-        self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+        self._scheduler = scheduler or SchedulerProcess.start(server_args)
+        self._proc, self._conn = self._scheduler.proc, self._scheduler.conn
+        try:
+            self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+        except BaseException:
+            self._scheduler.stop()
+            raise
+        with contextlib.suppress(OSError):  # a child that failed already says why in _wait_ready
+            self._conn.send(tokenizer_info(self.tokenizer))
         self.metrics = ServerMetrics()
         self._states: dict[str, _ReqState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -79,14 +89,6 @@ class TokenizerManager:
         self._send_lock = threading.Lock()
         self._dead_reason: str | None = None
         self._closing = False
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=run_scheduler_process, args=(server_args, child_conn), daemon=True,
-            name="replaylm-scheduler",
-        )
-        self._proc.start()
-        child_conn.close()
         ready = self._wait_ready()
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
@@ -101,7 +103,7 @@ class TokenizerManager:
         except EOFError:
             msg = SchedulerFailed(f"the scheduler process exited (code {self._proc.exitcode})")
         if isinstance(msg, SchedulerFailed):
-            self._proc.join(timeout=5)
+            self._scheduler.stop(timeout_s=5)
             raise RuntimeError(f"the scheduler process failed to start:\n{msg.error}")
         return msg
 
@@ -199,14 +201,8 @@ class TokenizerManager:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the scheduler process to exit; terminate it if it does not in time."""
         self._closing = True
-        if self._proc.is_alive():
-            with contextlib.suppress(ServiceUnavailableError):
-                self._send(ShutdownReq())
-            self._proc.join(timeout_s)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout_s)
-        self._conn.close()
+        with self._send_lock:
+            self._scheduler.stop(timeout_s)
 
     # ---- internals --------------------------------------------------------------------------
 
