@@ -8,11 +8,12 @@
 #   one_batch one_batch_kernels one_batch_det profile startup offline serving; matmul: cuBLAS vs
 #   the skinny kernel per projection of both models (bench_matmul.py);
 #   one_batch_kernels: Qwen3-0.6B and Llama-3.1-8B, full decode and breakable prefill, with
-#   --small-batch-matmul cublas, auto (the default), triton, and auto with --enable-pdl, on one
-#   host; one_batch_det: Qwen3-0.6B with --deterministic; profile: kernels of the full bs1 step of
-#   both models under the same four kernel choices (bench_profile.py); serving: one server per
-#   GPU_CHECK_SERVING_MODES entry, decode/prefill, default "full/breakable breakable/breakable
-#   tc_piecewise/tc_piecewise", 4, 32 and 256 requests in flight)
+#   --small-batch-matmul cublas, the defaults (auto matmul, PDL where it helps), auto with
+#   --no-enable-pdl and auto with --enable-pdl, on one host; one_batch_det: Qwen3-0.6B with
+#   --deterministic; profile: kernels of the full bs1 step of both models under the same four
+#   kernel choices (bench_profile.py); serving: one server per GPU_CHECK_SERVING_MODES entry,
+#   decode/prefill, default "full/breakable breakable/breakable tc_piecewise/tc_piecewise", 4,
+#   32 and 256 requests in flight)
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
 #   (the all-mode accuracy suite: GPU_CHECK_TARGETS=test/accuracy/test_mode_accuracy.py)
 #   (pytest args are added to the targets, not instead of them)
@@ -80,7 +81,7 @@ bench_serving_local() {  # decode/prefill: the built-in model in those modes, on
     wait $server
 }
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-    kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"small_batch_matmul": "triton"}'
+    kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"enable_pdl": false}'
                      '{"enable_pdl": true}')
     for bench in ${GPU_CHECK_BENCHES:-attention matmul one_batch one_batch_kernels one_batch_det profile startup offline serving}; do
         case $bench in

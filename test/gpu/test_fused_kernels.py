@@ -145,9 +145,30 @@ def test_qk_norm_rope(model, tokens, dtype):
     for ours, ref in zip(_fused(*inputs), native_norm_rope(*inputs), strict=True):
         assert ours.is_contiguous()
         _check(ours, ref, dtype)
-    rotary, positions, q, k, _ = inputs  # rope alone through the module's own Triton route
-    for ours, ref in zip(rotary(positions, q, k), _native(rotary, positions, q, k), strict=True):
+    rotary, positions, q, k, _ = inputs  # rope alone (Llama), checked against the module
+    for ours, ref in zip(_fused(rotary, positions, q, k, None), _native(rotary, positions, q, k),
+                         strict=True):
         _check(ours, ref, dtype)
+
+
+@pytest.mark.parametrize("model", SHAPES)
+def test_qk_norm_rope_stores_k_and_v_at_the_slots(model):
+    """The kernel's K/V store (the decode step's, in place of store_kv) on the GPU."""
+    shape, tokens = SHAPES[model], 7
+    rotary, positions, q, k, norms = _attention_inputs(shape, tokens, torch.bfloat16)
+    v = _randn(tokens, shape.kv_heads * shape.head_dim, dtype=torch.bfloat16, seed=12)
+    k_cache = torch.zeros(64, shape.kv_heads, shape.head_dim, dtype=torch.bfloat16,
+                          device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(64, device="cuda")[:tokens]
+    weights = None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
+    want_q, want_k = _fused(rotary, positions, q, k, norms)
+    got_q, got_k = qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache,
+                                rotary.head_dim, weights, kv_store=(v, k_cache, v_cache, slots))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(k_cache[slots], want_k.view(tokens, shape.kv_heads, shape.head_dim))
+    assert torch.equal(v_cache[slots], v.view(tokens, shape.kv_heads, shape.head_dim))
+    assert int((k_cache != 0).any(-1).any(-1).sum()) <= tokens  # nothing beside the slots
 
 
 @pytest.mark.parametrize("tokens", [1, 7])

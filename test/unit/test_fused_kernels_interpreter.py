@@ -28,6 +28,7 @@ from replaylm.compilation.compile_model import (  # noqa: E402
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.activation import SiluAndMul  # noqa: E402
 from replaylm.layers.attention.ops import attention_context  # noqa: E402
+from replaylm.layers.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from replaylm.layers.kernels import native_only, use_triton_kernels  # noqa: E402
 from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 from replaylm.layers.kernels.rmsnorm import rms_norm  # noqa: E402
@@ -127,6 +128,30 @@ def test_qk_norm_rope_matches_native(dtype, qk_norm, heads, kv_heads, dim):
         torch.testing.assert_close(ours, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 32), (3, 3, 16), (8, 1, 16)])
+def test_qk_norm_rope_stores_k_and_v_at_the_slots(dtype, heads, kv_heads, dim):
+    """With `kv_store`, the rotated k and the given v land at each token's slot (and nowhere
+    else), and q and k come out exactly as without it."""
+    rotary = RotaryEmbedding(dim, 200, 10000.0)
+    norms = (_norm(dim, dtype, seed=1), _norm(dim, dtype, seed=2))
+    norm = (norms[0].weight, norms[1].weight, norms[0].eps)
+    positions = torch.tensor([7, 3, 199, 0, 3])
+    q, k, v = _qkv(len(positions), heads, kv_heads, dim, dtype)
+    slots = torch.tensor([9, 2, 14, 0, 5])
+    k_cache = torch.zeros(16, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    want_q, want_k = qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache, dim, norm)
+    got_q, got_k = qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache, dim, norm,
+                                heads_per_program=2, kv_store=(v, k_cache, v_cache, slots))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(k_cache[slots], want_k.view(-1, kv_heads, dim))
+    assert torch.equal(v_cache[slots], v.reshape(-1, kv_heads, dim))
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
 def test_qk_norm_rope_rejects_an_odd_head_dim():
     q, k, _ = _qkv(2, 2, 1, 15, torch.float32)
     cache = torch.zeros(8, 15)
@@ -216,13 +241,11 @@ def kernel_calls(monkeypatch) -> dict[str, int]:
 def test_layers_take_the_triton_route_and_match_native(kernel_calls):
     norm = _norm(40, torch.float32, seed=5)
     x, r = _randn(3, 40, dtype=torch.float32, seed=6), _randn(3, 40, dtype=torch.float32, seed=7)
-    rotary, positions = RotaryEmbedding(16, 32, 10000.0), torch.tensor([5, 1, 30])
-    q, k, _ = _qkv(3, 2, 1, 16, torch.float32)
     runs = {}
     for route in ("triton", "native"):
         with native_only() if route == "native" else contextlib.nullcontext():
-            runs[route] = [norm(x), *norm(x, r), SiluAndMul()(x), *rotary(positions, q, k)]
-    assert kernel_calls == {"rms_norm": 2, "silu_and_mul": 1, "qk_norm_rope": 1}
+            runs[route] = [norm(x), *norm(x, r), SiluAndMul()(x)]
+    assert kernel_calls == {"rms_norm": 2, "silu_and_mul": 1}
     for ours, ref in zip(runs["triton"], runs["native"], strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
@@ -242,8 +265,8 @@ def _tiny_runner(tmp_path: Path, config: str, **args) -> ModelRunner:
 def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
     """A 2-layer model of the config's architecture, shrunk, on dummy weights, in float32:
     logits of a prefill and a decode step through the kernels equal the native route's. Qwen3
-    takes LlamaAttention's fused q/k norm + rope (its per-head norms are no RMSNorm calls),
-    Llama the rope alone through RotaryEmbedding (llama3 scaling)."""
+    takes the fused q/k norm + rope (its per-head norms are no RMSNorm calls), Llama the same
+    kernel for the rope alone (llama3 scaling)."""
     runner = _tiny_runner(tmp_path, config)
     with native_only():
         want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
@@ -251,6 +274,31 @@ def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
     got = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
     # 2 forwards x 2 layers; RMSNorm: 2 forwards x (2 per layer + the final norm)
     assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 10, "silu_and_mul": 4}
+    for ours, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+_STORE_KV = TritonAttnBackend.store_kv
+
+
+@pytest.mark.parametrize("config", ["qwen3-0.6b.json", "llama-3.1-8b.json"])
+def test_the_rope_kernel_stores_kv_for_the_triton_attention_backend(kernel_calls, tmp_path,
+                                                                     monkeypatch, config):
+    """With the Triton attention backend, the rope kernel stores each layer's K/V itself (no
+    store_kv call); logits equal the native route's, which stores through store_kv."""
+    from replaylm.layers.attention import selection
+
+    monkeypatch.setattr(selection, "GPU_ONLY_BACKENDS", ())  # triton attention, interpreted
+    stores = []
+    monkeypatch.setattr(TritonAttnBackend, "store_kv",
+                        lambda self, *a: stores.append(1) or _STORE_KV(self, *a))
+    runner = _tiny_runner(tmp_path, config, attention_backend="triton")
+    with native_only():
+        want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
+    assert len(stores) == 4  # 2 forwards x 2 layers
+    with scalar_loop_bounds():
+        got = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
+    assert len(stores) == 4 and kernel_calls["qk_norm_rope"] == 4
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
@@ -421,3 +469,15 @@ def test_enable_pdl_is_refused_off_hopper(tmp_path):
     with pytest.raises(ValueError, match=r"--enable-pdl needs a CUDA GPU of compute capability "
                                          r"9\.0\+, not cpu"):
         _tiny_runner(tmp_path, "qwen3-0.6b.json", enable_pdl=True)
+
+
+def test_pdl_is_on_by_default_only_on_hopper_with_every_matmul_on_triton(tmp_path):
+    assert kernels.choose_pdl(None, True, 0) == (
+        True, "default: every matmul layer runs a replaylm Triton kernel")
+    assert kernels.choose_pdl(None, True, 64) == (
+        False, "default: 64 matmul layers run cuBLAS kernels")
+    assert kernels.choose_pdl(None, False, 0)[0] is False
+    assert kernels.choose_pdl(True, True, 64) == (True, "--enable-pdl")
+    assert kernels.choose_pdl(False, True, 0) == (False, "--no-enable-pdl")
+    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json")  # the default on a CPU: off
+    assert runner.pdl is False and kernels.pdl_launch() == {"USE_PDL": False}

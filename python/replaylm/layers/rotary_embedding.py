@@ -12,8 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from replaylm.layers.kernels import use_triton_kernels
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -43,8 +41,8 @@ def _inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> t
 class RotaryEmbedding(nn.Module):
     """Applies rope to q `[T, H*D]` and k `[T, Hkv*D]` at `positions` `[T]`.
 
-    The cos/sin table `[max_positions, rotary_dim]` is built once, in float32. On the Triton
-    route (`use_triton_kernels`) one fused kernel rotates both (see kernels/qk_norm_rope.py).
+    The cos/sin table `[max_positions, rotary_dim]` is built once, in float32. This is the
+    torch code; on the Triton route the model runs kernels/qk_norm_rope.py with these tables.
     """
 
     def __init__(
@@ -71,10 +69,6 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if use_triton_kernels(q):
-            from replaylm.layers.kernels.ops import qk_norm_rope
-
-            return qk_norm_rope(q, k, positions, self.cos_cache, self.sin_cache, self.head_dim)
         cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
         sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -15,7 +15,7 @@ from replaylm.compilation.compile_model import TcPiecewiseOptions, set_compile_c
 from replaylm.cuda_graph_config import PhaseConfig, resolve_cuda_graph_config
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
-from replaylm.layers.kernels import check_pdl, set_pdl
+from replaylm.layers.kernels import check_pdl, choose_pdl, pdl_supported, set_pdl
 from replaylm.layers.linear import AUTO_SKINNY_MAX_BYTES, set_matmul
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
@@ -46,8 +46,7 @@ class ModelRunner:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.device = resolve_device(args.device)
-        check_pdl(args.enable_pdl, self.device)
-        set_pdl(args.enable_pdl)
+        check_pdl(args.enable_pdl is True, self.device)
         path = resolve_model_path(args.model_path)
         self.config = load_model_config(path)
         self.dtype = resolve_dtype(args.dtype, self.device, self.config.torch_dtype)
@@ -63,6 +62,9 @@ class ModelRunner:
             logger.info("--small-batch-matmul auto: the skinny triton kernel for %d matmul layers "
                         "(the LM head and weights up to %d MiB), cuBLAS for %d (larger weights)",
                         layers["triton"], AUTO_SKINNY_MAX_BYTES // 2**20, layers["cublas"])
+        self.pdl, why = choose_pdl(args.enable_pdl, pdl_supported(self.device), layers["cublas"])
+        set_pdl(self.pdl)  # before any Triton kernel is launched (or captured)
+        logger.info("programmatic dependent launch %s (%s)", "on" if self.pdl else "off", why)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
         backend = resolve_attention_backend(args.attention_backend, self.device.type)
@@ -72,7 +74,7 @@ class ModelRunner:
             "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s, "
             "matmul %s%s%s", self.dtype, self.device, self.max_total_tokens,
             self.kv_pool.memory_bytes() / 2**30, backend, self.matmul,
-            ", programmatic dependent launch" if args.enable_pdl else "",
+            ", programmatic dependent launch" if self.pdl else "",
             " (--deterministic: batch-invariant kernels)" if args.deterministic else "",
         )
         self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)

@@ -53,29 +53,37 @@ class LlamaAttention(nn.Module):
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape[0], -1)
 
-    def _fused_qk_norm_rope(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q/k norm and rope in one kernel, reading q and k in place from the QKV
-        output (the Triton route of the qk-norm models)."""
+    def _fused_norm_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The Triton route: q/k norm (Qwen3) and rope in one kernel, reading q and k in place
+        from the QKV output; outside torch.compile the same kernel stores K and V in the KV
+        cache where the attention backend allows it. (q, k, whether K/V are stored)."""
         from replaylm.layers.kernels.ops import qk_norm_rope
 
-        return qk_norm_rope(
+        target = None
+        if not torch.compiler.is_compiling():
+            target = batch.attn_backend.kv_store_target(self.attn, batch)
+        q, k = qk_norm_rope(
             q, k, positions, self.rotary.cos_cache, self.rotary.sin_cache, self.head_dim,
-            norm=(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps),
+            norm=None if self.q_norm is None else (
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps),
+            kv_store=None if target is None else (v, *target),
         )
+        return q, k, target is not None
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if self.q_norm is not None and use_triton_kernels(q):
-            q, k = self._fused_qk_norm_rope(positions, q, k)
-        else:
-            if self.q_norm is not None:
-                q = self._per_head_norm(q, self.q_norm)
-                k = self._per_head_norm(k, self.k_norm)
-            q, k = self.rotary(positions, q, k)  # one fused kernel itself on the Triton route
+        if use_triton_kernels(q):
+            q, k, stored = self._fused_norm_rope(positions, q, k, v, batch)
+            return self.o_proj(self.attn(q, k, v, batch, kv_stored=stored))
+        if self.q_norm is not None:
+            q = self._per_head_norm(q, self.q_norm)
+            k = self._per_head_norm(k, self.k_norm)
+        q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch))
 
 

@@ -38,6 +38,14 @@ class AttentionBackend(ABC):
         launch by anything but the token count (it is captured inside graph segments)."""
         batch.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
 
+    def kv_store_target(
+        self, layer: Attention, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k cache, v cache, slots) where a fused kernel that produces K/V may store them itself
+        instead of `store_kv` (exactly where `store_kv` would: same caches, same slots, inside
+        graph segments too); None when this backend stores them only through `store_kv`."""
+        return None
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
         batch: ForwardBatch, out: torch.Tensor,

@@ -114,10 +114,15 @@ def qk_norm_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
     sin_cache: torch.Tensor, head_dim: int,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    kv_store: _qk_norm_rope.KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.qk_norm_rope.qk_norm_rope` (same contract), as a custom op when compiling."""
+    """`kernels.qk_norm_rope.qk_norm_rope` (same contract), as a custom op when compiling (the op
+    is functional: no `kv_store` then)."""
     if not torch.compiler.is_compiling():
-        return _qk_norm_rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm)
+        return _qk_norm_rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm,
+                                          kv_store=kv_store)
+    if kv_store is not None:
+        raise ValueError("qk_norm_rope stores no K/V under torch.compile")
     q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
     return torch.ops.replaylm.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim,
                                            q_weight, k_weight, eps)

@@ -1,4 +1,5 @@
-"""Per-head q/k RMSNorm (optional, Qwen3) and rope (neox rotate-half), in one launch.
+"""Per-head q/k RMSNorm (optional, Qwen3) and rope (neox rotate-half), in one launch; optionally
+also this step's K (as rotated) and V into the paged KV cache, which saves the store kernel.
 
 Reads q `[T, H*D]` and k `[T, Hkv*D]` as given: any row stride, unit column stride, so the
 column slices of the fused QKV output are read in place. Writes fresh contiguous q and k in the
@@ -18,15 +19,19 @@ import triton.language as tl
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
+# (v, k cache, v cache, slots): where qk_norm_rope also stores this step's K and V
+KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 @triton.jit
 def _norm_rope_heads(
-    Src, Dst, W, first_head, num_heads, cos1, cos2, sin1, sin2, eps,
+    Src, Dst, W, Cache, first_head, num_heads, stride_ch, cos1, cos2, sin1, sin2, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
 ):
     """Heads `first_head ..` (BLOCK_H of them, masked at `num_heads`) of one token: `Src` and
-    `Dst` point at the token's row; each head is two halves of HALF columns."""
+    `Dst` point at the token's row, `Cache` (with STORE) at its KV slot, heads `stride_ch`
+    apart; each head is two halves of HALF columns."""
     heads = first_head + tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (cols < HALF)
@@ -42,18 +47,37 @@ def _norm_rope_heads(
         w2 = tl.load(W + cols + HALF, mask=cols < HALF, other=0.0).to(tl.float32)
         x1 = (w1 * (x1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    tl.store(Dst + offs, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
-    tl.store(Dst + offs + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+    y1 = (x1 * cos1 - x2 * sin1).to(dtype)
+    y2 = (x2 * cos2 + x1 * sin2).to(dtype)
+    tl.store(Dst + offs, y1, mask=mask)
+    tl.store(Dst + offs + HALF, y2, mask=mask)
+    if STORE:
+        slot_offs = heads * stride_ch + cols
+        tl.store(Cache + slot_offs, y1.to(Cache.dtype.element_ty), mask=mask)
+        tl.store(Cache + slot_offs + HALF, y2.to(Cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_heads(Src, Cache, first_head, num_heads, stride_ch, HEAD_DIM: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    """Heads `first_head ..` of one token's row `Src` into its KV slot `Cache` as they are."""
+    heads = first_head + tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    ok = heads < num_heads
+    x = tl.load(Src + heads * HEAD_DIM + cols, mask=ok)
+    tl.store(Cache + heads * stride_ch + cols, x.to(Cache.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    Q, K, QOut, KOut, QW, KW, Cos, Sin, Pos, stride_q, stride_k, stride_cos, eps,
+    Q, K, QOut, KOut, QW, KW, Cos, Sin, Pos, V, KCache, VCache, Loc,
+    stride_q, stride_k, stride_v, stride_cos, stride_ct, stride_ch, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    STORE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Grid (T, q head blocks + k head blocks): one block of one token's q or k heads."""
+    """Grid (T, q head blocks + k head blocks): one block of one token's q or k heads (a k
+    block, with STORE, also stores its K heads and the same V heads at the token's slot)."""
     wait_for_producers(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
@@ -69,26 +93,36 @@ def _qk_norm_rope_kernel(
     sin2 = tl.load(Sin + table + HALF, mask=half, other=0.0).to(dtype).to(tl.float32)
     if block < q_blocks:
         _norm_rope_heads(
-            Q + t * stride_q, QOut + t * (NUM_HEADS * HEAD_DIM), QW, block * BLOCK_H, NUM_HEADS,
-            cos1, cos2, sin1, sin2, eps, HEAD_DIM, HALF, BLOCK_HALF, BLOCK_H, HAS_NORM,
+            Q + t * stride_q, QOut + t * (NUM_HEADS * HEAD_DIM), QW, Q, block * BLOCK_H,
+            NUM_HEADS, 0, cos1, cos2, sin1, sin2, eps, HEAD_DIM, HALF, BLOCK_HALF, BLOCK_H,
+            HAS_NORM, False,
         )
     else:
+        first = (block - q_blocks) * BLOCK_H
+        slot = tl.load(Loc + t).to(tl.int64) * stride_ct  # unused without STORE
         _norm_rope_heads(
-            K + t * stride_k, KOut + t * (NUM_KV_HEADS * HEAD_DIM), KW,
-            (block - q_blocks) * BLOCK_H, NUM_KV_HEADS,
-            cos1, cos2, sin1, sin2, eps, HEAD_DIM, HALF, BLOCK_HALF, BLOCK_H, HAS_NORM,
+            K + t * stride_k, KOut + t * (NUM_KV_HEADS * HEAD_DIM), KW, KCache + slot, first,
+            NUM_KV_HEADS, stride_ch, cos1, cos2, sin1, sin2, eps, HEAD_DIM, HALF, BLOCK_HALF,
+            BLOCK_H, HAS_NORM, STORE,
         )
+        if STORE:
+            _copy_heads(V + t * stride_v, VCache + slot, first, NUM_KV_HEADS, stride_ch,
+                        HEAD_DIM, BLOCK_H)
 
 
 def qk_norm_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
     sin_cache: torch.Tensor, head_dim: int,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, heads_per_program: int = 4,
+    kv_store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rope (after a per-head RMSNorm when `norm` = (q weight, k weight, eps)) of q `[T, H*D]`
     and k `[T, Hkv*D]` (same dtype; unit column stride, any row stride) at `positions` `[T]`;
     `cos_cache`/`sin_cache` `[max_positions, D]` float32 (neox layout). Returns new contiguous
-    q and k. `heads_per_program` (a power of two) sets the launch: (T, head blocks)."""
+    q and k. With `kv_store` = (v `[T, Hkv*D]` like k, k cache, v cache `[slots, Hkv, D]` with
+    equal strides and unit column stride, slots `[T]`), also `k_cache[slots[t]]` = the returned
+    k[t] and `v_cache[slots[t]] = v[t]`. `heads_per_program` (a power of two) sets the launch:
+    (T, head blocks)."""
     if q.stride(1) != 1 or k.stride(1) != 1 or q.dtype != k.dtype:
         raise ValueError("q and k must have unit column stride and one dtype")
     if head_dim % 2 or q.shape[1] % head_dim or k.shape[1] % head_dim:
@@ -101,14 +135,32 @@ def qk_norm_rope(
     q_out = torch.empty((num_tokens, num_heads * head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((num_tokens, num_kv_heads * head_dim), dtype=k.dtype, device=k.device)
     q_weight, k_weight, eps = norm if norm is not None else (cos_cache, cos_cache, 0.0)
+    if kv_store is not None:
+        v, k_cache, v_cache, slots = kv_store
+        _check_kv_store(k, v, k_cache, v_cache, head_dim)
+    else:
+        v, k_cache, v_cache, slots = k, k, k, positions  # only `slots` is read, not used
     blocks = triton.cdiv(num_heads, heads_per_program) + triton.cdiv(num_kv_heads,
                                                                      heads_per_program)
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens, blocks)](
             q, k, q_out, k_out, q_weight, k_weight, cos_cache, sin_cache, positions,
-            q.stride(0), k.stride(0), cos_cache.stride(0), eps,
+            v, k_cache, v_cache, slots,
+            q.stride(0), k.stride(0), v.stride(0), cos_cache.stride(0), k_cache.stride(0),
+            k_cache.stride(1) if kv_store is not None else 0, eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_H=heads_per_program,
-            HAS_NORM=norm is not None, num_warps=4, **pdl_launch(),
+            HAS_NORM=norm is not None, STORE=kv_store is not None, num_warps=4, **pdl_launch(),
         )
     return q_out, k_out
+
+
+def _check_kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, head_dim: int) -> None:
+    if v.shape != k.shape or v.stride(1) != 1 or v.dtype != k.dtype:
+        raise ValueError("v must be shaped like k, with unit column stride and k's dtype")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1 or (
+            k_cache.shape[1:] != (k.shape[1] // head_dim, head_dim)):
+        raise ValueError("the caches must be [slots, Hkv, D] with unit column stride, alike")
+    if triton.next_power_of_2(head_dim) != head_dim:
+        raise ValueError(f"storing K/V needs a power-of-two head dim, got {head_dim}")

@@ -111,6 +111,13 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         store_kv(pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
                  self._metadata().out_cache_loc, k, v)
 
+    def kv_store_target(
+        self, layer: Attention, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pool = batch.kv_pool
+        return (pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
+                self._metadata().out_cache_loc)
+
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
         batch: ForwardBatch, out: torch.Tensor,
