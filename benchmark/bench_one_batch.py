@@ -8,8 +8,12 @@ Dummy weights with real architectures' configs (benchmark/configs/). Per model o
 built per run (default: `{"decode": "full", "prefill": "breakable"}`, `{"decode": "breakable"}`,
 `{"decode": "tc_piecewise", "prefill": "tc_piecewise"}`); each reports its capture time and graph
 memory (tc_piecewise: and its compile time). Eager numbers run the same model and batch through the
-eager path. Times are CUDA-event medians after warm-up. The decode floor is the bytes a step must
-read (weights + the batch's KV) over the device-to-device copy bandwidth measured in this run.
+eager path. Times are CUDA-event medians after warm-up, one step at a time (`graph ms`: the GPU
+idles while the host fills the graph's inputs, as in a server that waits for each step's tokens).
+`back-to-back ms` (decode graphs): steps issued without waiting, per step, so the host's input
+copies hide behind the previous step (what the GPU alone takes, unless the host is slower). The
+decode floor is the bytes a step must read (weights + the batch's KV) over the device-to-device
+copy bandwidth measured in this run.
 `--server-args` sets further ServerArgs fields of every runner, e.g. `{"deterministic": true}` or
 `{"small_batch_matmul": "triton"}` (the server flags' names, underscored); given several JSON
 objects, every run is repeated for each (a "variant" column), so kernels compare on one host.
@@ -41,18 +45,20 @@ RUNS = [  # --cuda-graph-mode of each runner built per model
 ]
 
 
-def cuda_time_ms(fn, warmup: int = WARMUP, repeat: int = REPEAT) -> float:
-    """Median milliseconds of `fn()` by CUDA events, after `warmup` untimed calls."""
+def cuda_time_ms(fn, warmup: int = WARMUP, repeat: int = REPEAT, calls: int = 1) -> float:
+    """Median milliseconds per `fn()` call by CUDA events around `calls` back-to-back calls (no
+    wait between them), after `warmup` untimed calls; `repeat` timings."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
@@ -109,7 +115,8 @@ def time_decode(runner: ModelRunner, bs: int, context: int, eager: bool) -> dict
     batch = prepare_decode(reqs, runner)
     graphs = runner.graph_runners["decode"]
     assert graphs.can_run(batch)
-    out = {"graph_ms": cuda_time_ms(lambda: graphs.replay(batch))}
+    out = {"graph_ms": cuda_time_ms(lambda: graphs.replay(batch)),
+           "back_to_back_ms": cuda_time_ms(lambda: graphs.replay(batch), repeat=10, calls=10)}
     if eager:
         out["eager_ms"] = cuda_time_ms(lambda: eager_forward(runner, batch))
     for r in reqs:
@@ -157,6 +164,7 @@ def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,
                 eager.setdefault(step, t.get("eager_ms"))
                 rows.append({"model": model, "step": step, "mode": config["decode"],
                              "variant": variant, "eager_ms": eager[step], "graph_ms": t["graph_ms"],
+                             "back_to_back_ms": t["back_to_back_ms"],
                              "floor_ms": decode_bytes(runner, bs, context) / (bandwidth * 1e6)})
         del runner
         gc.collect()
@@ -192,17 +200,20 @@ def main() -> None:
 
     print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens")
     print(f"{'model':14} {'step':18} {'mode':13} {'eager ms':>9} {'graph ms':>9} "
-          f"{'speedup':>8} {'floor ms':>9}  variant")
+          f"{'speedup':>8} {'back-to-back ms':>16} {'floor ms':>9}  variant")
     for r in rows:
         floor = f"{r['floor_ms']:9.3f}" if r["floor_ms"] is not None else f"{'':9}"
+        b2b = f"{r['back_to_back_ms']:16.3f}" if "back_to_back_ms" in r else f"{'':16}"
         print(f"{r['model']:14} {r['step']:18} {r['mode']:13} {r['eager_ms']:9.3f} "
-              f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {floor}  {r['variant']}")
+              f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {b2b} {floor}  {r['variant']}")
     for c in captures:
         compile_s = f" after {c['compile_s']} s compiling" if c["compile_s"] is not None else ""
         print(f"{c['model']}: {c['phase']} {c['mode']}: {c['shapes']} shapes captured in "
               f"{c['capture_s']} s{compile_s}, {c['graph_mib']} MiB  {c['variant']}")
     summary = [{"model": r["model"], "step": r["step"], "mode": r["mode"], "variant": r["variant"],
                 "graph_ms": round(r["graph_ms"], 3), "speedup": round(r["speedup"], 2),
+                **({"back_to_back_ms": round(r["back_to_back_ms"], 3)}
+                   if "back_to_back_ms" in r else {}),
                 **({"over_floor": round(r["graph_ms"] / r["floor_ms"], 2)}
                    if r["floor_ms"] else {})}
                for r in rows if r["step"] in ("decode bs1", "prefill 1x128")] + captures
