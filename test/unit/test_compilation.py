@@ -4,6 +4,9 @@ eager model, one compile for every token count), and the compile-failure error."
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.fx as fx
@@ -25,6 +28,10 @@ from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
+
+from model_parity import dummy_runner
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmark" / "configs"
 
 
 @torch.library.custom_op("replaylm_test::mix", mutates_args=())
@@ -70,12 +77,12 @@ def test_split_gives_one_compute_piece_more_than_opaque_calls(n):
 def test_attention_custom_ops_need_their_context_and_have_fakes():
     q = torch.randn(4, 2, 8)
     with pytest.raises(RuntimeError, match="outside attention_context"):
-        torch.ops.replaylm.store_kv(q, q, 0)
+        torch.ops.replaylm.store_kv(q, q)
     with pytest.raises(RuntimeError, match="outside attention_context"):
         torch.ops.replaylm.attention(q, q, q, torch.empty_like(q), q.new_empty(0), 0)
     with FakeTensorMode() as mode:
         fq = mode.from_tensor(q)
-        stored = torch.ops.replaylm.store_kv(fq, fq, 0)
+        stored = torch.ops.replaylm.store_kv(fq, fq)
         assert torch.ops.replaylm.attention(fq, fq, fq, torch.empty_like(fq), stored, 0) is None
     assert stored.numel() == 0
 
@@ -125,6 +132,33 @@ def test_compiled_forward_equals_eager_for_prefill_and_decode(runner, compiler):
         expected = runner.forward(live)
         torch.testing.assert_close(_run(decode, live, shape), expected, atol=1e-5, rtol=1e-5)
     assert compiled.backend.num_compiles == 1  # every token count ran the one compiled graph
+    for r in reqs:
+        release(r, runner)
+
+
+@torch.inference_mode()
+def test_the_pieces_between_attention_calls_compile_once(tmp_path, monkeypatch):
+    """store_kv names no layer, so the compute pieces between two attention calls of a 4-layer
+    model trace to one graph: Inductor compiles the first of the three and takes the other two
+    from its (fresh) cache; the first and last pieces (embedding, final norm) differ. The
+    compiled prefill still equals eager (each store lands in its own layer's cache)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    cfg = json.loads((CONFIGS / "qwen3-0.6b.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_hidden_layers=4, vocab_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    runner = dummy_runner(tmp_path / "config.json", "cpu", "float32", max_total_tokens=256,
+                          context_length=64)
+    prefill = PrefillCudaGraphRunner(
+        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, TcPiecewiseOptions("inductor")),
+        shapes=[16])
+    prefill.backend.prepare(prefill)
+    backend = prefill.backend.compiled.backend
+    assert len(backend.split.compute_pieces) == 5 and backend.cache_hits == 2
+    reqs = _reqs([5, 9])
+    live = prepare_extend(reqs, runner)
+    expected = runner.forward(live)
+    torch.testing.assert_close(_run(prefill, live, 16), expected, atol=1e-5, rtol=1e-5)
     for r in reqs:
         release(r, runner)
 

@@ -6,7 +6,8 @@ serves every token count, 1 included: no 0/1 specialisation, no shape guards) an
 custom op left opaque; with `kernels="fused"` (the default) the fused layer kernels enter the
 graph as opaque custom ops too, so every piece computes the eager model's numbers and the compiler
 fuses only what lies between them. The caller must hold `attention_context` open while calling
-it. Failures to compile are raised as TcPiecewiseCompileError, never hidden by a fallback.
+it (each call starts a forward pass in it: `start_forward`). Failures to compile are raised as
+TcPiecewiseCompileError, never hidden by a fallback.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from replaylm.compilation.piecewise_backend import PiecewiseBackend
 from replaylm.layers.attention.layer import Attention
+from replaylm.layers.attention.ops import start_forward
 from replaylm.layers.kernels import kernels_in_compiled_code
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class CompiledForward:
         return self.compile_seconds is not None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        start_forward()
         with kernels_in_compiled_code(self.options.kernels == "fused"):
             if self.is_compiled:
                 with torch.compiler.set_stance("fail_on_recompile"):

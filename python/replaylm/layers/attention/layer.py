@@ -46,7 +46,7 @@ class Attention(nn.Module):
         out = q.new_empty(q.shape)
         if torch.compiler.is_compiling():
             assert not kv_stored, "no fused K/V store under torch.compile"
-            stored = torch.ops.replaylm.store_kv(k, v, self.layer_id)
+            stored = torch.ops.replaylm.store_kv(k, v)  # the next layer's: see ops.py
             torch.ops.replaylm.attention(q, k, v, out, stored, self.layer_id)
         else:
             if not kv_stored:

@@ -6,7 +6,11 @@ custom ops `torch.ops.replaylm.store_kv` and `torch.ops.replaylm.attention` are 
 as torch.compile (tc_piecewise) sees them: opaque, so the traced graph can be split at
 `attention` (`store_kv` stays inside a compiled piece); a custom op takes only tensors and
 numbers, so it finds its batch and layer through `attention_context`, which whoever runs the
-compiled forward must enter.
+compiled forward must enter, calling `start_forward` before each forward pass.
+
+`store_kv` takes no layer id: it stores for the next layer in order (the context counts the
+stores of the pass). So the compute pieces between two attention calls trace to identical graphs
+for every layer, and Inductor compiles one and takes the others from its cache.
 """
 
 from __future__ import annotations
@@ -46,33 +50,53 @@ def attention_context(batch: ForwardBatch, layers: Sequence[Attention]) -> Itera
     """While open, the custom ops below act on `batch` with `layers[layer_id]` (the model's
     attention layers, indexed by layer id)."""
     previous = getattr(_context, "value", None)
-    _context.value = (batch, layers)
+    _context.value = _Context(batch, layers)
     try:
         yield
     finally:
         _context.value = previous
 
 
-def _current(layer_id: int) -> tuple[ForwardBatch, Attention]:
+class _Context:
+    def __init__(self, batch: ForwardBatch, layers: Sequence[Attention]) -> None:
+        self.batch = batch
+        self.layers = layers
+        self.stores = 0  # store_kv calls in this forward pass so far
+
+
+def _current() -> _Context:
     current = getattr(_context, "value", None)
     if current is None:
         raise RuntimeError("replaylm attention ops called outside attention_context()")
-    batch, layers = current
-    return batch, layers[layer_id]
+    return current
+
+
+def start_forward() -> None:
+    """A forward pass begins in the open attention_context: its first store_kv is layer 0's.
+    (Outside a context it does nothing; the ops raise there.)"""
+    current = getattr(_context, "value", None)
+    if current is not None:
+        current.stores = 0
 
 
 @torch.library.custom_op(STORE_KV_OP_NAME, mutates_args=())
-def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-    """`store_kv` of the batch's backend for layer `layer_id`. The K/V cache it writes is not an
-    argument (torch.compile does not see the write), so it returns a dummy empty tensor that
-    `attention` takes: the data dependency keeps the store alive and before the attention."""
-    batch, layer = _current(layer_id)
-    batch.attn_backend.store_kv(k, v, layer, batch)
+def store_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`store_kv` of the batch's backend for the next layer of the pass (one call per layer, in
+    layer order). The K/V cache it writes is not an argument (torch.compile does not see the
+    write), so it returns a dummy empty tensor that `attention` takes: the data dependency keeps
+    the store alive and before the attention."""
+    ctx = _current()
+    if ctx.stores >= len(ctx.layers):
+        raise RuntimeError("store_kv called more often than there are layers: a forward pass "
+                           "began without start_forward()")
+    layer = ctx.layers[ctx.stores]
+    ctx.stores += 1
+    ctx.batch.attn_backend.store_kv(k, v, layer, ctx.batch)
     return k.new_empty(0)
 
 
 @store_kv.register_fake
-def _store_kv_fake(k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+def _store_kv_fake(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return k.new_empty(0)
 
 
@@ -83,8 +107,8 @@ def attention(
 ) -> None:
     """`attention_op` for layer `layer_id` of the open `attention_context`, into `out`;
     `kv_stored` is `store_kv`'s result for the layer."""
-    batch, layer = _current(layer_id)
-    attention_op(q, k, v, layer, batch, out)
+    ctx = _current()
+    attention_op(q, k, v, ctx.layers[layer_id], ctx.batch, out)
 
 
 @attention.register_fake
