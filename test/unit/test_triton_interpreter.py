@@ -8,6 +8,9 @@ multi-block paths at these sizes.
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 from triton_interpreter import require_triton_interpreter, scalar_loop_bounds
@@ -146,4 +149,30 @@ def test_backend_stores_then_attends(mode, deterministic):
                      backend=backend)
     backend.init_forward_metadata(case.batch)
     out = store_and_attend(backend, case.q, case.k, case.v, case.layer, case.batch)
+    assert rel_error(out, reference(case)) < 1e-5
+
+
+def test_graph_metadata_reads_the_runners_buffers_in_place():
+    """Given the graph runner's buffers, decode metadata captured for a batch that views them
+    reads them in place: what the runner writes there after the replay's refresh is what the
+    attention uses. A batch of other tensors is copied into them."""
+    backend = TritonAttnBackend()
+    case = make_case(ForwardMode.DECODE, [12, 5, 40], [1, 1, 1], 4, 2, 32, torch.float32, "cpu",
+                     seed=7, backend=backend)
+    live = case.batch
+    names = ("req_pool_indices", "seq_lens", "out_cache_loc")
+    buffers = SimpleNamespace(**{n: torch.zeros(8, dtype=torch.int64) for n in names})
+    backend.init_cuda_graph_state(8, 8, buffers)
+    viewing = dataclasses.replace(live, **{n: getattr(buffers, n)[:3] for n in names})
+    backend.init_forward_metadata_capture_cuda_graph(viewing)
+    backend.init_forward_metadata_replay_cuda_graph(viewing)
+    for n in names:  # written after the refresh: only an in-place read sees it
+        getattr(buffers, n)[:3].copy_(getattr(live, n))
+    out = store_and_attend(backend, case.q, case.k, case.v, case.layer, viewing)
+    assert rel_error(out, reference(case)) < 1e-5
+    for n in names:
+        getattr(buffers, n).zero_()
+    backend.init_forward_metadata_replay_cuda_graph(live)
+    assert all(torch.equal(getattr(buffers, n)[:3], getattr(live, n)) for n in names)
+    out = store_and_attend(backend, case.q, case.k, case.v, case.layer, live)
     assert rel_error(out, reference(case)) < 1e-5

@@ -13,7 +13,7 @@ shares (index tables, masks). Backends usable inside a `full` CUDA graph also im
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -70,6 +70,14 @@ class AttentionBackend(ABC):
         """One query token per request over its whole sequence, into `out`."""
 
 
+class GraphInputs(Protocol):
+    """A graph runner's static per-request and per-token inputs (its StaticBuffers)."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+
 class CudaGraphAttentionBackend(AttentionBackend):
     """A backend whose metadata can live in static buffers, as a `full` CUDA graph needs.
 
@@ -82,9 +90,13 @@ class CudaGraphAttentionBackend(AttentionBackend):
     """
 
     @abstractmethod
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_cuda_graph_state(
+        self, max_bs: int, max_num_tokens: int, inputs: GraphInputs | None = None
+    ) -> None:
         """Allocate, once, every metadata buffer a captured graph will read, for batches of up
-        to `max_bs` requests and `max_num_tokens` tokens."""
+        to `max_bs` requests and `max_num_tokens` tokens. `inputs`: the graph runner's own
+        static buffers of those sizes, which the backend may read in place of copies of its own
+        (a replay whose batch views them then copies nothing)."""
 
     @abstractmethod
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replaylm.layers.attention.base import CudaGraphAttentionBackend
+from replaylm.layers.attention.base import CudaGraphAttentionBackend, GraphInputs
 from replaylm.layers.attention.triton.decode import (
     DecodeWorkspace,
     decode_attention,
@@ -153,8 +153,16 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
 
     # ---- CUDA graphs ------------------------------------------------------------------------
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Static buffers, on the current CUDA device, for batches up to `max_bs` requests."""
+    def init_cuda_graph_state(
+        self, max_bs: int, max_num_tokens: int, inputs: GraphInputs | None = None
+    ) -> None:
+        """Static buffers for batches up to `max_bs` requests: `inputs`' own, or new ones on the
+        current CUDA device."""
+        if inputs is not None:
+            self._graph = _GraphBuffers(inputs.req_pool_indices[:max_bs],
+                                        inputs.seq_lens[:max_bs],
+                                        inputs.out_cache_loc[:max_num_tokens])
+            return
         device = torch.device("cuda", torch.cuda.current_device())
 
         def zeros(n: int) -> torch.Tensor:
@@ -195,11 +203,15 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         return self._graph
 
     def _fill_graph_buffers(self, batch: ForwardBatch) -> None:
+        """Copy `batch`'s metadata into the static buffers, unless it is already there (a batch
+        viewing the graph runner's buffers, when they are these)."""
         graph = self._graph_buffers()
         bs = batch.batch_size
-        graph.req_pool_indices[:bs].copy_(batch.req_pool_indices)
-        graph.seq_lens[:bs].copy_(batch.seq_lens)
-        graph.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+        for static, live in ((graph.req_pool_indices, batch.req_pool_indices),
+                             (graph.seq_lens, batch.seq_lens),
+                             (graph.out_cache_loc, batch.out_cache_loc)):
+            if live.data_ptr() != static.data_ptr():
+                static[:bs].copy_(live)
 
     def _num_splits(self, batch: ForwardBatch) -> int:
         if self.deterministic:
