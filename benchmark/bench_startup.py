@@ -9,8 +9,9 @@ process to that answer is the start time (loading, KV allocation, compiling, cap
 forward). Every mode runs once with an empty `--compile-cache-dir` ("cold"); modes that compile
 (tc_piecewise) run a second time on the same directory ("warm"). The table also gives each start
 as a fraction of the cold tc_piecewise start, and where each start's time went: the seconds from
-the spawn to each milestone the server logs (`PHASES`: arguments parsed, model loaded, compiled,
-CUDA graphs captured, serving), read from the log's timestamps.
+the spawn to each milestone the server logs (`PHASES`: arguments resolved for the device, which
+the HTTP process does after it spawns the scheduler; model loaded; compiled; CUDA graphs
+captured; serving), read from the log's timestamps.
 """
 
 from __future__ import annotations
