@@ -71,7 +71,7 @@ def test_child_death_is_reported_not_hung(manager):
         req = GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=100000, **GREEDY))
         gen = manager.generate(req)
         await gen.__anext__()
-        manager._proc.kill()
+        manager._scheduler.proc.kill()
         with pytest.raises(ServiceUnavailableError):
             async for _ in gen:
                 pass

@@ -11,6 +11,7 @@ import random
 from typing import Any
 
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
+from replaylm.model_loader.tokenizer import text_decoder
 from replaylm.runtime.model_setup import load_runner_and_tokenizer
 from replaylm.runtime.request import Req, truncate_at_stop
 from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
@@ -34,13 +35,11 @@ class Engine:
         )
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
+        self._decode = text_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.scheduler = Scheduler(
-            self.runner, self.eos_token_ids, self._decode if self.tokenizer else None,
+            self.runner, self.eos_token_ids, self._decode,
             self.server_args.chunked_prefill_size, self.server_args.max_prefill_tokens,
         )
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
@@ -105,7 +104,7 @@ class Engine:
         return Req(rid, list(ids), params, seed, max_new)
 
     def _result(self, req: Req) -> dict[str, Any]:
-        text = self._decode(req.output_ids) if self.tokenizer is not None else None
+        text = self._decode(req.output_ids) if self._decode is not None else None
         if text is not None:
             text = truncate_at_stop(text, req.finish_reason)
         return {

@@ -21,4 +21,5 @@ def load_runner_and_tokenizer(args: ServerArgs) -> tuple[ModelRunner, Any, froze
     """The ModelRunner, the tokenizer (None for a weights-only folder) and the EOS token ids."""
     runner = ModelRunner(args)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-    return runner, tokenizer, eos_token_ids(runner, tokenizer and tokenizer.eos_token_id)
+    tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
+    return runner, tokenizer, eos_token_ids(runner, tokenizer_eos)

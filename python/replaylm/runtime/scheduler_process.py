@@ -61,6 +61,11 @@ class SchedulerProcess:
         child_conn.close()
         return cls(proc, conn)
 
+    def exit_reason(self) -> str:
+        """"the scheduler process exited", with its exit code once it has one."""
+        code = self.proc.exitcode
+        return "the scheduler process exited" + (f" (code {code})" if code is not None else "")
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the child to exit; terminate it if it does not in time. Safe to call twice."""
         if self.proc.is_alive():

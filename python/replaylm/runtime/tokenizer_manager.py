@@ -74,14 +74,13 @@ class TokenizerManager:
         self.cuda_graphs = cuda_graphs
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self._scheduler = scheduler or SchedulerProcess.start(server_args)
-        self._proc, self._conn = self._scheduler.proc, self._scheduler.conn
         try:
             self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
         except BaseException:
             self._scheduler.stop()
             raise
         with contextlib.suppress(OSError):  # a child that failed already says why in _wait_ready
-            self._conn.send(tokenizer_info(self.tokenizer))
+            self._scheduler.conn.send(tokenizer_info(self.tokenizer))
         self.metrics = ServerMetrics()
         self._states: dict[str, _ReqState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -99,9 +98,9 @@ class TokenizerManager:
 
     def _wait_ready(self) -> SchedulerReady:
         try:
-            msg = self._conn.recv()
+            msg = self._scheduler.conn.recv()
         except EOFError:
-            msg = SchedulerFailed(f"the scheduler process exited (code {self._proc.exitcode})")
+            msg = SchedulerFailed(self._scheduler.exit_reason())
         if isinstance(msg, SchedulerFailed):
             self._scheduler.stop(timeout_s=5)
             raise RuntimeError(f"the scheduler process failed to start:\n{msg.error}")
@@ -110,7 +109,7 @@ class TokenizerManager:
     # ---- public API -----------------------------------------------------------------------
 
     def healthy(self) -> bool:
-        return self._dead_reason is None and self._proc.is_alive()
+        return self._dead_reason is None and self._scheduler.proc.is_alive()
 
     def encode(self, text: str) -> list[int]:
         self._require_tokenizer()
@@ -223,7 +222,7 @@ class TokenizerManager:
     def _send(self, msg: object) -> None:
         try:
             with self._send_lock:
-                self._conn.send(msg)
+                self._scheduler.conn.send(msg)
         except (OSError, EOFError) as err:
             raise ServiceUnavailableError(f"cannot reach the scheduler process: {err}") from err
 
@@ -231,11 +230,9 @@ class TokenizerManager:
         """Reader thread: forward every message to the event loop; report the child's death."""
         while True:
             try:
-                msg = self._conn.recv()
+                msg = self._scheduler.conn.recv()
             except (EOFError, OSError):
-                reason = "the scheduler process exited" + (
-                    f" (code {self._proc.exitcode})" if self._proc.exitcode is not None else ""
-                )
+                reason = self._scheduler.exit_reason()
                 break
             if isinstance(msg, SchedulerFailed):
                 reason = f"the scheduler process crashed:\n{msg.error}"
