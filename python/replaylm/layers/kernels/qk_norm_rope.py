@@ -99,7 +99,9 @@ def _qk_norm_rope_kernel(
         )
     else:
         first = (block - q_blocks) * BLOCK_H
-        slot = tl.load(Loc + t).to(tl.int64) * stride_ct  # unused without STORE
+        slot = 0  # the token's KV slot (offset into the caches), read only to store
+        if STORE:
+            slot = tl.load(Loc + t).to(tl.int64) * stride_ct
         _norm_rope_heads(
             K + t * stride_k, KOut + t * (NUM_KV_HEADS * HEAD_DIM), KW, KCache + slot, first,
             NUM_KV_HEADS, stride_ch, cos1, cos2, sin1, sin2, eps, HEAD_DIM, HALF, BLOCK_HALF,
