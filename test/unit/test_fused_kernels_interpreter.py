@@ -395,35 +395,54 @@ def _compiled_ops(compiled: CompiledForward) -> set[str]:
             if node.op == "call_function"}
 
 
-@pytest.mark.parametrize(("compiler", "kernels"),
-                         [("eager", "fused"), ("eager", "native"), ("inductor", "fused")])
+@pytest.mark.parametrize(("compiler", "kernels", "attention"), [
+    ("eager", "fused", "torch_native"), ("eager", "native", "torch_native"),
+    ("inductor", "fused", "torch_native"), ("eager", "fused", "triton"),
+    ("inductor", "fused", "triton"),
+])
 @torch.inference_mode()
-def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, compiler, kernels):
+def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, monkeypatch,
+                                                    compiler, kernels, attention):
     """With kernels="fused" the compiled forward calls the fused kernels as custom ops (each
     kernel launched once per layer call) and computes the eager Triton route's numbers exactly
-    (Inductor too: it fuses only the glue); with "native" the pieces hold the torch code instead
-    (no kernel runs) and match closely."""
-    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json")
+    (Inductor too: it fuses only the glue); the q/k norm + rope op stores K/V as well: in its
+    kernel with the Triton attention backend (no `store_kv` call), through `store_kv` with
+    torch_native. With "native" the pieces hold the torch code instead (no kernel runs) and
+    match closely."""
+    from replaylm.layers.attention import selection
+    from replaylm.layers.attention.torch_native import TorchNativeAttnBackend
+
+    monkeypatch.setattr(selection, "GPU_ONLY_BACKENDS", ())  # triton attention, interpreted
+    backend_cls = TritonAttnBackend if attention == "triton" else TorchNativeAttnBackend
+    backend_store = backend_cls.store_kv
+    stores = []
+    monkeypatch.setattr(backend_cls, "store_kv",
+                        lambda self, *a: stores.append(1) or backend_store(self, *a))
+    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", attention_backend=attention)
     set_matmul(runner.model, "triton")  # the skinny matmul stays whole too
     reqs = [Req(i, list(range(10 + i, 10 + i + n)), SamplingParams(), 0, 4)
             for i, n in enumerate((5, 3))]
     batch = prepare_extend(reqs, runner)
     runner.attn_backend.init_forward_metadata(batch)
     layers = attention_layers(runner.model)
-    with attention_context(batch, layers):
+    with attention_context(batch, layers), scalar_loop_bounds():
         want = runner.model.forward_hidden(batch.input_ids, batch.positions, batch).clone()
         kernel_calls.clear()
+        stores.clear()
         compiled = CompiledForward(runner.model, TcPiecewiseOptions(compiler, kernels))
         got = compiled(batch.input_ids, batch.positions)
-    fused_ops = {"replaylm.rms_norm", "replaylm.add_rms_norm", "replaylm.qk_norm_rope",
+    fused_ops = {"replaylm.rms_norm", "replaylm.add_rms_norm", "replaylm.rope_store_kv",
                  "replaylm.silu_and_mul", "replaylm.linear"}
+    ops = _compiled_ops(compiled) if compiler == "eager" else None  # Inductor's: no FX graphs
     if kernels == "fused":
-        assert compiler == "inductor" or fused_ops <= _compiled_ops(compiled)
+        assert ops is None or (fused_ops <= ops and "replaylm.store_kv" not in ops)
         # per layer: 2 norms, q/k norm + rope, SiluAndMul; then the final norm
         assert kernel_calls == {"rms_norm": 5, "qk_norm_rope": 2, "silu_and_mul": 2}
+        # 2 layers; the compiled forward traces once (fake tensors: no store), then runs
+        assert len(stores) == (0 if attention == "triton" else 2)
         assert torch.equal(got, want)
     else:
-        assert not fused_ops & _compiled_ops(compiled) and kernel_calls == {}
+        assert not fused_ops & ops and kernel_calls == {} and "replaylm.store_kv" in ops
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for req in reqs:
         release(req, runner)

@@ -56,21 +56,23 @@ class LlamaAttention(nn.Module):
     def _fused_norm_rope(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    ) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor]:
         """The Triton route: q/k norm (Qwen3) and rope in one kernel, reading q and k in place
-        from the QKV output; outside torch.compile the same kernel stores K and V in the KV
-        cache where the attention backend allows it. (q, k, whether K/V are stored)."""
-        from replaylm.layers.kernels.ops import qk_norm_rope
+        from the QKV output; the same kernel stores K and V in the KV cache where the attention
+        backend allows. (q, k, `Attention`'s `kv_stored`: whether K/V are stored, or under
+        torch.compile the custom op's result, the op having stored them either way)."""
+        norm = None if self.q_norm is None else (
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
+        if torch.compiler.is_compiling():
+            q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
+            return torch.ops.replaylm.rope_store_kv(q, k, v, positions, cos, sin, self.head_dim,
+                                                    q_weight, k_weight, eps)
+        from replaylm.layers.kernels import qk_norm_rope as rope
 
-        target = None
-        if not torch.compiler.is_compiling():
-            target = batch.attn_backend.kv_store_target(self.attn, batch)
-        q, k = qk_norm_rope(
-            q, k, positions, self.rotary.cos_cache, self.rotary.sin_cache, self.head_dim,
-            norm=None if self.q_norm is None else (
-                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps),
-            kv_store=None if target is None else (v, *target),
-        )
+        target = batch.attn_backend.kv_store_target(self.attn, batch)
+        q, k = rope.qk_norm_rope(q, k, positions, cos, sin, self.head_dim, norm,
+                                 kv_store=None if target is None else (v, *target))
         return q, k, target is not None
 
     def forward(

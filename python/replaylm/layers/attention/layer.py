@@ -32,24 +32,24 @@ class Attention(nn.Module):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-        kv_stored: bool = False,
+        kv_stored: bool | torch.Tensor = False,
     ) -> torch.Tensor:
-        """Store K/V (unless `kv_stored`: the caller's kernel stored them at the backend's
-        `kv_store_target`), then attend into a fresh output (inside a graph segment: a static
-        buffer the attention break writes in place). Under torch.compile both calls are custom
-        ops (tc_piecewise splits the graph at attention; `batch` is then unused: the ops read it
-        from `attention_context`)."""
+        """Store K/V (unless the caller's kernel stored them at the backend's `kv_store_target`:
+        `kv_stored` True, or under torch.compile the storing op's result), then attend into a
+        fresh output (inside a graph segment: a static buffer the attention break writes in
+        place). Under torch.compile both calls are custom ops (tc_piecewise splits the graph at
+        attention; `batch` is then unused: the ops read it from `attention_context`)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = q.new_empty(q.shape)
         if torch.compiler.is_compiling():
-            assert not kv_stored, "no fused K/V store under torch.compile"
-            stored = torch.ops.replaylm.store_kv(k, v)  # the next layer's: see ops.py
+            stored = (kv_stored if isinstance(kv_stored, torch.Tensor)
+                      else torch.ops.replaylm.store_kv(k, v))  # the next layer's: see ops.py
             torch.ops.replaylm.attention(q, k, v, out, stored, self.layer_id)
         else:
-            if not kv_stored:
+            if kv_stored is False:
                 batch.attn_backend.store_kv(k, v, self, batch)
             attention_op(q, k, v, self, batch, out)
         return out.view(t, self.num_heads * self.head_dim)

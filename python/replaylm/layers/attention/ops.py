@@ -10,7 +10,9 @@ compiled forward must enter, calling `start_forward` before each forward pass.
 
 `store_kv` takes no layer id: it stores for the next layer in order (the context counts the
 stores of the pass). So the compute pieces between two attention calls trace to identical graphs
-for every layer, and Inductor compiles one and takes the others from its cache.
+for every layer, and Inductor compiles one and takes the others from its cache. `rope_store_kv`
+is the other way to store, for compiled code that runs the fused kernels: the q/k norm + rope
+kernel, storing K/V itself where the backend allows (`kv_store_target`), counted as a store.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
 ATTENTION_OP_NAME = "replaylm::attention"
 STORE_KV_OP_NAME = "replaylm::store_kv"
+ROPE_STORE_KV_OP_NAME = "replaylm::rope_store_kv"
 
 _context = threading.local()
 
@@ -79,6 +82,16 @@ def start_forward() -> None:
         current.stores = 0
 
 
+def _next_store(ctx: _Context) -> Attention:
+    """The layer whose K/V the pass stores next (counted as stored)."""
+    if ctx.stores >= len(ctx.layers):
+        raise RuntimeError("K/V stored more often than there are layers: a forward pass began "
+                           "without start_forward()")
+    layer = ctx.layers[ctx.stores]
+    ctx.stores += 1
+    return layer
+
+
 @torch.library.custom_op(STORE_KV_OP_NAME, mutates_args=())
 def store_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """`store_kv` of the batch's backend for the next layer of the pass (one call per layer, in
@@ -86,12 +99,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     write), so it returns a dummy empty tensor that `attention` takes: the data dependency keeps
     the store alive and before the attention."""
     ctx = _current()
-    if ctx.stores >= len(ctx.layers):
-        raise RuntimeError("store_kv called more often than there are layers: a forward pass "
-                           "began without start_forward()")
-    layer = ctx.layers[ctx.stores]
-    ctx.stores += 1
-    ctx.batch.attn_backend.store_kv(k, v, layer, ctx.batch)
+    ctx.batch.attn_backend.store_kv(k, v, _next_store(ctx), ctx.batch)
     return k.new_empty(0)
 
 
@@ -100,13 +108,48 @@ def _store_kv_fake(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return k.new_empty(0)
 
 
+@torch.library.custom_op(ROPE_STORE_KV_OP_NAME, mutates_args=())
+def rope_store_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+    cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
+    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`kernels.qk_norm_rope.qk_norm_rope` of `[T, H*D]` q and `[T, Hkv*D]` k (after the per-head
+    norms when `q_weight` is given), and the next layer's K/V store, like `store_kv`: inside the
+    kernel where the batch's backend names a `kv_store_target`, else through its `store_kv`.
+    Returns (q, k, `store_kv`'s dummy for `attention`)."""
+    from replaylm.layers.kernels import qk_norm_rope as rope
+
+    ctx = _current()
+    layer = _next_store(ctx)
+    backend = ctx.batch.attn_backend
+    target = backend.kv_store_target(layer, ctx.batch)
+    norm = None if q_weight is None else (q_weight, k_weight, eps)
+    q, k = rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm,
+                             kv_store=None if target is None else (v, *target))
+    if target is None:
+        t = k.shape[0]
+        backend.store_kv(k.view(t, -1, head_dim), v.reshape(t, -1, head_dim), layer, ctx.batch)
+    return q, k, k.new_empty(0)
+
+
+@rope_store_kv.register_fake
+def _rope_store_kv_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+    cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
+    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(0)
+
+
 @torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=("out",))
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     kv_stored: torch.Tensor, layer_id: int,
 ) -> None:
     """`attention_op` for layer `layer_id` of the open `attention_context`, into `out`;
-    `kv_stored` is `store_kv`'s result for the layer."""
+    `kv_stored` is the result of the op that stored the layer's K/V (`store_kv`,
+    `rope_store_kv`)."""
     ctx = _current()
     attention_op(q, k, v, ctx.layers[layer_id], ctx.batch, out)
 

@@ -1,6 +1,7 @@
 """The layers' entry points to the fused kernels: a direct launch when run eagerly, a torch custom
-op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `qk_norm_rope`, `linear`) under
-torch.compile.
+op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `linear`) under torch.compile. (The
+q/k norm + rope kernel stores K/V as well: under torch.compile it is the attention context's op
+`replaylm::rope_store_kv`, see `layers.attention.ops`.)
 
 Inside compiled code (tc_piecewise with `kernels="fused"`, see `kernels_in_compiled_code`) the
 custom ops keep each kernel whole: Inductor calls it as it is instead of re-deriving its own
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from replaylm.layers.kernels import qk_norm_rope as _qk_norm_rope
 from replaylm.layers.kernels import rmsnorm as _rmsnorm
 from replaylm.layers.kernels import silu_mul as _silu_mul
 from replaylm.layers.kernels import skinny_matmul as _skinny
@@ -54,23 +54,6 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@torch.library.custom_op("replaylm::qk_norm_rope", mutates_args=())
-def _qk_norm_rope_op(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor, head_dim: int, q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    norm = None if q_weight is None else (q_weight, k_weight, eps)
-    return _qk_norm_rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm)
-
-
-@_qk_norm_rope_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-      sin_cache: torch.Tensor, head_dim: int, q_weight: torch.Tensor | None,
-      k_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape)
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             all_rows: bool) -> torch.Tensor:
     if all_rows:
@@ -108,24 +91,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling():
         return _silu_mul.silu_and_mul(x)
     return torch.ops.replaylm.silu_and_mul(x)
-
-
-def qk_norm_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor, head_dim: int,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    kv_store: _qk_norm_rope.KVStore | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.qk_norm_rope.qk_norm_rope` (same contract), as a custom op when compiling (the op
-    is functional: no `kv_store` then)."""
-    if not torch.compiler.is_compiling():
-        return _qk_norm_rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm,
-                                          kv_store=kv_store)
-    if kv_store is not None:
-        raise ValueError("qk_norm_rope stores no K/V under torch.compile")
-    q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
-    return torch.ops.replaylm.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim,
-                                           q_weight, k_weight, eps)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
