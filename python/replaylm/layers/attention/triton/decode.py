@@ -35,7 +35,12 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-precision dots: FMA
 MIN_SPLIT_LEN = 64  # tokens (one block): see benchmark/NOTES_attention.md, "Split length"
-MAX_SPLITS = 64
+# at most this many slices per request: inside a decode step (PDL on, the layer's other kernels
+# around it) fewer, longer slices win, where the kernel alone in a graph favoured up to 64. H100,
+# Qwen3-0.6B's 28 layers, us per step at 8 / 64 slices (bs 1) and 8 / 16 (bs 8): bs1 ctx 512
+# 891 / 925, ctx 2048 1054 / 1203, ctx 8192 1594 / 1650; bs8 ctx 512 1185 / 1183, ctx 2048
+# 1651 / 1802 (benchmark/NOTES_attention.md, "Slices inside the step")
+MAX_SPLITS = 8
 PROGRAMS_PER_SM = 4  # programs to aim for, per multiprocessor
 
 
