@@ -5,7 +5,9 @@
 #   bash scripts/gpu_check.sh [pytest args...]
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention matmul
-#   one_batch one_batch_kernels one_batch_det profile startup offline serving; matmul: cuBLAS vs
+#   decode_chain one_batch one_batch_kernels one_batch_det profile startup offline serving;
+#   decode_chain: attention slices and matmul configs inside a Qwen3-0.6B decode step's chain of
+#   kernels (bench_decode_chain.py); matmul: cuBLAS vs
 #   the skinny kernel per projection of both models (bench_matmul.py);
 #   one_batch_kernels: Qwen3-0.6B and Llama-3.1-8B, full decode and breakable prefill, with
 #   --small-batch-matmul cublas, the defaults (auto matmul, PDL where it helps), auto with
@@ -83,7 +85,8 @@ bench_serving_local() {  # decode/prefill: the built-in model in those modes, on
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"enable_pdl": false}'
                      '{"enable_pdl": true}')
-    for bench in ${GPU_CHECK_BENCHES:-attention matmul one_batch one_batch_kernels one_batch_det profile startup offline serving}; do
+    for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch one_batch_kernels \
+                  one_batch_det profile startup offline serving}; do
         case $bench in
             serving) for modes in ${GPU_CHECK_SERVING_MODES:-full/breakable breakable/breakable \
                                    tc_piecewise/tc_piecewise}; do bench_serving_local "$modes"; done ;;

@@ -187,7 +187,8 @@ def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
 
 
 def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_only():
-    assert matmul_config(1024, 3072).split_k == 4 and matmul_config(4096, 1024).split_k == 1
+    assert matmul_config(1024, 3072).split_k == 8 and matmul_config(4096, 1024).split_k == 1
+    assert matmul_config(1024, 576).split_k == 4  # 4.5 blocks of K
     assert matmul_config(1024, 256).split_k == 1  # too few K blocks to split
     with pytest.raises(ValueError, match="split-K takes at most 16 rows, got 17"):
         skinny_matmul(torch.ones(17, 1024), torch.ones(64, 1024))
