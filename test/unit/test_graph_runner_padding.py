@@ -51,8 +51,16 @@ def test_decode_padding_is_harmless(runner):
     kv_before = _kv_snapshot(runner, live.out_cache_loc)  # live slots get rewritten
     graph_runner = DecodeCudaGraphRunner(runner, _plain(runner), shapes=[1, 4, 8])
     assert graph_runner.shape_for(3) == 4
+    graph_runner.buffers.input_ids.fill_(99)  # stale values the fill must overwrite
     padded = graph_runner.fill(live, 8)
     assert padded.batch_size == 8 and padded.seq_lens_cpu[3:] == [1] * 5
+    buf = graph_runner.buffers
+    for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+                 "prefix_lens"):
+        assert torch.equal(getattr(buf, name)[:3], getattr(live, name))
+    assert buf.req_pool_indices[3:8].eq(graph_runner.padding_row).all()
+    assert buf.seq_lens[3:8].eq(1).all() and not buf.input_ids[3:8].any()
+    assert not buf.out_cache_loc[3:8].any() and not buf.positions[3:8].any()
     runner.attn_backend.init_forward_metadata(padded)
     got = graph_runner.finish(graph_runner.forward_fn(padded), live)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

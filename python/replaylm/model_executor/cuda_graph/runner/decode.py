@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+from replaylm.model_executor.cuda_graph.runner.static_buffers import copy_all
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+# the batch fields a decode graph reads from the static buffers
+_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+           "prefix_lens")
 
 
 class DecodeCudaGraphRunner(BaseCudaGraphRunner):
@@ -24,6 +29,11 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         # the same for every decode batch: one new token per request
         self.buffers.extend_seq_lens.fill_(1)
         torch.arange(self.max_batch_size, out=self.buffers.extend_start_loc)
+        # each field's value for padding requests, copied in with the live batch's fields
+        pad_values = {"req_pool_indices": self.padding_row, "seq_lens": 1}
+        self._padding = {name: torch.full((self.max_batch_size,), pad_values.get(name, 0),
+                                          dtype=torch.int64, device=self.model_runner.device)
+                         for name in _FIELDS}
 
     def buffer_sizes(self) -> tuple[int, int]:
         return self.shapes[-1], self.shapes[-1]
@@ -45,18 +55,15 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def fill_buffers(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
         buf = self.buffers
         live = batch.batch_size if batch is not None else 0
-        if batch is not None:
-            for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices",
-                         "seq_lens", "prefix_lens"):
-                getattr(buf, name)[:live].copy_(getattr(batch, name), non_blocking=True)
-        if live < shape:
-            pad = slice(live, shape)
-            buf.input_ids[pad] = 0
-            buf.positions[pad] = 0
-            buf.out_cache_loc[pad] = 0
-            buf.req_pool_indices[pad] = self.padding_row
-            buf.seq_lens[pad] = 1
-            buf.prefix_lens[pad] = 0
+        dsts, srcs = [], []
+        for name in _FIELDS:
+            if batch is not None:
+                dsts.append(getattr(buf, name)[:live])
+                srcs.append(getattr(batch, name))
+            if live < shape:
+                dsts.append(getattr(buf, name)[live:shape])
+                srcs.append(self._padding[name][: shape - live])
+        copy_all(dsts, srcs)
         seq_cpu = (batch.seq_lens_cpu if batch is not None else []) + [1] * (shape - live)
         return buf.view(ForwardMode.DECODE, shape, shape, seq_cpu, [1] * shape,
                         self.model_runner)
