@@ -67,6 +67,10 @@ def test_decode_padding_is_harmless(runner):
     for before, after in zip(kv_before, _kv_snapshot(runner, live.out_cache_loc), strict=True):
         assert torch.equal(before, after)  # padding wrote only slot 0
     assert not runner.req_to_token_pool.req_to_token[graph_runner.padding_row].any()
+    again = graph_runner.fill(None, 8)  # all padding now: the same batch object, refilled
+    assert again is padded and again.seq_lens_cpu == [1] * 8
+    assert buf.req_pool_indices[:8].eq(graph_runner.padding_row).all()
+    assert not buf.input_ids[:8].any() and buf.seq_lens[:8].eq(1).all()
     for r in reqs:
         release(r, runner)
 

@@ -34,6 +34,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         self._padding = {name: torch.full((self.max_batch_size,), pad_values.get(name, 0),
                                           dtype=torch.int64, device=self.model_runner.device)
                          for name in _FIELDS}
+        self._targets: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def buffer_sizes(self) -> tuple[int, int]:
         return self.shapes[-1], self.shapes[-1]
@@ -53,17 +54,29 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         return output[: batch.batch_size]
 
     def fill_buffers(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
-        buf = self.buffers
         live = batch.batch_size if batch is not None else 0
-        dsts, srcs = [], []
-        for name in _FIELDS:
-            if batch is not None:
-                dsts.append(getattr(buf, name)[:live])
-                srcs.append(getattr(batch, name))
-            if live < shape:
-                dsts.append(getattr(buf, name)[live:shape])
-                srcs.append(self._padding[name][: shape - live])
-        copy_all(dsts, srcs)
+        dsts, pad_srcs = self._copy_targets(live, shape)
+        srcs = [getattr(batch, name) for name in _FIELDS] if batch is not None else []
+        copy_all(dsts, srcs + pad_srcs)
         seq_cpu = (batch.seq_lens_cpu if batch is not None else []) + [1] * (shape - live)
-        return buf.view(ForwardMode.DECODE, shape, shape, seq_cpu, [1] * shape,
-                        self.model_runner)
+        padded = self._padded.get(shape)
+        if padded is not None:  # its tensors are this shape's views of the buffers already
+            padded.seq_lens_cpu = seq_cpu
+            return padded
+        return self.buffers.view(ForwardMode.DECODE, shape, shape, seq_cpu, [1] * shape,
+                                 self.model_runner)
+
+    def _copy_targets(self, live: int, shape: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the buffers' slices that `live` requests padded to `shape` fill: the live fields',
+        then the padding's; the padding's sources), made once per (live, shape): slicing
+        tensors is host time that every replay would pay."""
+        key = (live, shape)
+        if key not in self._targets:
+            buf = self.buffers
+            dsts = [getattr(buf, name)[:live] for name in _FIELDS] if live else []
+            pad_srcs = []
+            if live < shape:
+                dsts += [getattr(buf, name)[live:shape] for name in _FIELDS]
+                pad_srcs = [self._padding[name][: shape - live] for name in _FIELDS]
+            self._targets[key] = (dsts, pad_srcs)
+        return self._targets[key]
