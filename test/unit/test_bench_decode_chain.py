@@ -1,0 +1,40 @@
+"""benchmark/bench_decode_chain.py's choices and summary on the CPU (timing needs a CUDA GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from script_import import REPO, import_script
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmark"))  # it imports bench_one_batch, as run
+    return import_script("benchmark/bench_decode_chain.py")
+
+
+def test_attention_choices_mark_the_default_policy_once(bench):
+    for bs in (1, 8, 64):
+        choices = bench.attention_choices(bs, sms=132)
+        starred = [name for name in choices if name.endswith("*")]
+        default = bench.num_kv_splits(bs, bench.KV_HEADS, 132)
+        assert starred == [f"{default} slices, min {bench.MIN_SPLIT_LEN}*"]
+        assert choices[starred[0]][:2] == (default, bench.MIN_SPLIT_LEN)
+        assert all(cfg == {} for _, _, cfg in choices.values())  # matmuls at their defaults
+
+
+def test_summary_gives_each_cell_its_default_and_fastest_choice(bench):
+    cell = {"bs": 1, "ctx": 512}
+    rows = [
+        {"sweep": "attention", **cell, "choice": "64 slices, min 64", "median_us": 9.0},
+        {"sweep": "attention", **cell, "choice": "8 slices, min 64*", "median_us": 8.0},
+        {"sweep": "attention", **cell, "choice": "4 slices, min 64", "median_us": 7.5},
+        {"sweep": "matmul", **cell, "choice": "default", "median_us": 5.0},
+        {"sweep": "matmul", **cell, "choice": "o/down split 4", "median_us": 6.0},
+    ]
+    assert bench.summary(rows) == [
+        {"sweep": "attention", "bs": 1, "ctx": 512, "default_us": 8.0,
+         "best": "4 slices, min 64", "best_us": 7.5},
+        {"sweep": "matmul", "bs": 1, "ctx": 512, "default_us": 5.0, "best": "default",
+         "best_us": 5.0},
+    ]
