@@ -48,7 +48,8 @@ HEADS, KV_HEADS, DIM = (CONFIG["num_attention_heads"], CONFIG["num_key_value_hea
                         CONFIG["head_dim"])
 INTER = CONFIG["intermediate_size"]
 DTYPE = torch.bfloat16
-ATTENTION_CELLS = ((1, 512), (8, 512), (1, 2048), (8, 2048), (1, 8192))
+ATTENTION_CELLS = ((1, 512), (8, 512), (1, 2048), (8, 2048), (1, 8192), (16, 512), (32, 512),
+                   (64, 512))
 MATMUL_CELLS = ((1, 512), (8, 512))
 # the projections' (N, K) and the matmul choices tried: name -> {projection: config}
 PROJECTIONS = {"qkv": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), "o": (HIDDEN, HEADS * DIM),
@@ -152,7 +153,7 @@ def sweep_cell(chain: DecodeChain, choices: dict[str, tuple[int, int, dict]],
 def attention_choices(bs: int, sms: int) -> dict[str, tuple[int, int, dict]]:
     default = num_kv_splits(bs, KV_HEADS, sms)
     choices = {}
-    for splits in sorted({default, 64, 16, 8, 4}, reverse=True):
+    for splits in sorted({default, 64, 16, 8, 4, 2}, reverse=True):
         for min_len in (MIN_SPLIT_LEN, 2 * MIN_SPLIT_LEN):
             mark = "*" if (splits, min_len) == (default, MIN_SPLIT_LEN) else ""
             choices[f"{splits} slices, min {min_len}{mark}"] = (splits, min_len, {})
