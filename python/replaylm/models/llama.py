@@ -13,6 +13,7 @@ from torch import nn
 
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.attention.layer import Attention
+from replaylm.layers.attention.ops import norm_rope_store
 from replaylm.layers.kernels import use_triton_kernels
 from replaylm.layers.layernorm import RMSNorm
 from replaylm.layers.linear import Linear, MergedLinear
@@ -58,9 +59,9 @@ class LlamaAttention(nn.Module):
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor]:
         """The Triton route: q/k norm (Qwen3) and rope in one kernel, reading q and k in place
-        from the QKV output; the same kernel stores K and V in the KV cache where the attention
-        backend allows. (q, k, `Attention`'s `kv_stored`: whether K/V are stored, or under
-        torch.compile the custom op's result, the op having stored them either way)."""
+        from the QKV output, and the layer's K/V store (in the same kernel where the attention
+        backend allows). (q, k, `Attention`'s `kv_stored`: True, or under torch.compile the
+        custom op's result)."""
         norm = None if self.q_norm is None else (
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
@@ -68,12 +69,9 @@ class LlamaAttention(nn.Module):
             q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
             return torch.ops.replaylm.rope_store_kv(q, k, v, positions, cos, sin, self.head_dim,
                                                     q_weight, k_weight, eps)
-        from replaylm.layers.kernels import qk_norm_rope as rope
-
-        target = batch.attn_backend.kv_store_target(self.attn, batch)
-        q, k = rope.qk_norm_rope(q, k, positions, cos, sin, self.head_dim, norm,
-                                 kv_store=None if target is None else (v, *target))
-        return q, k, target is not None
+        q, k = norm_rope_store(q, k, v, positions, cos, sin, self.head_dim, norm, self.attn,
+                               batch)
+        return q, k, True
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch

@@ -108,28 +108,38 @@ def _store_kv_fake(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return k.new_empty(0)
 
 
+def norm_rope_store(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+    cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None, layer: Attention, batch: ForwardBatch,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.qk_norm_rope.qk_norm_rope` of `[T, H*D]` q and `[T, Hkv*D]` k (after the per-head
+    norms `norm` = (q weight, k weight, eps)), and `layer`'s K/V store: inside the kernel where
+    the batch's backend names a `kv_store_target`, else through its `store_kv`. Returns (q, k)."""
+    from replaylm.layers.kernels import qk_norm_rope as rope
+
+    backend = batch.attn_backend
+    target = backend.kv_store_target(layer, batch)
+    q, k = rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm,
+                             kv_store=None if target is None else (v, *target))
+    if target is None:
+        t = k.shape[0]
+        backend.store_kv(k.view(t, -1, head_dim), v.view(t, -1, head_dim), layer, batch)
+    return q, k
+
+
 @torch.library.custom_op(ROPE_STORE_KV_OP_NAME, mutates_args=())
 def rope_store_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`kernels.qk_norm_rope.qk_norm_rope` of `[T, H*D]` q and `[T, Hkv*D]` k (after the per-head
-    norms when `q_weight` is given), and the next layer's K/V store, like `store_kv`: inside the
-    kernel where the batch's backend names a `kv_store_target`, else through its `store_kv`.
-    Returns (q, k, `store_kv`'s dummy for `attention`)."""
-    from replaylm.layers.kernels import qk_norm_rope as rope
-
+    """`norm_rope_store` for the next layer of the pass, like `store_kv` (the norm when
+    `q_weight` is given). Returns (q, k, `store_kv`'s dummy for `attention`)."""
     ctx = _current()
-    layer = _next_store(ctx)
-    backend = ctx.batch.attn_backend
-    target = backend.kv_store_target(layer, ctx.batch)
     norm = None if q_weight is None else (q_weight, k_weight, eps)
-    q, k = rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm,
-                             kv_store=None if target is None else (v, *target))
-    if target is None:
-        t = k.shape[0]
-        backend.store_kv(k.view(t, -1, head_dim), v.reshape(t, -1, head_dim), layer, ctx.batch)
+    q, k = norm_rope_store(q, k, v, positions, cos_cache, sin_cache, head_dim, norm,
+                           _next_store(ctx), ctx.batch)
     return q, k, k.new_empty(0)
 
 
