@@ -13,7 +13,10 @@ times, so they compare on one host at one time.
 
 `attention`: slices per request (the launch's grid) x minimum slice length, per (bs, ctx) cell;
 `*` marks the default (`num_kv_splits`, `MIN_SPLIT_LEN`). `matmul`: launch configs of the
-projections (`MatmulConfig`) at ctx 512. Why this exists: alone in a graph the attention kernel
+projections (`MatmulConfig`) at ctx 512. `fusion` (ctx 512): the gate-up matmul with SiluAndMul in
+its epilogue (the default) against a separate SiluAndMul launch, and the step without some of its
+small kernels (wrong numbers; an upper bound of what fusing those kernels away could give).
+Why this exists: alone in a graph the attention kernel
 favoured up to 64 slices; inside the step 8 won, by up to 12% of the step
 (benchmark/NOTES_attention.md, "Slices inside the step").
 """
@@ -24,7 +27,7 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -37,10 +40,17 @@ from replaylm.layers.attention.triton.decode import (
     decode_workspace,
     num_kv_splits,
 )
+from replaylm.layers.kernels.ops import linear
 from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope
 from replaylm.layers.kernels.rmsnorm import rms_norm
 from replaylm.layers.kernels.silu_mul import silu_and_mul
-from replaylm.layers.kernels.skinny_matmul import MatmulConfig, reserve_workspace, skinny_matmul
+from replaylm.layers.kernels.skinny_matmul import (
+    MAX_ROWS,
+    MatmulConfig,
+    matmul_config,
+    reserve_workspace,
+    skinny_matmul,
+)
 
 CONFIG = json.loads((Path(__file__).resolve().parent / "configs" / "qwen3-0.6b.json").read_text())
 LAYERS, HIDDEN = CONFIG["num_hidden_layers"], CONFIG["hidden_size"]
@@ -51,6 +61,7 @@ DTYPE = torch.bfloat16
 ATTENTION_CELLS = ((1, 512), (8, 512), (1, 2048), (8, 2048), (1, 8192), (16, 512), (32, 512),
                    (64, 512))
 MATMUL_CELLS = ((1, 512), (8, 512))
+FUSION_CELLS = ((1, 512), (8, 512), (32, 512))
 # the projections' (N, K) and the matmul choices tried: name -> {projection: config}
 PROJECTIONS = {"qkv": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), "o": (HIDDEN, HEADS * DIM),
                "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
@@ -59,18 +70,40 @@ NORMS = {"input": HIDDEN, "post_attention": HIDDEN, "q": DIM, "k": DIM}
 EPS = CONFIG["rms_norm_eps"]
 
 
-def _config(block_n: int, split_k: int, block_k: int = 128) -> MatmulConfig:
-    return MatmulConfig(block_n, block_k, split_k, num_warps=4, num_stages=4)
+def _configs(names: tuple[str, ...], **changes: int) -> dict[str, MatmulConfig]:
+    """The default launch of these projections with `changes` (MatmulConfig fields)."""
+    return {name: replace(matmul_config(*PROJECTIONS[name]), **changes) for name in names}
 
 
+ALL = tuple(PROJECTIONS)
 MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
     "default": {},
-    "o/down split 2": {"o": _config(32, 2), "down": _config(32, 2)},
-    "o/down split 4": {"o": _config(32, 4), "down": _config(32, 4)},  # the default before 8
-    "o/down 16 cols, split 4": {"o": _config(16, 4), "down": _config(16, 4)},
-    "qkv/gate_up 16 cols": {"qkv": _config(16, 1), "gate_up": _config(16, 1)},
-    "qkv/gate_up split 2": {"qkv": _config(32, 2), "gate_up": _config(32, 2)},
+    "o/down split 4": _configs(("o", "down"), split_k=4),  # the default before split 8
+    "o/down 16 cols": _configs(("o", "down"), block_n=16),
+    "qkv/gate_up split 2": _configs(("qkv", "gate_up"), split_k=2),
+    "8 warps": _configs(ALL, num_warps=8),
 }
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to run the step: attention `splits` x `min_split_len`, matmul configs by
+    projection (defaults where absent), SiluAndMul in the gate-up epilogue or its own launch,
+    and kernels left out (`skip`: "post_norm", "input_norm", "rope")."""
+
+    splits: int
+    min_split_len: int = MIN_SPLIT_LEN
+    matmuls: dict[str, MatmulConfig] = field(default_factory=dict)
+    separate_silu: bool = False
+    skip: tuple[str, ...] = ()
+
+
+def fusion_choices(splits: int) -> dict[str, Choice]:
+    return {"default": Choice(splits),
+            "SiluAndMul launched alone": Choice(splits, separate_silu=True),
+            "bound: no post-attention norm": Choice(splits, skip=("post_norm",)),
+            "bound: no norms": Choice(splits, skip=("post_norm", "input_norm")),
+            "bound: no rope kernel": Choice(splits, skip=("rope",))}
 
 
 def _randn(*shape: int) -> torch.Tensor:
@@ -98,32 +131,45 @@ class DecodeChain:
         self.sin = torch.randn(ctx, DIM, device="cuda")
         self.x, self.residual = _randn(bs, HIDDEN), _randn(bs, HIDDEN)
 
-    def step_fn(self, splits: int, min_split_len: int,
-                matmuls: dict[str, MatmulConfig]) -> Callable[[], torch.Tensor]:
+    def step_fn(self, choice: Choice) -> Callable[[], torch.Tensor]:
         """One step with these choices (the attention's workspace made now, outside a capture)."""
-        workspace = decode_workspace(_randn(self.bs, HEADS, DIM), KV_HEADS, splits)
+        workspace = decode_workspace(_randn(self.bs, HEADS, DIM), KV_HEADS, choice.splits)
         out = _randn(self.bs, HEADS, DIM)
         q_width, kv_width = HEADS * DIM, KV_HEADS * DIM
 
-        def mm(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-            return skinny_matmul(x, w[name], config=matmuls.get(name))
+        def mm(x: torch.Tensor, w: dict[str, torch.Tensor], name: str,
+               gated_silu: bool = False) -> torch.Tensor:
+            if self.bs > MAX_ROWS:  # as the model: cuBLAS, then SiluAndMul's kernel
+                return linear(x, w[name], gated_silu=gated_silu)
+            return skinny_matmul(x, w[name], config=choice.matmuls.get(name),
+                                 gated_silu=gated_silu)
+
+        def norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                 name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            return (x, residual) if name in choice.skip else rms_norm(x, weight, EPS, residual)
+
+        def mlp(h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+            if choice.separate_silu:
+                return silu_and_mul(mm(h, w, "gate_up"))
+            return mm(h, w, "gate_up", gated_silu=True)
 
         def step() -> torch.Tensor:
             x, residual = self.x, self.residual
             for w, (k_cache, v_cache) in zip(self.weights, self.caches, strict=True):
-                h, residual = rms_norm(x, w["input"], EPS, residual)
+                h, residual = norm(x, w["input"], residual, "input_norm")
                 qkv = mm(h, w, "qkv")
                 q, k = qkv[:, :q_width], qkv[:, q_width : q_width + kv_width]
                 v = qkv[:, q_width + kv_width :]
-                q, _ = qk_norm_rope(q, k, self.positions, self.cos, self.sin, DIM,
-                                    (w["q"], w["k"], EPS),
-                                    kv_store=(v, k_cache, v_cache, self.slots))
-                decode_attention(q.view(self.bs, HEADS, DIM), k_cache, v_cache, self.table,
-                                 self.rows, self.seq_lens, out, DIM**-0.5, splits,
-                                 min_split_len=min_split_len, workspace=workspace)
+                if "rope" not in choice.skip:
+                    q, _ = qk_norm_rope(q, k, self.positions, self.cos, self.sin, DIM,
+                                        (w["q"], w["k"], EPS),
+                                        kv_store=(v, k_cache, v_cache, self.slots))
+                decode_attention(q.reshape(self.bs, HEADS, DIM), k_cache, v_cache, self.table,
+                                 self.rows, self.seq_lens, out, DIM**-0.5, choice.splits,
+                                 min_split_len=choice.min_split_len, workspace=workspace)
                 o = mm(out.view(self.bs, q_width), w, "o")
-                h, residual = rms_norm(o, w["post_attention"], EPS, residual)
-                x = mm(silu_and_mul(mm(h, w, "gate_up")), w, "down")
+                h, residual = norm(o, w["post_attention"], residual, "post_norm")
+                x = mm(mlp(h, w), w, "down")
             return x
 
         return step
@@ -139,10 +185,10 @@ def graph_us(step: Callable[[], torch.Tensor]) -> float:
     return cuda_time_ms(graph.replay, 20, 100) * 1e3
 
 
-def sweep_cell(chain: DecodeChain, choices: dict[str, tuple[int, int, dict]],
+def sweep_cell(chain: DecodeChain, choices: dict[str, Choice],
                repeats: int) -> dict[str, list[float]]:
     """choice name -> its times, the choices interleaved `repeats` times."""
-    steps = {name: chain.step_fn(*choice) for name, choice in choices.items()}
+    steps = {name: chain.step_fn(choice) for name, choice in choices.items()}
     times: dict[str, list[float]] = {name: [] for name in choices}
     for _ in range(repeats):
         for name, step in steps.items():
@@ -150,20 +196,33 @@ def sweep_cell(chain: DecodeChain, choices: dict[str, tuple[int, int, dict]],
     return times
 
 
-def attention_choices(bs: int, sms: int) -> dict[str, tuple[int, int, dict]]:
+def attention_choices(bs: int, sms: int) -> dict[str, Choice]:
     default = num_kv_splits(bs, KV_HEADS, sms)
     choices = {}
     for splits in sorted({default, 64, 16, 8, 4, 2}, reverse=True):
         for min_len in (MIN_SPLIT_LEN, 2 * MIN_SPLIT_LEN):
             mark = "*" if (splits, min_len) == (default, MIN_SPLIT_LEN) else ""
-            choices[f"{splits} slices, min {min_len}{mark}"] = (splits, min_len, {})
+            choices[f"{splits} slices, min {min_len}{mark}"] = Choice(splits, min_len)
     return choices
+
+
+SWEEP_CELLS = {"attention": ATTENTION_CELLS, "matmul": MATMUL_CELLS, "fusion": FUSION_CELLS}
+
+
+def sweep_choices(sweep: str, bs: int, sms: int) -> dict[str, Choice]:
+    """The choices of one of SWEEP_CELLS' sweeps for a batch of `bs` on `sms` SMs."""
+    if sweep == "attention":
+        return attention_choices(bs, sms)
+    splits = num_kv_splits(bs, KV_HEADS, sms)
+    if sweep == "fusion":
+        return fusion_choices(splits)
+    return {name: Choice(splits, matmuls=cfg) for name, cfg in MATMUL_CHOICES.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", nargs="+", choices=("attention", "matmul"),
-                        default=["attention", "matmul"])
+    parser.add_argument("--sweep", nargs="+", choices=tuple(SWEEP_CELLS),
+                        default=list(SWEEP_CELLS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -172,18 +231,13 @@ def main() -> None:
     kernels.set_pdl(kernels.pdl_supported(torch.device("cuda")))
     rows = []
     for sweep in args.sweep:
-        for bs, ctx in ATTENTION_CELLS if sweep == "attention" else MATMUL_CELLS:
+        for bs, ctx in SWEEP_CELLS[sweep]:
             chain = DecodeChain(bs, ctx)
-            if sweep == "attention":
-                choices = attention_choices(bs, sms)
-            else:
-                splits = num_kv_splits(bs, KV_HEADS, sms)
-                choices = {name: (splits, MIN_SPLIT_LEN, cfg)
-                           for name, cfg in MATMUL_CHOICES.items()}
+            choices = sweep_choices(sweep, bs, sms)
             for name, times in sweep_cell(chain, choices, args.repeats).items():
                 rows.append({"sweep": sweep, "bs": bs, "ctx": ctx, "choice": name,
                              "us": times, "median_us": statistics.median(times),
-                             "configs": {k: asdict(v) for k, v in choices[name][2].items()}})
+                             "choice_fields": asdict(choices[name])})
             del chain
             torch.cuda.empty_cache()
     print(f"\n{'sweep':10s} {'bs':>3s} {'ctx':>5s}  {'choice':28s} {'us per step':>12s}  runs")

@@ -222,6 +222,22 @@ def test_skinny_matmul_matches_linear_and_rows_are_batch_invariant(n, k, dtype):
     assert int(_workspace(x.device)[1].count_nonzero()) == 0
 
 
+# (2 x intermediate, hidden): Qwen3-0.6B's and SmolLM2-135M's gate_up (one slice each)
+@pytest.mark.parametrize(("n", "k"), [(6144, 1024), (3072, 576)])
+@pytest.mark.parametrize("config", [None, INVARIANT_CONFIG])
+def test_gated_skinny_matmul_is_bit_equal_to_matmul_then_silu_and_mul(n, k, config):
+    """The gate-up matmul with SiluAndMul in its epilogue (bf16): every row bit-equal to the
+    matmul followed by the SiluAndMul kernel, and rows still batch-invariant."""
+    from replaylm.layers.kernels.silu_mul import silu_and_mul
+
+    w = _randn(n, k, dtype=torch.bfloat16, seed=n) / k**0.5
+    x = _randn(MAX_ROWS, k, dtype=torch.bfloat16, seed=k)
+    full = skinny_matmul(x, w, None, config, gated_silu=True)
+    assert torch.equal(full, silu_and_mul(skinny_matmul(x, w, None, config)))
+    for rows in (1, 3, 8):
+        assert torch.equal(skinny_matmul(x[:rows], w, None, config, gated_silu=True), full[:rows])
+
+
 @pytest.mark.parametrize(("n", "k"), MATMUL_SHAPES[:4])
 def test_invariant_matmul_rows_do_not_depend_on_the_row_count(n, k):
     """`--deterministic`'s matmul: any row count, each row bit-equal to the same row computed in

@@ -19,8 +19,23 @@ def test_attention_choices_mark_the_default_policy_once(bench):
         starred = [name for name in choices if name.endswith("*")]
         default = bench.num_kv_splits(bs, bench.KV_HEADS, 132)
         assert starred == [f"{default} slices, min {bench.MIN_SPLIT_LEN}*"]
-        assert choices[starred[0]][:2] == (default, bench.MIN_SPLIT_LEN)
-        assert all(cfg == {} for _, _, cfg in choices.values())  # matmuls at their defaults
+        assert choices[starred[0]] == bench.Choice(default, bench.MIN_SPLIT_LEN)
+        # matmuls and fusions at their defaults
+        assert all(c.matmuls == {} and not c.separate_silu and not c.skip
+                   for c in choices.values())
+
+
+def test_every_sweep_has_one_default_and_varies_only_its_own_field(bench):
+    splits = bench.num_kv_splits(8, bench.KV_HEADS, 132)
+    fusion = bench.sweep_choices("fusion", 8, sms=132)
+    assert fusion["default"] == bench.Choice(splits)
+    assert fusion["SiluAndMul launched alone"] == bench.Choice(splits, separate_silu=True)
+    assert {c.skip for c in fusion.values()} == {(), ("post_norm",), ("post_norm", "input_norm"),
+                                                 ("rope",)}
+    matmul = bench.sweep_choices("matmul", 8, sms=132)
+    assert matmul["default"] == bench.Choice(splits)
+    assert all(c.splits == splits and not c.skip for c in matmul.values())
+    assert set(bench.SWEEP_CELLS) == {"attention", "matmul", "fusion"}
 
 
 def test_summary_gives_each_cell_its_default_and_fastest_choice(bench):

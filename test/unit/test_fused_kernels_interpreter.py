@@ -186,6 +186,31 @@ def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
     assert int(_workspace(x.device)[1].count_nonzero()) == 0  # every counter back to zero
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "inter", "k", "bias", "config"), [
+    (1, 40, 576, False, None),  # split-K 4: the merging slice applies SiluAndMul
+    (13, 300, 200, True, None),  # one slice; a part-filled last tile of columns
+    (16, 48, 1024, False, MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4,
+                                       num_stages=2)),
+    (70, 40, 96, False, INVARIANT_CONFIG),  # --deterministic's launch, 2 row tiles
+])
+def test_gated_skinny_matmul_equals_the_matmul_then_silu_and_mul(dtype, rows, inter, k, bias,
+                                                                 config):
+    """`gated_silu`: one launch computing SiluAndMul of `x @ [gate; up]^T`, the same numbers as
+    the two launches (bit-equal: the epilogue rounds the product as the separate kernel reads
+    it)."""
+    x = _strided(_randn(rows, k, dtype=dtype, seed=rows))
+    w = _randn(2 * inter, k, dtype=dtype, seed=inter) / k**0.5
+    b = _randn(2 * inter, dtype=dtype, seed=2) if bias else None
+    got = skinny_matmul(x, w, b, config, gated_silu=True)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    torch.testing.assert_close(got, silu_and_mul(skinny_matmul(x, w, b, config)), rtol=0, atol=0)
+    gate, up = torch.nn.functional.linear(x, w, b).chunk(2, dim=-1)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, **TOL[dtype])
+    with pytest.raises(ValueError, match="even number of rows, not 5"):
+        skinny_matmul(x, w[:5], gated_silu=True)
+
+
 def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_only():
     assert matmul_config(1024, 3072).split_k == 8 and matmul_config(4096, 1024).split_k == 1
     assert matmul_config(1024, 576).split_k == 4  # 4.5 blocks of K
@@ -219,10 +244,12 @@ def test_use_triton_kernels_is_false_on_cpu_in_native_only_and_under_compile(mon
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> dict[str, int]:
-    """Point the kernel device at the CPU and count each kernel wrapper's calls."""
+    """Point the kernel device at the CPU and count each kernel wrapper's calls (the skinny
+    matmul's only where it ends in SiluAndMul: "gated_silu")."""
     from replaylm.layers.kernels import qk_norm_rope as rope_mod
     from replaylm.layers.kernels import rmsnorm as norm_mod
     from replaylm.layers.kernels import silu_mul as silu_mod
+    from replaylm.layers.kernels import skinny_matmul as skinny_mod
 
     monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
     calls: dict[str, int] = {}
@@ -236,6 +263,9 @@ def kernel_calls(monkeypatch) -> dict[str, int]:
     for module, name in [(norm_mod, "rms_norm"), (rope_mod, "qk_norm_rope"),
                          (silu_mod, "silu_and_mul")]:
         monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    gated = counted("gated_silu", skinny_matmul)
+    monkeypatch.setattr(skinny_mod, "skinny_matmul", lambda *args, gated_silu=False, **kwargs: (
+        gated if gated_silu else skinny_matmul)(*args, gated_silu=gated_silu, **kwargs))
     return calls
 
 
@@ -273,8 +303,9 @@ def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
         want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
     assert kernel_calls == {}
     got = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
-    # 2 forwards x 2 layers; RMSNorm: 2 forwards x (2 per layer + the final norm)
-    assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 10, "silu_and_mul": 4}
+    # 2 forwards x 2 layers; RMSNorm: 2 forwards x (2 per layer + the final norm); the gate-up
+    # matmul (15 and 3 rows: the skinny kernel) with SiluAndMul in its epilogue
+    assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 10, "gated_silu": 4}
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
@@ -316,11 +347,13 @@ def test_small_batch_matmul_triton_takes_the_skinny_kernel_up_to_16_rows(kernel_
                         or skinny_matmul(x, *a, **kw))
     runner = _tiny_runner(tmp_path, "llama-3.1-8b.json", small_batch_matmul="cublas")
     want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
-    assert calls == []
+    assert calls == [] and kernel_calls["silu_and_mul"] == 4  # 2 forwards x 2 layers
     set_matmul(runner.model, "triton")
+    kernel_calls.clear()
     got = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
     # prefill (36 tokens): only the logits (3 rows); decode: 2 layers x 4 matmuls + logits
     assert calls == [3] + [3] * 9
+    assert kernel_calls["silu_and_mul"] == 2  # the prefill's: SiluAndMul after F.linear
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="must be one of cublas, triton, invariant, auto"):
@@ -366,9 +399,9 @@ def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
     monkeypatch.setattr(selection, "GPU_ONLY_BACKENDS", ())  # triton attention, interpreted
     configs = []
     monkeypatch.setattr(skinny_mod, "skinny_matmul",
-                        lambda x, w, b=None, config=None: configs.append(
+                        lambda x, w, b=None, config=None, gated_silu=False: configs.append(
                             (x.numel() // x.shape[-1], config))
-                        or skinny_matmul(x, w, b, config))
+                        or skinny_matmul(x, w, b, config, gated_silu))
     want = scripted_logits(_tiny_runner(tmp_path, "qwen3-0.6b.json", small_batch_matmul="cublas"),
                            prompt_lens=(5, 30, 1), decode_steps=1)
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", deterministic=True,
@@ -433,12 +466,12 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, monk
         compiled = CompiledForward(runner.model, TcPiecewiseOptions(compiler, kernels))
         got = compiled(batch.input_ids, batch.positions)
     fused_ops = {"replaylm.rms_norm", "replaylm.add_rms_norm", "replaylm.rope_store_kv",
-                 "replaylm.silu_and_mul", "replaylm.linear"}
+                 "replaylm.linear"}
     ops = _compiled_ops(compiled) if compiler == "eager" else None  # Inductor's: no FX graphs
     if kernels == "fused":
         assert ops is None or (fused_ops <= ops and "replaylm.store_kv" not in ops)
-        # per layer: 2 norms, q/k norm + rope, SiluAndMul; then the final norm
-        assert kernel_calls == {"rms_norm": 5, "qk_norm_rope": 2, "silu_and_mul": 2}
+        # per layer: 2 norms, q/k norm + rope, gate-up with SiluAndMul; then the final norm
+        assert kernel_calls == {"rms_norm": 5, "qk_norm_rope": 2, "gated_silu": 2}
         # 2 layers; the compiled forward traces once (fake tensors: no store), then runs
         assert len(stores) == (0 if attention == "triton" else 2)
         assert torch.equal(got, want)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import use_triton_kernels
 
 # cublas: F.linear; triton: the skinny split-K kernel for inputs of at most 16 rows (F.linear
@@ -27,11 +28,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            matmul: str) -> torch.Tensor:
     """`x @ weight.T (+ bias)` by the `matmul` kernel (one of MATMULS); the Triton ones only on the
     Triton route (`use_triton_kernels`), `F.linear` elsewhere."""
-    if matmul != "cublas" and use_triton_kernels(x):
+    if _takes_triton_matmul(x, matmul):
         from replaylm.layers.kernels import ops
 
         return ops.linear(x, weight, bias, all_rows=matmul == "invariant")
     return F.linear(x, weight, bias)
+
+
+def _takes_triton_matmul(x: torch.Tensor, matmul: str) -> bool:
+    return matmul != "cublas" and use_triton_kernels(x)
 
 
 class MatmulLayer(nn.Module):
@@ -113,3 +118,21 @@ class MergedLinear(Linear):
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split a fused output back into its shards, in order."""
         return y.split(list(self.shard_sizes.values()), dim=-1)
+
+
+class GateUpLinear(MergedLinear):
+    """The gate and up projections followed by SiluAndMul: `[..., in] -> [..., inter]`,
+    `silu(x Wg^T) * (x Wu^T)`. On the skinny kernel (up to 16 rows, or `invariant`) one launch,
+    SiluAndMul in its epilogue; otherwise the matmul, then SiluAndMul's own kernel."""
+
+    def __init__(self, input_size: int, intermediate_size: int) -> None:
+        super().__init__(input_size, {"gate": intermediate_size, "up": intermediate_size})
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _takes_triton_matmul(x, self.matmul):
+            from replaylm.layers.kernels import ops
+
+            return ops.linear(x, self.weight, self.bias, all_rows=self.matmul == "invariant",
+                              gated_silu=True)
+        return self.act(super().forward(x))

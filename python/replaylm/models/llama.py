@@ -11,12 +11,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.ops import norm_rope_store
 from replaylm.layers.kernels import use_triton_kernels
 from replaylm.layers.layernorm import RMSNorm
-from replaylm.layers.linear import Linear, MergedLinear
+from replaylm.layers.linear import GateUpLinear, Linear, MergedLinear
 from replaylm.layers.logits_processor import LMHead, LogitsProcessor
 from replaylm.layers.rotary_embedding import RotaryEmbedding
 from replaylm.layers.vocab_embedding import VocabEmbedding
@@ -90,14 +89,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            hidden_size, {"gate": intermediate_size, "up": intermediate_size}
-        )
-        self.act = SiluAndMul()
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)  # SiluAndMul included
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,5 +1,6 @@
 """The layers' entry points to the fused kernels: a direct launch when run eagerly, a torch custom
-op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `linear`) under torch.compile. (The
+op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `linear`, which may end in SiluAndMul)
+under torch.compile. (The
 q/k norm + rope kernel stores K/V as well: under torch.compile it is the attention context's op
 `replaylm::rope_store_kv`, see `layers.attention.ops`.)
 
@@ -55,24 +56,25 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            all_rows: bool) -> torch.Tensor:
+            all_rows: bool, gated_silu: bool) -> torch.Tensor:
     if all_rows:
-        return _skinny.skinny_matmul(x, weight, bias, _skinny.INVARIANT_CONFIG)
+        return _skinny.skinny_matmul(x, weight, bias, _skinny.INVARIANT_CONFIG, gated_silu)
     if x.numel() <= _skinny.MAX_ROWS * x.shape[-1]:
-        return _skinny.skinny_matmul(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return _skinny.skinny_matmul(x, weight, bias, gated_silu=gated_silu)
+    y = F.linear(x, weight, bias)
+    return _silu_mul.silu_and_mul(y) if gated_silu else y
 
 
 @torch.library.custom_op("replaylm::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               all_rows: bool) -> torch.Tensor:
-    return _linear(x, weight, bias, all_rows)
+               all_rows: bool, gated_silu: bool) -> torch.Tensor:
+    return _linear(x, weight, bias, all_rows, gated_silu)
 
 
 @_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-      all_rows: bool) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+      all_rows: bool, gated_silu: bool) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if gated_silu else weight.shape[0]))
 
 
 def rms_norm(
@@ -94,11 +96,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           all_rows: bool = False) -> torch.Tensor:
+           all_rows: bool = False, gated_silu: bool = False) -> torch.Tensor:
     """`x @ weight.T (+ bias)`: the skinny kernel (`kernels.skinny_matmul`) for at most
     `MAX_ROWS` rows, else `F.linear`; decided per call at run time, so also under torch.compile,
     where the row count is symbolic (a custom op there). `all_rows`: the kernel for any number of
-    rows, K unsplit (batch-invariant rows)."""
+    rows, K unsplit (batch-invariant rows). `gated_silu`: `weight` is `[gate; up]` and the result
+    SiluAndMul of the product (in the skinny kernel's epilogue; after F.linear, its own launch)."""
     if not torch.compiler.is_compiling():
-        return _linear(x, weight, bias, all_rows)
-    return torch.ops.replaylm.linear(x, weight, bias, all_rows)
+        return _linear(x, weight, bias, all_rows, gated_silu)
+    return torch.ops.replaylm.linear(x, weight, bias, all_rows, gated_silu)

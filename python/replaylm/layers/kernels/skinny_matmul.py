@@ -8,6 +8,11 @@ writes `y` and zeroes the counter. More programs than output tiles is what the n
 need: cuBLAS runs the N=1024 projections of Qwen3-0.6B at 0.66-0.77 TB/s, split-K 4 brings them to
 ~1 TB/s (H100 sweep, docs/benchmarks.md).
 
+With `gated_silu` the weight is a `[gate; up]` pair and a program's tile interleaves gate and up
+rows of the same output columns, so its epilogue applies SiluAndMul and writes half as many
+columns: the MLP's gate-up projection and activation in one launch (inside Qwen3-0.6B's decode
+step, bs 8: 1216 -> 1182 us; bench_decode_chain.py, H100).
+
 The launch configuration never depends on M: each row of `y` is computed the same way whatever the
 number of rows beside it (rows are batch-invariant: across 1..16 rows with `matmul_config`, across
 any number with `INVARIANT_CONFIG`).
@@ -63,9 +68,29 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
 
 
 @triton.jit
-def _write_tile(Y, B, acc, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """The rows of W a program's tile covers: `BLOCK_N` consecutive ones, or with `GATED` (W is
+    `[gate; up]`, N = 2I) gate row c and up row I + c interleaved for `BLOCK_N // 2` columns c."""
+    j = tl.arange(0, BLOCK_N)
+    if GATED:
+        return (j % 2) * (N // 2) + pid_n * (BLOCK_N // 2) + j // 2
+    return pid_n * BLOCK_N + j
+
+
+@triton.jit
+def _write_tile(Y, B, acc, offs_m, offs_n, pid_n, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+                GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the tile `acc` (+ bias) of W rows `offs_n`; with `GATED`, `silu(gate) * up` over its
+    column pairs, rounded as SiluAndMul rounds the separate launch's bf16/fp16 input."""
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        g = gate.to(Y.dtype.element_ty).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        acc = silu * up.to(Y.dtype.element_ty).to(tl.float32)
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        N = N // 2
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
              mask=mask)
@@ -94,12 +119,12 @@ def _skinny_matmul_kernel(
     X, W, B, Y, Partials, Arrivals, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCKS_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    GATED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = _weight_rows(pid_n, N, BLOCK_N, GATED)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     first = pid_k * BLOCKS_PER_SPLIT  # this slice's first block of K
     if USE_PDL:  # the weights are constant: their first tile loads while the producer of X runs
@@ -114,7 +139,8 @@ def _skinny_matmul_kernel(
             w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
             acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION)
     if SPLIT_K == 1:
-        _write_tile(Y, B, acc, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+        _write_tile(Y, B, acc, offs_m, offs_n, pid_n, M, N, stride_ym, HAS_BIAS, GATED,
+                    BLOCK_M, BLOCK_N)
     else:
         tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         parts = Partials + pid_n * (SPLIT_K * BLOCK_M * BLOCK_N)
@@ -126,7 +152,8 @@ def _skinny_matmul_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in range(0, SPLIT_K):
                 total += tl.load(parts + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-            _write_tile(Y, B, total, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+            _write_tile(Y, B, total, offs_m, offs_n, pid_n, M, N, stride_ym, HAS_BIAS, GATED,
+                        BLOCK_M, BLOCK_N)
 
 
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -151,11 +178,13 @@ def reserve_workspace(device: torch.device) -> None:
 
 def skinny_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: MatmulConfig | None = None,
+    config: MatmulConfig | None = None, gated_silu: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous; a new `[..., N]` tensor in x's dtype. `config` overrides
-    `matmul_config(N, K)`; a split-K config takes at most its `block_m` (<= 16) rows."""
+    `matmul_config(N, K)`; a split-K config takes at most its `block_m` (<= 16) rows.
+    `gated_silu`: `weight` is `[gate; up]` (N even) and the result `[..., N / 2]` is SiluAndMul
+    of the product, bit-equal to `silu_and_mul(skinny_matmul(...))` in one launch."""
     n, k = weight.shape
     x2 = as_rows(x, k)
     m = x2.shape[0]
@@ -164,8 +193,11 @@ def skinny_matmul(
         raise ValueError(f"split-K takes at most {min(cfg.block_m, MAX_ROWS)} rows, got {m}")
     if weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError("the weight must be contiguous [N, K]")
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(n, cfg.block_n)
+    if gated_silu and n % 2:
+        raise ValueError(f"a gated weight has an even number of rows, not {n}")
+    width = n // 2 if gated_silu else n
+    y = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(width, cfg.block_n // 2) if gated_silu else triton.cdiv(n, cfg.block_n)
     if cfg.split_k > 1 and (tiles > _MAX_SPLIT_TILES or cfg.split_k > _MAX_SPLITS
                             or cfg.block_n > _MAX_BLOCK_N):
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
@@ -173,10 +205,10 @@ def skinny_matmul(
     if m:
         _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, cfg.block_m))](
             x2, weight, weight if bias is None else bias, y, partials, arrivals, m, n, k,
-            x2.stride(0), weight.stride(0), n,
+            x2.stride(0), weight.stride(0), width,
             BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),
             HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(x.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
+            GATED=gated_silu, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
         )
     return y

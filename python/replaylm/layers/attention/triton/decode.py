@@ -35,20 +35,26 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-precision dots: FMA
 MIN_SPLIT_LEN = 64  # tokens (one block): see benchmark/NOTES_attention.md, "Split length"
-# at most this many slices per request: inside a decode step (PDL on, the layer's other kernels
-# around it) fewer, longer slices win, where the kernel alone in a graph favoured up to 64. H100,
-# Qwen3-0.6B's 28 layers, us per step at 8 / 64 slices (bs 1) and 8 / 16 (bs 8): bs1 ctx 512
-# 891 / 925, ctx 2048 1054 / 1203, ctx 8192 1594 / 1650; bs8 ctx 512 1185 / 1183, ctx 2048
-# 1651 / 1802 (benchmark/NOTES_attention.md, "Slices inside the step")
-MAX_SPLITS = 8
-PROGRAMS_PER_SM = 4  # programs to aim for, per multiprocessor
+# slices per request: about PROGRAMS_PER_SM programs per multiprocessor over the batch's
+# (request, KV head) pairs, rounded down to a power of two, between MIN_SPLITS and MAX_SPLITS.
+# Chosen inside a decode step (PDL on, the layer's other kernels around it), where fewer, longer
+# slices win than alone in a graph. H100, Qwen3-0.6B's 28 layers (8 KV heads), us per step of
+# this choice / the next best / the previous policy (at most 8 slices, 4 programs per SM):
+# bs1 ctx 512 927 / 940 (8) / 940, ctx 2048 1076 / 1100 (8), ctx 8192 1409 / 1642 (8);
+# bs8 ctx 512 1107 / 1112 (2) / 1166, ctx 2048 1606 / 1680 (8); bs16 ctx 512 1279 / 1310 / 1429;
+# bs32 1759 / 1844 / 1853; bs64 2486 / 2541 / 2486 (benchmark/NOTES_attention.md, "Slices inside
+# the step")
+MIN_SPLITS, MAX_SPLITS = 2, 16
+PROGRAMS_PER_SM = 2
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
-    """Slices per request: enough programs to fill the GPU, a power of two (few kernel variants),
-    at most MAX_SPLITS. Depends on the batch shape only, as graph capture needs."""
-    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, batch_size * num_kv_heads)
-    return min(MAX_SPLITS, triton.next_power_of_2(want))
+    """Slices per request for a batch of `batch_size`: a power of two from MIN_SPLITS to
+    MAX_SPLITS (few kernel variants), the largest with at most PROGRAMS_PER_SM programs per
+    multiprocessor unless that is below MIN_SPLITS. Depends on the batch shape only, as graph
+    capture needs."""
+    want = PROGRAMS_PER_SM * sm_count // (batch_size * num_kv_heads)
+    return min(MAX_SPLITS, max(MIN_SPLITS, 1 << max(want, 1).bit_length() - 1))
 
 
 @triton.jit
