@@ -1,8 +1,7 @@
 """The layers' entry points to the fused kernels: a direct launch when run eagerly, a torch custom
 op (`replaylm::rms_norm`, `add_rms_norm`, `silu_and_mul`, `linear`, which may end in SiluAndMul)
-under torch.compile. (The
-q/k norm + rope kernel stores K/V as well: under torch.compile it is the attention context's op
-`replaylm::rope_store_kv`, see `layers.attention.ops`.)
+under torch.compile. (The q/k norm + rope kernel stores K/V as well: under torch.compile it is
+the attention context's op `replaylm::rope_store_kv`, see `layers.attention.ops`.)
 
 Inside compiled code (tc_piecewise with `kernels="fused"`, see `kernels_in_compiled_code`) the
 custom ops keep each kernel whole: Inductor calls it as it is instead of re-deriving its own
