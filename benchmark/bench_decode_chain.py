@@ -82,6 +82,9 @@ MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
     "o/down 16 cols": _configs(("o", "down"), block_n=16),
     "qkv/gate_up split 2": _configs(("qkv", "gate_up"), split_k=2),
     "8 warps": _configs(ALL, num_warps=8),
+    "6 stages": _configs(ALL, num_stages=6),
+    "K blocks of 256, 3 stages": _configs(ALL, block_k=256, num_stages=3),
+    "K blocks of 64, 8 stages": _configs(ALL, block_k=64, num_stages=8),
 }
 
 
