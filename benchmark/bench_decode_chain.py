@@ -82,9 +82,13 @@ MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
     "o/down 16 cols": _configs(("o", "down"), block_n=16),
     "qkv/gate_up split 2": _configs(("qkv", "gate_up"), split_k=2),
     "8 warps": _configs(ALL, num_warps=8),
-    "6 stages": _configs(ALL, num_stages=6),
+    "4 stages": _configs(ALL, num_stages=4),  # the default before 6
     "K blocks of 256, 3 stages": _configs(ALL, block_k=256, num_stages=3),
     "K blocks of 64, 8 stages": _configs(ALL, block_k=64, num_stages=8),
+    "qkv/gate_up K blocks of 256": _configs(("qkv", "gate_up"), block_k=256, num_stages=3),
+    "o/down K blocks of 256": _configs(("o", "down"), block_k=256, num_stages=3),
+    "o/down K blocks of 256, split 4": _configs(("o", "down"), block_k=256, num_stages=3,
+                                                split_k=4),
 }
 
 

@@ -58,13 +58,15 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     """The launch for `[<= 16, k] x [n, k]^T`: when the output has too few tiles of 32 columns to
     occupy the GPU (n < 4096), K in 8 slices (K of at least 8 blocks) or 4 (at least 4); else
     one slice per tile. (8 over 4: inside Qwen3-0.6B's decode step, its o and down projections
-    took the bs 8 step from 1250 to 1203 us, bs 1 unchanged; bench_decode_chain.py, H100.)"""
+    took the bs 8 step from 1250 to 1203 us, bs 1 unchanged; 6 stages over 4: bs1 944 -> 938
+    and 939 -> 933 us, bs8 1107 -> 1098 and 1126 -> 1113 on two hosts; bench_decode_chain.py,
+    H100.)"""
     block_n, block_k = 32, 128
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     split = 1
     if tiles < 128:
         split = 8 if k_blocks >= 8 else 4 if k_blocks >= 4 else 1
-    return MatmulConfig(block_n, block_k, split, num_warps=4, num_stages=4)
+    return MatmulConfig(block_n, block_k, split, num_warps=4, num_stages=6)
 
 
 @triton.jit
