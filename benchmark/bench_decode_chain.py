@@ -106,6 +106,7 @@ class Choice:
 
 
 def fusion_choices(splits: int) -> dict[str, Choice]:
+    """The `fusion` sweep's choices at `splits` attention slices."""
     return {"default": Choice(splits),
             "SiluAndMul launched alone": Choice(splits, separate_silu=True),
             "bound: no post-attention norm": Choice(splits, skip=("post_norm",)),

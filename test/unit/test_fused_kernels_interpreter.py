@@ -401,7 +401,7 @@ def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
     monkeypatch.setattr(skinny_mod, "skinny_matmul",
                         lambda x, w, b=None, config=None, gated_silu=False: configs.append(
                             (x.numel() // x.shape[-1], config))
-                        or skinny_matmul(x, w, b, config, gated_silu))
+                        or skinny_matmul(x, w, b, config, gated_silu=gated_silu))
     want = scripted_logits(_tiny_runner(tmp_path, "qwen3-0.6b.json", small_batch_matmul="cublas"),
                            prompt_lens=(5, 30, 1), decode_steps=1)
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", deterministic=True,

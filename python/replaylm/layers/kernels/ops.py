@@ -57,7 +57,8 @@ def _(x: torch.Tensor) -> torch.Tensor:
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             all_rows: bool, gated_silu: bool) -> torch.Tensor:
     if all_rows:
-        return _skinny.skinny_matmul(x, weight, bias, _skinny.INVARIANT_CONFIG, gated_silu)
+        return _skinny.skinny_matmul(x, weight, bias, _skinny.INVARIANT_CONFIG,
+                                     gated_silu=gated_silu)
     if x.numel() <= _skinny.MAX_ROWS * x.shape[-1]:
         return _skinny.skinny_matmul(x, weight, bias, gated_silu=gated_silu)
     y = F.linear(x, weight, bias)
