@@ -15,7 +15,8 @@ times, so they compare on one host at one time.
 `*` marks the default (`num_kv_splits`, `MIN_SPLIT_LEN`). `matmul`: launch configs of the
 projections (`MatmulConfig`) at ctx 512. `fusion` (ctx 512): the gate-up matmul with SiluAndMul in
 its epilogue (the default) against a separate SiluAndMul launch, and the step without some of its
-small kernels (wrong numbers; an upper bound of what fusing those kernels away could give).
+kernels or over one layer's weights (wrong numbers; upper bounds of what fusing those kernels
+away or keeping weights in L2 could give).
 Why this exists: alone in a graph the attention kernel
 favoured up to 64 slices; inside the step 8 won, by up to 12% of the step
 (benchmark/NOTES_attention.md, "Slices inside the step").
@@ -61,7 +62,7 @@ DTYPE = torch.bfloat16
 ATTENTION_CELLS = ((1, 512), (8, 512), (1, 2048), (8, 2048), (1, 8192), (16, 512), (32, 512),
                    (64, 512))
 MATMUL_CELLS = ((1, 512), (8, 512))
-FUSION_CELLS = ((1, 512), (8, 512), (32, 512))
+FUSION_CELLS = ((1, 512), (8, 512), (16, 512), (32, 512))
 # the projections' (N, K) and the matmul choices tried: name -> {projection: config}
 PROJECTIONS = {"qkv": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), "o": (HIDDEN, HEADS * DIM),
                "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
@@ -96,13 +97,15 @@ MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
 class Choice:
     """One way to run the step: attention `splits` x `min_split_len`, matmul configs by
     projection (defaults where absent), SiluAndMul in the gate-up epilogue or its own launch,
-    and kernels left out (`skip`: "post_norm", "input_norm", "rope")."""
+    kernels left out (`skip`: "post_norm", "input_norm", "rope", "attention"), and every layer
+    reading the first layer's weights (`shared_weights`: they stay in L2)."""
 
     splits: int
     min_split_len: int = MIN_SPLIT_LEN
     matmuls: dict[str, MatmulConfig] = field(default_factory=dict)
     separate_silu: bool = False
     skip: tuple[str, ...] = ()
+    shared_weights: bool = False
 
 
 def fusion_choices(splits: int) -> dict[str, Choice]:
@@ -111,7 +114,9 @@ def fusion_choices(splits: int) -> dict[str, Choice]:
             "SiluAndMul launched alone": Choice(splits, separate_silu=True),
             "bound: no post-attention norm": Choice(splits, skip=("post_norm",)),
             "bound: no norms": Choice(splits, skip=("post_norm", "input_norm")),
-            "bound: no rope kernel": Choice(splits, skip=("rope",))}
+            "bound: no rope kernel": Choice(splits, skip=("rope",)),
+            "bound: no attention": Choice(splits, skip=("attention",)),
+            "bound: one layer's weights (in L2)": Choice(splits, shared_weights=True)}
 
 
 def _randn(*shape: int) -> torch.Tensor:
@@ -163,7 +168,8 @@ class DecodeChain:
 
         def step() -> torch.Tensor:
             x, residual = self.x, self.residual
-            for w, (k_cache, v_cache) in zip(self.weights, self.caches, strict=True):
+            for i, (k_cache, v_cache) in enumerate(self.caches):
+                w = self.weights[0 if choice.shared_weights else i]
                 h, residual = norm(x, w["input"], residual, "input_norm")
                 qkv = mm(h, w, "qkv")
                 q, k = qkv[:, :q_width], qkv[:, q_width : q_width + kv_width]
@@ -172,12 +178,15 @@ class DecodeChain:
                     q, _ = qk_norm_rope(q, k, self.positions, self.cos, self.sin, DIM,
                                         (w["q"], w["k"], EPS),
                                         kv_store=(v, k_cache, v_cache, self.slots))
-                decode_attention(q.reshape(self.bs, HEADS, DIM), k_cache, v_cache, self.table,
-                                 self.rows, self.seq_lens, out, DIM**-0.5, choice.splits,
-                                 min_split_len=choice.min_split_len, workspace=workspace)
+                if "attention" not in choice.skip:
+                    decode_attention(q.reshape(self.bs, HEADS, DIM), k_cache, v_cache,
+                                     self.table, self.rows, self.seq_lens, out, DIM**-0.5,
+                                     choice.splits, min_split_len=choice.min_split_len,
+                                     workspace=workspace)
                 o = mm(out.view(self.bs, q_width), w, "o")
                 h, residual = norm(o, w["post_attention"], residual, "post_norm")
-                x = mm(mlp(h, w), w, "down")
+                gated = mlp(h, w)
+                x = mm(gated, w, "down")
             return x
 
         return step

@@ -2,13 +2,14 @@
 without PDL), each launch inside a CUDA graph, as a decode step runs them.
 
     python benchmark/bench_matmul.py [--models qwen3-0.6b llama-3.1-8b] [--rows 1 8 16]
-                                     [--json out.json]
+                                     [--configs] [--json out.json]
 
 Per model (benchmark/configs/) and projection (qkv, o, gate_up, down, lm_head) and row count:
 a graph of one launch per layer over that many distinct random weights (so that L2 holds none of
 them, as in a step), replayed and timed with CUDA events (median); microseconds per launch and
 the weight bytes per second that makes. The choice of `--small-batch-matmul auto` is read off
-this table (docs/benchmarks.md).
+this table (docs/benchmarks.md). `--configs`: instead, the skinny kernel's launch choices
+(`CONFIG_CHOICES`, with PDL) against cuBLAS per projection (the layers', not the LM head's).
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ import torch.nn.functional as F
 from bench_one_batch import cuda_time_ms
 
 from replaylm.layers import kernels
-from replaylm.layers.kernels.skinny_matmul import reserve_workspace, skinny_matmul
+from replaylm.layers.kernels.skinny_matmul import (
+    MatmulConfig,
+    matmul_config,
+    reserve_workspace,
+    skinny_matmul,
+)
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 WARMUP, REPEAT = 5, 30
@@ -64,14 +70,76 @@ def bench_shape(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
     return out
 
 
+# name -> the changes to `matmul_config(N, K)` (MatmulConfig fields) tried by `--configs`
+CONFIG_CHOICES: dict[str, dict[str, int]] = {
+    "default": {},
+    "split 1": {"split_k": 1}, "split 2": {"split_k": 2}, "split 4": {"split_k": 4},
+    "split 8": {"split_k": 8},
+    "16 cols": {"block_n": 16}, "16 cols, split 2": {"block_n": 16, "split_k": 2},
+    "64 cols, split 4": {"block_n": 64, "split_k": 4},
+    "split 4, 8 warps": {"split_k": 4, "num_warps": 8},
+    "split 4, K 256": {"split_k": 4, "block_k": 256, "num_stages": 3},
+    "split 4, 4 stages": {"split_k": 4, "num_stages": 4},
+}
+
+
+def sweep_configs(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
+    """cuBLAS and each CONFIG_CHOICES launch (PDL on) of `[rows, k] x [n, k]^T`: name -> us per
+    launch, over distinct weights as `bench_shape`; launches the workspace cannot take are left
+    out."""
+    copies = max(1, min(layers, MAX_COPY_BYTES // (2 * n * k)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+               for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    out = {"cublas": graph_us(lambda i: F.linear(x, weights[i]), copies)}
+    kernels.set_pdl(True)
+    try:
+        for name, changes in CONFIG_CHOICES.items():
+            cfg = MatmulConfig(**{**matmul_config(n, k).__dict__, **changes})
+            try:
+                out[name] = graph_us(lambda i, c=cfg: skinny_matmul(x, weights[i], config=c),
+                                     copies)
+            except ValueError:  # over the split-K workspace
+                continue
+    finally:
+        kernels.set_pdl(False)
+    return out
+
+
+def main_configs(models: list[str], rows: list[int], json_path: Path | None) -> None:
+    """The `--configs` table (and JSON)."""
+    results = []
+    for model in models:
+        cfg = json.loads((CONFIGS / f"{model}.json").read_text())
+        for name, (n, k) in projections(cfg).items():
+            if name == "lm_head":
+                continue
+            for m in rows:
+                times = sweep_configs(n, k, m, cfg["num_hidden_layers"])
+                torch.cuda.empty_cache()
+                best = min(times, key=times.get)
+                results.append({"model": model, "proj": name, "n": n, "k": k, "rows": m,
+                                "us": times, "best": best})
+                print(f"{model:14} {name:8} M={m:<3d} best {best:18s} {times[best]:8.2f} us | "
+                      + " | ".join(f"{c} {t:.2f}" for c, t in times.items()), flush=True)
+    if json_path:
+        json_path.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                         "rows": results}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
+    parser.add_argument("--configs", action="store_true",
+                        help="sweep the skinny kernel's launch choices instead")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     reserve_workspace(torch.device("cuda"))
+    if args.configs:
+        main_configs(args.models, args.rows, args.json)
+        return
     rows = []
     print(f"{'model':14} {'proj':8} {'N':>7} {'K':>6} {'M':>3} {'cuBLAS us':>10} "
           f"{'triton us':>10} {'+PDL us':>8} {'cuBLAS GB/s':>12} {'triton GB/s':>12}")

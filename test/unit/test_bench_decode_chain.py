@@ -31,7 +31,8 @@ def test_every_sweep_has_one_default_and_varies_only_its_own_field(bench):
     assert fusion["default"] == bench.Choice(splits)
     assert fusion["SiluAndMul launched alone"] == bench.Choice(splits, separate_silu=True)
     assert {c.skip for c in fusion.values()} == {(), ("post_norm",), ("post_norm", "input_norm"),
-                                                 ("rope",)}
+                                                 ("rope",), ("attention",)}
+    assert [c.shared_weights for c in fusion.values()].count(True) == 1
     matmul = bench.sweep_choices("matmul", 8, sms=132)
     assert matmul["default"] == bench.Choice(splits)
     assert all(c.splits == splits and not c.skip for c in matmul.values())

@@ -211,6 +211,21 @@ def test_gated_skinny_matmul_equals_the_matmul_then_silu_and_mul(dtype, rows, in
         skinny_matmul(x, w[:5], gated_silu=True)
 
 
+def test_split_k_takes_any_tile_count_whose_partials_fit_the_workspace():
+    """The split-K workspace is bounded by its partials (8 MiB) and counters (4096 tiles), not
+    by a tile count: Llama-3.1-8B's gate_up in 4 slices (896 tiles) fits."""
+    config = MatmulConfig(block_n=16, block_k=32, split_k=2, num_warps=4, num_stages=2)
+    x, w = _randn(3, 64, dtype=torch.float32, seed=3), _randn(16 * 300, 64, dtype=torch.float32,
+                                                               seed=4)
+    torch.testing.assert_close(skinny_matmul(x, w, config=config),  # 300 tiles (was at most 256)
+                               torch.nn.functional.linear(x, w), **TOL[torch.float32])
+    wide = MatmulConfig(block_n=64, block_k=32, split_k=16, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="exceeds the workspace"):  # 200 x 16 x 16 x 64 floats
+        skinny_matmul(x, _randn(64 * 200, 64, dtype=torch.float32, seed=5), config=wide)
+    with pytest.raises(ValueError, match="exceeds the workspace"):  # 4097 counters
+        skinny_matmul(x, _randn(16 * 4097, 64, dtype=torch.float32, seed=6), config=config)
+
+
 def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_only():
     assert matmul_config(1024, 3072).split_k == 8 and matmul_config(4096, 1024).split_k == 1
     assert matmul_config(1024, 576).split_k == 4  # 4.5 blocks of K

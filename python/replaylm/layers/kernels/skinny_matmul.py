@@ -34,8 +34,9 @@ from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
-# the workspace's bounds: output tiles of a split-K launch, slices, tile width
-_MAX_SPLIT_TILES, _MAX_SPLITS, _MAX_BLOCK_N = 256, 8, 64
+# the workspace's bounds: fp32 partials of a split-K launch (tiles x slices x BLOCK_M x BLOCK_N;
+# 8 MiB) and output tiles (one arrival counter each)
+_PARTIAL_FLOATS, _MAX_SPLIT_TILES = 2**21, 4096
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,7 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 partials, int32 arrival counters, all zero) of `device`, allocated on first use
     (`reserve_workspace` makes that happen before any CUDA-graph capture)."""
     if device not in _workspaces:
-        partials = torch.empty(_MAX_SPLIT_TILES * _MAX_SPLITS * MAX_ROWS * _MAX_BLOCK_N,
-                               dtype=torch.float32, device=device)
+        partials = torch.empty(_PARTIAL_FLOATS, dtype=torch.float32, device=device)
         _workspaces[device] = (partials, torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32,
                                                      device=device))
     return _workspaces[device]
@@ -200,8 +200,8 @@ def skinny_matmul(
     width = n // 2 if gated_silu else n
     y = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(width, cfg.block_n // 2) if gated_silu else triton.cdiv(n, cfg.block_n)
-    if cfg.split_k > 1 and (tiles > _MAX_SPLIT_TILES or cfg.split_k > _MAX_SPLITS
-                            or cfg.block_n > _MAX_BLOCK_N):
+    if cfg.split_k > 1 and (tiles > _MAX_SPLIT_TILES or tiles * cfg.split_k * cfg.block_m
+                            * cfg.block_n > _PARTIAL_FLOATS):
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
     partials, arrivals = _workspace(x.device) if cfg.split_k > 1 else (y, y)  # y: unused
     if m:

@@ -1,0 +1,32 @@
+"""benchmark/bench_matmul.py's projections and launch choices on the CPU (timing needs a CUDA
+GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from script_import import REPO, import_script
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmark"))  # it imports bench_one_batch, as run
+    return import_script("benchmark/bench_matmul.py")
+
+
+def test_projections_of_llama_8b_are_its_weight_shapes(bench):
+    cfg = json.loads((bench.CONFIGS / "llama-3.1-8b.json").read_text())
+    assert bench.projections(cfg) == {"qkv": (6144, 4096), "o": (4096, 4096),
+                                      "gate_up": (28672, 4096), "down": (4096, 14336),
+                                      "lm_head": (128256, 4096)}
+
+
+def test_config_choices_change_the_default_launch_by_known_fields(bench):
+    assert bench.CONFIG_CHOICES["default"] == {}
+    fields = set(bench.MatmulConfig.__dataclass_fields__)
+    for changes in bench.CONFIG_CHOICES.values():
+        assert set(changes) <= fields
+        config = bench.MatmulConfig(**{**bench.matmul_config(28672, 4096).__dict__, **changes})
+        assert config.split_k >= 1 and config.block_k % 16 == 0 and config.block_n % 16 == 0
