@@ -185,8 +185,7 @@ class DecodeChain:
                                      workspace=workspace)
                 o = mm(out.view(self.bs, q_width), w, "o")
                 h, residual = norm(o, w["post_attention"], residual, "post_norm")
-                gated = mlp(h, w)
-                x = mm(gated, w, "down")
+                x = mm(mlp(h, w), w, "down")
             return x
 
         return step
