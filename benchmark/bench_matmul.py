@@ -15,7 +15,10 @@ this table (docs/benchmarks.md). `--configs`: instead, the skinny kernel's launc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,19 +57,33 @@ def graph_us(launch, count: int) -> float:
     return cuda_time_ms(graph.replay, WARMUP, REPEAT) * 1e3 / count
 
 
-def bench_shape(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
+def operands(n: int, k: int, rows: int, layers: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A `[rows, k]` input and one distinct random `[n, k]` bf16 weight per layer (fewer where
+    they would pass MAX_COPY_BYTES)."""
     copies = max(1, min(layers, MAX_COPY_BYTES // (2 * n * k)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
                for _ in range(copies)]
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    return torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), weights
+
+
+@contextlib.contextmanager
+def pdl_launches() -> Iterator[None]:
+    """The kernels launch with PDL while active."""
+    kernels.set_pdl(True)
+    try:
+        yield
+    finally:
+        kernels.set_pdl(False)
+
+
+def bench_shape(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
+    x, weights = operands(n, k, rows, layers)
+    copies = len(weights)
     out = {"copies": copies,
            "cublas_us": graph_us(lambda i: F.linear(x, weights[i]), copies),
            "triton_us": graph_us(lambda i: skinny_matmul(x, weights[i]), copies)}
-    kernels.set_pdl(True)
-    try:
+    with pdl_launches():
         out["triton_pdl_us"] = graph_us(lambda i: skinny_matmul(x, weights[i]), copies)
-    finally:
-        kernels.set_pdl(False)
     return out
 
 
@@ -83,26 +100,25 @@ CONFIG_CHOICES: dict[str, dict[str, int]] = {
 }
 
 
+def config_choice(n: int, k: int, name: str) -> MatmulConfig:
+    """The launch of CONFIG_CHOICES' `name` for an `[n, k]` weight."""
+    return replace(matmul_config(n, k), **CONFIG_CHOICES[name])
+
+
 def sweep_configs(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
     """cuBLAS and each CONFIG_CHOICES launch (PDL on) of `[rows, k] x [n, k]^T`: name -> us per
     launch, over distinct weights as `bench_shape`; launches the workspace cannot take are left
     out."""
-    copies = max(1, min(layers, MAX_COPY_BYTES // (2 * n * k)))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-               for _ in range(copies)]
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    out = {"cublas": graph_us(lambda i: F.linear(x, weights[i]), copies)}
-    kernels.set_pdl(True)
-    try:
-        for name, changes in CONFIG_CHOICES.items():
-            cfg = MatmulConfig(**{**matmul_config(n, k).__dict__, **changes})
+    x, weights = operands(n, k, rows, layers)
+    out = {"cublas": graph_us(lambda i: F.linear(x, weights[i]), len(weights))}
+    with pdl_launches():
+        for name in CONFIG_CHOICES:
+            cfg = config_choice(n, k, name)
             try:
                 out[name] = graph_us(lambda i, c=cfg: skinny_matmul(x, weights[i], config=c),
-                                     copies)
+                                     len(weights))
             except ValueError:  # over the split-K workspace
                 continue
-    finally:
-        kernels.set_pdl(False)
     return out
 
 

@@ -26,7 +26,9 @@ def test_projections_of_llama_8b_are_its_weight_shapes(bench):
 def test_config_choices_change_the_default_launch_by_known_fields(bench):
     assert bench.CONFIG_CHOICES["default"] == {}
     fields = set(bench.MatmulConfig.__dataclass_fields__)
-    for changes in bench.CONFIG_CHOICES.values():
+    default = bench.matmul_config(28672, 4096)
+    for name, changes in bench.CONFIG_CHOICES.items():
         assert set(changes) <= fields
-        config = bench.MatmulConfig(**{**bench.matmul_config(28672, 4096).__dict__, **changes})
-        assert config.split_k >= 1 and config.block_k % 16 == 0 and config.block_n % 16 == 0
+        config = bench.config_choice(28672, 4096, name)
+        assert {f: getattr(config, f) for f in changes} == changes
+        assert all(getattr(config, f) == getattr(default, f) for f in fields - set(changes))
