@@ -12,13 +12,13 @@ events (median per replay). The choices of a cell are interleaved and each is ti
 times, so they compare on one host at one time.
 
 `attention`: slices per request (the launch's grid) x minimum slice length, per (bs, ctx) cell;
-`*` marks the default (`num_kv_splits`, `MIN_SPLIT_LEN`). `matmul`: launch configs of the
-projections (`MatmulConfig`) at ctx 512. `fusion` (ctx 512): the gate-up matmul with SiluAndMul in
-its epilogue (the default) against a separate SiluAndMul launch, and the step without some of its
-kernels or over one layer's weights (wrong numbers; upper bounds of what fusing those kernels
-away or keeping weights in L2 could give).
-Why this exists: alone in a graph the attention kernel
-favoured up to 64 slices; inside the step 8 won, by up to 12% of the step
+`*` marks the default (`num_kv_splits`, `MIN_SPLIT_LEN`). `attention_config`: the attention
+kernel's launch (key block, warps, pipeline stages) at the default slices. `matmul`: launch
+configs of the projections (`MatmulConfig`) at ctx 512. `fusion` (ctx 512): the gate-up matmul
+with SiluAndMul in its epilogue (the default) against a separate SiluAndMul launch, and the step
+without some of its kernels or over one layer's weights (wrong numbers; upper bounds of what
+fusing those kernels away or keeping weights in L2 could give). Why this exists: alone in a graph
+the attention kernel favoured up to 64 slices; inside the step 8 won, by up to 12% of the step
 (benchmark/NOTES_attention.md, "Slices inside the step").
 """
 
@@ -35,6 +35,8 @@ import torch
 from bench_one_batch import cuda_time_ms
 
 from replaylm.layers import kernels
+from replaylm.layers.attention.triton.common import KernelConfig
+from replaylm.layers.attention.triton.decode import CONFIG as ATTENTION_CONFIG
 from replaylm.layers.attention.triton.decode import (
     MIN_SPLIT_LEN,
     decode_attention,
@@ -61,6 +63,7 @@ INTER = CONFIG["intermediate_size"]
 DTYPE = torch.bfloat16
 ATTENTION_CELLS = ((1, 512), (8, 512), (1, 2048), (8, 2048), (1, 8192), (16, 512), (32, 512),
                    (64, 512))
+ATTENTION_CONFIG_CELLS = ((1, 512), (8, 512), (1, 2048), (16, 512))
 MATMUL_CELLS = ((1, 512), (8, 512))
 FUSION_CELLS = ((1, 512), (8, 512), (16, 512), (32, 512))
 # the projections' (N, K) and the matmul choices tried: name -> {projection: config}
@@ -95,13 +98,15 @@ MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
 
 @dataclass(frozen=True)
 class Choice:
-    """One way to run the step: attention `splits` x `min_split_len`, matmul configs by
+    """One way to run the step: attention `splits` x `min_split_len` with launch `attention`
+    (the kernel's default where None), matmul configs by
     projection (defaults where absent), SiluAndMul in the gate-up epilogue or its own launch,
     kernels left out (`skip`: "post_norm", "input_norm", "rope", "attention"), and every layer
     reading the first layer's weights (`shared_weights`: they stay in L2)."""
 
     splits: int
     min_split_len: int = MIN_SPLIT_LEN
+    attention: KernelConfig | None = None
     matmuls: dict[str, MatmulConfig] = field(default_factory=dict)
     separate_silu: bool = False
     skip: tuple[str, ...] = ()
@@ -182,7 +187,7 @@ class DecodeChain:
                     decode_attention(q.reshape(self.bs, HEADS, DIM), k_cache, v_cache,
                                      self.table, self.rows, self.seq_lens, out, DIM**-0.5,
                                      choice.splits, min_split_len=choice.min_split_len,
-                                     workspace=workspace)
+                                     config=choice.attention, workspace=workspace)
                 o = mm(out.view(self.bs, q_width), w, "o")
                 h, residual = norm(o, w["post_attention"], residual, "post_norm")
                 x = mm(mlp(h, w), w, "down")
@@ -222,7 +227,20 @@ def attention_choices(bs: int, sms: int) -> dict[str, Choice]:
     return choices
 
 
-SWEEP_CELLS = {"attention": ATTENTION_CELLS, "matmul": MATMUL_CELLS, "fusion": FUSION_CELLS}
+def attention_config_choices(splits: int) -> dict[str, Choice]:
+    """The attention kernel's launch choices at `splits` slices, each slice at least one key
+    block (the default's minimum)."""
+    cfg = ATTENTION_CONFIG
+    configs = {"default": cfg, "2 stages": cfg._replace(num_stages=2),
+               "1 stage": cfg._replace(num_stages=1), "2 warps": cfg._replace(num_warps=2),
+               "8 warps": cfg._replace(num_warps=8), "blocks of 32": cfg._replace(block_n=32),
+               "blocks of 128": cfg._replace(block_n=128)}
+    return {name: Choice(splits, c.block_n, attention=c)
+            for name, c in configs.items()}
+
+
+SWEEP_CELLS = {"attention": ATTENTION_CELLS, "attention_config": ATTENTION_CONFIG_CELLS,
+               "matmul": MATMUL_CELLS, "fusion": FUSION_CELLS}
 
 
 def sweep_choices(sweep: str, bs: int, sms: int) -> dict[str, Choice]:
@@ -230,6 +248,8 @@ def sweep_choices(sweep: str, bs: int, sms: int) -> dict[str, Choice]:
     if sweep == "attention":
         return attention_choices(bs, sms)
     splits = num_kv_splits(bs, KV_HEADS, sms)
+    if sweep == "attention_config":
+        return attention_config_choices(splits)
     if sweep == "fusion":
         return fusion_choices(splits)
     return {name: Choice(splits, matmuls=cfg) for name, cfg in MATMUL_CHOICES.items()}

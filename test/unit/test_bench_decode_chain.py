@@ -36,7 +36,16 @@ def test_every_sweep_has_one_default_and_varies_only_its_own_field(bench):
     matmul = bench.sweep_choices("matmul", 8, sms=132)
     assert matmul["default"] == bench.Choice(splits)
     assert all(c.splits == splits and not c.skip for c in matmul.values())
-    assert set(bench.SWEEP_CELLS) == {"attention", "matmul", "fusion"}
+    configs = bench.sweep_choices("attention_config", 8, sms=132)
+    default = configs["default"]
+    assert default.splits == splits and default.min_split_len == bench.MIN_SPLIT_LEN
+    assert default.attention == bench.ATTENTION_CONFIG
+    for name, choice in configs.items():  # one launch field each, slices at least one block
+        changed = [f for f in default.attention._fields
+                   if getattr(choice.attention, f) != getattr(default.attention, f)]
+        assert len(changed) == (name != "default") and choice.splits == splits
+        assert choice.min_split_len == choice.attention.block_n
+    assert set(bench.SWEEP_CELLS) == {"attention", "attention_config", "matmul", "fusion"}
 
 
 def test_summary_gives_each_cell_its_default_and_fastest_choice(bench):

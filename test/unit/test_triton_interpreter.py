@@ -45,8 +45,10 @@ def _store(case) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (4, 2, 32), (8, 1, 16)])
-def test_decode_split_k_matches_reference(dtype, heads, kv_heads, dim):
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "splits"),
+                         [(4, 4, 16, 4), (4, 2, 32, 4), (8, 1, 16, 4), (6, 2, 16, 3)])
+def test_decode_split_k_matches_reference(dtype, heads, kv_heads, dim, splits):
+    """Groups and slice counts that are not powers of two included (the merge pads both)."""
     case = make_case(ForwardMode.DECODE, [0, 16, 99, 250], [1] * 4, heads, kv_heads, dim, dtype,
                      "cpu", seed=heads + dim)
     _store(case)
@@ -54,7 +56,7 @@ def test_decode_split_k_matches_reference(dtype, heads, kv_heads, dim):
     out = torch.full_like(case.q, float("nan"))
     decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
                      b.req_to_token_pool.req_to_token, b.req_pool_indices, b.seq_lens, out,
-                     case.layer.scaling, num_splits=4, min_split_len=16,
+                     case.layer.scaling, num_splits=splits, min_split_len=16,
                      config=KernelConfig(block_n=16, num_warps=4, num_stages=1))
     assert rel_error(out, reference(case)) < TOL[dtype]
 

@@ -6,8 +6,9 @@ the sequence, and computes the attention of all query heads of that KV head's gr
 slice (so each KV byte is read once per group). A sequence that fits one slice is written to the
 output directly. Otherwise each program writes a normalised partial output and its log-sum-exp,
 then counts itself in on the (request, KV head)'s arrival counter; the program that arrives last
-merges the partials into the output and resets the counter to zero for the next launch (a merge
-kernel would cost a second launch: host time a breakable graph pays per layer).
+merges the partials into the output (loading them all at once) and resets the counter to zero for
+the next launch (a merge kernel would cost a second launch: host time a breakable graph pays per
+layer).
 
 The grid depends only on the batch size and `num_splits`, never on sequence lengths, so the
 launch can be captured in a CUDA graph: each request's slice length is computed in the kernel
@@ -32,7 +33,7 @@ from replaylm.layers.attention.triton.common import (
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
-CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
+CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=2)  # NOTES_attention.md item 11
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-precision dots: FMA
 MIN_SPLIT_LEN = 64  # tokens (one block): see benchmark/NOTES_attention.md, "Split length"
 # slices per request: about PROGRAMS_PER_SM programs per multiprocessor over the batch's
@@ -67,26 +68,30 @@ def _split_len(seq_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_kernel(
     Q, KCache, VCache, ReqToToken, ReqPoolIndices, SeqLens, Out, MidO, MidLse, Arrivals,
-    qk_scale, num_splits, min_split_len,
+    qk_scale, min_split_len,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
     stride_ot, stride_oh, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_producers(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    split_len = _split_len(seq_len, num_splits, min_split_len, BLOCK_N)
-    num_active = tl.cdiv(seq_len, split_len)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_g
     head_ok = offs_g < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
+    # issued together, before the length is known: one round trip instead of three in a row
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    row = ReqToToken + tl.load(ReqPoolIndices + b).to(tl.int64) * stride_rt
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_ok[:, None], other=0.0).to(KCache.dtype.element_ty)
+    split_len = _split_len(seq_len, NUM_SPLITS, min_split_len, BLOCK_N)
+    num_active = tl.cdiv(seq_len, split_len)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
     out_ptrs = Out + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     if seq_len == 0:
         if split == 0:
@@ -94,9 +99,6 @@ def _decode_kernel(
                      mask=head_ok[:, None])
     elif start < end:
         offs_n = tl.arange(0, BLOCK_N)
-        q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=head_ok[:, None], other=0.0).to(KCache.dtype.element_ty)
-        row = ReqToToken + tl.load(ReqPoolIndices + b).to(tl.int64) * stride_rt
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -123,30 +125,44 @@ def _decode_kernel(
             counter = Arrivals + b * NUM_KV_HEADS + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_active - 1:
                 tl.atomic_xchg(counter, 0)  # the last to arrive: reset for the next launch, merge
-                _merge_partials(mid_o, mid_lse, stride_mos, num_active, out_ptrs, head_ok,
-                                BLOCK_H, HEAD_DIM)
+                _merge_partials(MidO + b * stride_mot, MidLse + b * stride_mlt,
+                                Out + b * stride_ot, kv_head * GROUP, num_active,
+                                stride_moh, stride_mos, stride_mlh, stride_oh,
+                                GROUP, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
-def _merge_partials(mid_o, mid_lse, stride_mos, num_parts, out_ptrs, head_ok,
-                    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Combine `num_parts` normalised partial outputs `[BLOCK_H, HEAD_DIM]` by their base-2
-    log-sum-exps into `out_ptrs` (loads bypass L1: other programs wrote them)."""
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for part in range(0, num_parts):
-        lse = tl.load(mid_lse + part, mask=head_ok, other=0.0, cache_modifier=".cg")
-        value = tl.load(mid_o + part * stride_mos, mask=head_ok[:, None], other=0.0,
-                        cache_modifier=".cg")
+def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride_mos,
+                    stride_mlh, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr):
+    """Combine the first `num_parts` normalised partial outputs of heads `first_head` ..
+    `first_head + GROUP - 1` of one request (`MidO` `[H, splits, D]`, their base-2 log-sum-exps
+    `MidLse` `[H, splits]`) into `Out` `[H, D]`. The loop over slices is unrolled, so every
+    partial's load is issued at once (one round trip, not one per slice), and each thread keeps
+    its own elements (no cross-thread reduction); loads bypass L1: other programs wrote them."""
+    GROUP_P2: tl.constexpr = triton.next_power_of_2(GROUP)
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = first_head + offs_g
+    head_ok = offs_g < GROUP
+    m = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for part in tl.static_range(NUM_SPLITS):  # part 0 always merges: m is finite after it
+        ok = head_ok & (tl.full([GROUP_P2], part, tl.int32) < num_parts)  # a block: interpreter
+        lse = tl.load(MidLse + heads * stride_mlh + part, mask=ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        lse = tl.where(head_ok, lse, 0.0)  # padded heads: finite, never stored
+        value = tl.load(MidO + heads[:, None] * stride_moh + part * stride_mos + offs_d[None, :],
+                        mask=ok[:, None], other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         weight = tl.exp2(lse - m_new)
         acc = acc * alpha[:, None] + value * weight[:, None]
         total = total * alpha + weight
         m = m_new
-    tl.store(out_ptrs, (acc / total[:, None]).to(out_ptrs.dtype.element_ty),
-             mask=head_ok[:, None])
+    tl.store(Out + heads[:, None] * stride_oh + offs_d[None, :],
+             (acc / total[:, None]).to(Out.dtype.element_ty), mask=head_ok[:, None])
 
 
 @dataclass(frozen=True)
@@ -192,12 +208,13 @@ def decode_attention(
     mid_o, mid_lse = ws.mid_o, ws.mid_lse
     _decode_kernel[(bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out, mid_o, mid_lse,
-        ws.arrivals, scale * LOG2E, num_splits, min_split_len,
+        ws.arrivals, scale * LOG2E, min_split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, PRECISION=dot_precision(k_cache.dtype),
+        HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        PRECISION=dot_precision(k_cache.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
     )
     return out
