@@ -33,7 +33,7 @@ from replaylm.layers.attention.triton.common import (
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
-CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=2)  # NOTES_attention.md item 11
+CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)  # NOTES_attention.md items 4, 11
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-precision dots: FMA
 MIN_SPLIT_LEN = 64  # tokens (one block): see benchmark/NOTES_attention.md, "Split length"
 # slices per request: about PROGRAMS_PER_SM programs per multiprocessor over the batch's
@@ -59,10 +59,11 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
 
 
 @triton.jit
-def _split_len(seq_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
-    """Tokens per slice of a sequence: a multiple of BLOCK_N, at least `min_split_len`."""
+def _split_len(seq_len, num_splits, min_split_len):
+    """Tokens per slice of a sequence: a multiple of `min_split_len` (a slice may end inside a key
+    block: its last block is masked)."""
     per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split_len)
-    return tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+    return tl.cdiv(per_split, min_split_len) * min_split_len
 
 
 @triton.jit
@@ -88,7 +89,7 @@ def _decode_kernel(
     row = ReqToToken + tl.load(ReqPoolIndices + b).to(tl.int64) * stride_rt
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=head_ok[:, None], other=0.0).to(KCache.dtype.element_ty)
-    split_len = _split_len(seq_len, NUM_SPLITS, min_split_len, BLOCK_N)
+    split_len = _split_len(seq_len, NUM_SPLITS, min_split_len)
     num_active = tl.cdiv(seq_len, split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
