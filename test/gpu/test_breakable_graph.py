@@ -10,6 +10,15 @@ from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGrap
 STREAM = torch.cuda.Stream() if torch.cuda.is_available() else None
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _cublas_ready():
+    """One eager matmul first, as every graph user warms up: cuBLAS cannot create its handle
+    inside a capture (CUBLAS_STATUS_NOT_INITIALIZED when this file runs first in a process)."""
+    if torch.cuda.is_available():
+        torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
+        torch.cuda.synchronize()
+
+
 @break_point
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
