@@ -6,8 +6,8 @@
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention matmul
 #   decode_chain one_batch one_batch_kernels one_batch_det profile startup offline serving;
-#   decode_chain: attention slices, matmul configs and fusions inside a Qwen3-0.6B decode step's
-#   chain of kernels (bench_decode_chain.py); matmul: cuBLAS vs
+#   decode_chain: attention slices and launches, matmul configs and fusions inside a
+#   Qwen3-0.6B decode step's chain of kernels (bench_decode_chain.py); matmul: cuBLAS vs
 #   the skinny kernel per projection of both models (bench_matmul.py);
 #   one_batch_kernels: Qwen3-0.6B and Llama-3.1-8B, full decode and breakable prefill, with
 #   --small-batch-matmul cublas, the defaults (auto matmul, PDL where it helps), auto with
