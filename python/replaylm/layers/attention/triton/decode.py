@@ -150,7 +150,8 @@ def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride
     total = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
     for part in tl.static_range(NUM_SPLITS):  # part 0 always merges: m is finite after it
-        ok = head_ok & (tl.full([GROUP_P2], part, tl.int32) < num_parts)  # a block: interpreter
+        # compared as a block: Triton's interpreter rejects a scalar comparison in the mask
+        ok = head_ok & (tl.full([GROUP_P2], part, tl.int32) < num_parts)
         lse = tl.load(MidLse + heads * stride_mlh + part, mask=ok, other=float("-inf"),
                       cache_modifier=".cg")
         lse = tl.where(head_ok, lse, 0.0)  # padded heads: finite, never stored
