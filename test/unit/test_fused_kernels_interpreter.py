@@ -211,6 +211,21 @@ def test_gated_skinny_matmul_equals_the_matmul_then_silu_and_mul(dtype, rows, in
         skinny_matmul(x, w[:5], gated_silu=True)
 
 
+@pytest.mark.parametrize("config", [None, INVARIANT_CONFIG])  # split-K 4; one slice
+def test_skinny_matmul_writes_float32_sums_unrounded(config):
+    """`out_dtype=float32` (the LM head's logits): the kernel's float32 sums, which rounded to
+    fp16 are exactly the fp16 launch's result; a gated launch refuses another dtype."""
+    x = _randn(3, 576, dtype=torch.float16, seed=7)
+    w = _randn(96, 576, dtype=torch.float16, seed=8) / 24
+    got = skinny_matmul(x, w, config=config, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (3, 96)
+    rounded = skinny_matmul(x, w, config=config)
+    torch.testing.assert_close(got.half(), rounded, rtol=0, atol=0)
+    assert not torch.equal(got, rounded.float())  # not a rounded result converted
+    with pytest.raises(ValueError, match="gated launch writes x's dtype"):
+        skinny_matmul(x, w, gated_silu=True, out_dtype=torch.float32)
+
+
 def test_split_k_takes_any_tile_count_whose_partials_fit_the_workspace():
     """The split-K workspace is bounded by its partials (8 MiB) and counters (4096 tiles), not
     by a tile count: Llama-3.1-8B's gate_up in 4 slices (896 tiles) fits."""
@@ -414,9 +429,9 @@ def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
     monkeypatch.setattr(selection, "GPU_ONLY_BACKENDS", ())  # triton attention, interpreted
     configs = []
     monkeypatch.setattr(skinny_mod, "skinny_matmul",
-                        lambda x, w, b=None, config=None, gated_silu=False: configs.append(
+                        lambda x, w, b=None, config=None, **kw: configs.append(
                             (x.numel() // x.shape[-1], config))
-                        or skinny_matmul(x, w, b, config, gated_silu=gated_silu))
+                        or skinny_matmul(x, w, b, config, **kw))
     want = scripted_logits(_tiny_runner(tmp_path, "qwen3-0.6b.json", small_batch_matmul="cublas"),
                            prompt_lens=(5, 30, 1), decode_steps=1)
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", deterministic=True,

@@ -25,14 +25,16 @@ AUTO_SKINNY_MAX_BYTES = 64 * 2**20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           matmul: str) -> torch.Tensor:
+           matmul: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` by the `matmul` kernel (one of MATMULS); the Triton ones only on the
-    Triton route (`use_triton_kernels`), `F.linear` elsewhere."""
+    Triton route (`use_triton_kernels`), `F.linear` elsewhere. `out_dtype`: the result's dtype
+    (default x's; the skinny kernel writes it from its float32 sums, saving a conversion)."""
     if _takes_triton_matmul(x, matmul):
         from replaylm.layers.kernels import ops
 
-        return ops.linear(x, weight, bias, all_rows=matmul == "invariant")
-    return F.linear(x, weight, bias)
+        return ops.linear(x, weight, bias, all_rows=matmul == "invariant", out_dtype=out_dtype)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def _takes_triton_matmul(x: torch.Tensor, matmul: str) -> bool:

@@ -31,4 +31,4 @@ class LogitsProcessor(MatmulLayer):
         if not batch.forward_mode.is_decode():
             last = batch.extend_start_loc + batch.extend_seq_lens - 1
             hidden = hidden[last]
-        return linear(hidden, lm_head_weight, None, self.matmul).float()
+        return linear(hidden, lm_head_weight, None, self.matmul, out_dtype=torch.float32)

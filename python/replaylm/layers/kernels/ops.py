@@ -55,26 +55,28 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            all_rows: bool, gated_silu: bool) -> torch.Tensor:
+            all_rows: bool, gated_silu: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
     if all_rows:
         return _skinny.skinny_matmul(x, weight, bias, _skinny.INVARIANT_CONFIG,
-                                     gated_silu=gated_silu)
+                                     gated_silu=gated_silu, out_dtype=out_dtype)
     if x.numel() <= _skinny.MAX_ROWS * x.shape[-1]:
-        return _skinny.skinny_matmul(x, weight, bias, gated_silu=gated_silu)
+        return _skinny.skinny_matmul(x, weight, bias, gated_silu=gated_silu, out_dtype=out_dtype)
     y = F.linear(x, weight, bias)
-    return _silu_mul.silu_and_mul(y) if gated_silu else y
+    y = _silu_mul.silu_and_mul(y) if gated_silu else y
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 @torch.library.custom_op("replaylm::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               all_rows: bool, gated_silu: bool) -> torch.Tensor:
-    return _linear(x, weight, bias, all_rows, gated_silu)
+               all_rows: bool, gated_silu: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
+    return _linear(x, weight, bias, all_rows, gated_silu, out_dtype)
 
 
 @_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-      all_rows: bool, gated_silu: bool) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if gated_silu else weight.shape[0]))
+      all_rows: bool, gated_silu: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if gated_silu else weight.shape[0]),
+                       dtype=out_dtype or x.dtype)
 
 
 def rms_norm(
@@ -96,12 +98,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           all_rows: bool = False, gated_silu: bool = False) -> torch.Tensor:
+           all_rows: bool = False, gated_silu: bool = False,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)`: the skinny kernel (`kernels.skinny_matmul`) for at most
     `MAX_ROWS` rows, else `F.linear`; decided per call at run time, so also under torch.compile,
     where the row count is symbolic (a custom op there). `all_rows`: the kernel for any number of
     rows, K unsplit (batch-invariant rows). `gated_silu`: `weight` is `[gate; up]` and the result
-    SiluAndMul of the product (in the skinny kernel's epilogue; after F.linear, its own launch)."""
+    SiluAndMul of the product (in the skinny kernel's epilogue; after F.linear, its own launch).
+    `out_dtype`: the result's dtype (default x's; the skinny kernel writes it from its float32
+    sums, F.linear's result is converted)."""
     if not torch.compiler.is_compiling():
-        return _linear(x, weight, bias, all_rows, gated_silu)
-    return torch.ops.replaylm.linear(x, weight, bias, all_rows, gated_silu)
+        return _linear(x, weight, bias, all_rows, gated_silu, out_dtype)
+    return torch.ops.replaylm.linear(x, weight, bias, all_rows, gated_silu, out_dtype)

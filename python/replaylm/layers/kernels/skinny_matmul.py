@@ -181,13 +181,16 @@ def reserve_workspace(device: torch.device) -> None:
 def skinny_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     config: MatmulConfig | None = None, gated_silu: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
-    `[N, K]` contiguous; a new `[..., N]` tensor in x's dtype. `config` overrides
+    `[N, K]` contiguous; a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums
+    are rounded to it once, e.g. float32 logits unrounded). `config` overrides
     `matmul_config(N, K)`; a split-K config takes at most its `block_m` (<= 16) rows.
     `gated_silu`: `weight` is `[gate; up]` (N even) and the result `[..., N / 2]` is SiluAndMul
-    of the product, bit-equal to `silu_and_mul(skinny_matmul(...))` in one launch."""
+    of the product, bit-equal to `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype)."""
     n, k = weight.shape
+    out_dtype = out_dtype or x.dtype
     x2 = as_rows(x, k)
     m = x2.shape[0]
     cfg = config or matmul_config(n, k)
@@ -197,8 +200,10 @@ def skinny_matmul(
         raise ValueError("the weight must be contiguous [N, K]")
     if gated_silu and n % 2:
         raise ValueError(f"a gated weight has an even number of rows, not {n}")
+    if gated_silu and out_dtype != x.dtype:
+        raise ValueError(f"a gated launch writes x's dtype {x.dtype}, not {out_dtype}")
     width = n // 2 if gated_silu else n
-    y = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
+    y = torch.empty((*x.shape[:-1], width), dtype=out_dtype, device=x.device)
     tiles = triton.cdiv(width, cfg.block_n // 2) if gated_silu else triton.cdiv(n, cfg.block_n)
     if cfg.split_k > 1 and (tiles > _MAX_SPLIT_TILES or tiles * cfg.split_k * cfg.block_m
                             * cfg.block_n > _PARTIAL_FLOATS):
