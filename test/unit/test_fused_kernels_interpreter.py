@@ -299,6 +299,21 @@ def kernel_calls(monkeypatch) -> dict[str, int]:
     return calls
 
 
+def test_lm_head_logits_are_float32_on_both_matmul_routes(kernel_calls):
+    """`layers.linear.linear(..., out_dtype=float32)` (the LM head): the skinny kernel writes its
+    float32 sums (rounding them gives its fp16 result), cuBLAS's route converts its fp16 result."""
+    from replaylm.layers.linear import linear
+
+    x = _randn(2, 576, dtype=torch.float16, seed=9)
+    w = _randn(64, 576, dtype=torch.float16, seed=10) / 24
+    sums = linear(x, w, None, "triton", out_dtype=torch.float32)
+    converted = linear(x, w, None, "cublas", out_dtype=torch.float32)
+    assert sums.dtype == converted.dtype == torch.float32
+    torch.testing.assert_close(sums.half(), linear(x, w, None, "triton"), rtol=0, atol=0)
+    torch.testing.assert_close(converted, torch.nn.functional.linear(x, w).float(), rtol=0, atol=0)
+    torch.testing.assert_close(sums, converted, **TOL[torch.float16])
+
+
 def test_layers_take_the_triton_route_and_match_native(kernel_calls):
     norm = _norm(40, torch.float32, seed=5)
     x, r = _randn(3, 40, dtype=torch.float32, seed=6), _randn(3, 40, dtype=torch.float32, seed=7)

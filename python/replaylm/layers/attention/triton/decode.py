@@ -201,7 +201,8 @@ def decode_attention(
     """Attention of `q` `[bs, H, D]` (request i's one new token) over the `seq_lens[i]` tokens of
     request i, whose KV slots are `req_to_token[req_pool_indices[i], :seq_lens[i]]` in
     `k_cache`/`v_cache` `[slots, Hkv, D]`. Writes and returns `out` `[bs, H, D]`. `workspace`:
-    from `decode_workspace` for this q and `num_splits` (default: a fresh one)."""
+    from `decode_workspace` for this q and `num_splits` (default: a fresh one). Each slice count
+    compiles its own kernel variant (the merge's loop over slices is unrolled)."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     bs = q.shape[0]
     group = num_heads // num_kv_heads
