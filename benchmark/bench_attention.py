@@ -106,7 +106,7 @@ def bench_decode(cache: KVCache, bs: int, ctx: int, config: KernelConfig | None 
     seq_lens = torch.full((bs,), ctx, device="cuda")
     return graph_ms(lambda i: decode_attention(
         q, cache.k, cache.v, tables[i], rows, seq_lens, out, DIM**-0.5, splits,
-        min_split_len=min_split_len, config=config))
+        min_split_len=min_split_len, config=config, separate_merge=True))  # as graphs do
 
 
 def decode_bytes(bs: int, ctx: int) -> int:

@@ -15,10 +15,12 @@ times, so they compare on one host at one time.
 `*` marks the default (`num_kv_splits`, `MIN_SPLIT_LEN`). `attention_config`: the attention
 kernel's launch (key block, warps, pipeline stages) at the default slices. `matmul`: launch
 configs of the projections (`MatmulConfig`) at ctx 512. `fusion` (ctx 512): the gate-up matmul
-with SiluAndMul in its epilogue (the default) against a separate SiluAndMul launch, and the step
-without some of its kernels or over one layer's weights (wrong numbers; upper bounds of what
-fusing those kernels away or keeping weights in L2 could give). Why this exists: alone in a graph
-the attention kernel favoured up to 64 slices; inside the step 8 won, by up to 12% of the step
+with SiluAndMul in its epilogue (the default) against a separate SiluAndMul launch, the
+attention's slices merged by a kernel of their own (the default, as in captured graphs) against
+the merge by the last program to arrive (as eager calls do), and the step without some of its
+kernels or over one layer's weights (wrong numbers; upper bounds of what fusing those kernels
+away or keeping weights in L2 could give). Why this exists: alone in a graph the attention
+kernel favoured up to 64 slices; inside the step 8 won, by up to 12% of the step
 (benchmark/NOTES_attention.md, "Slices inside the step").
 """
 
@@ -99,7 +101,8 @@ MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
 @dataclass(frozen=True)
 class Choice:
     """One way to run the step: attention `splits` x `min_split_len` with launch `attention`
-    (the kernel's default where None), matmul configs by
+    (the kernel's default where None), its slices merged by a kernel of their own as captured
+    graphs do (`separate_merge`) or by the last program to arrive, matmul configs by
     projection (defaults where absent), SiluAndMul in the gate-up epilogue or its own launch,
     kernels left out (`skip`: "post_norm", "input_norm", "rope", "attention"), and every layer
     reading the first layer's weights (`shared_weights`: they stay in L2)."""
@@ -107,6 +110,7 @@ class Choice:
     splits: int
     min_split_len: int = MIN_SPLIT_LEN
     attention: KernelConfig | None = None
+    separate_merge: bool = True
     matmuls: dict[str, MatmulConfig] = field(default_factory=dict)
     separate_silu: bool = False
     skip: tuple[str, ...] = ()
@@ -117,6 +121,7 @@ def fusion_choices(splits: int) -> dict[str, Choice]:
     """The `fusion` sweep's choices at `splits` attention slices."""
     return {"default": Choice(splits),
             "SiluAndMul launched alone": Choice(splits, separate_silu=True),
+            "attention merged by its last program": Choice(splits, separate_merge=False),
             "bound: no post-attention norm": Choice(splits, skip=("post_norm",)),
             "bound: no norms": Choice(splits, skip=("post_norm", "input_norm")),
             "bound: no rope kernel": Choice(splits, skip=("rope",)),
@@ -187,7 +192,8 @@ class DecodeChain:
                     decode_attention(q.reshape(self.bs, HEADS, DIM), k_cache, v_cache,
                                      self.table, self.rows, self.seq_lens, out, DIM**-0.5,
                                      choice.splits, min_split_len=choice.min_split_len,
-                                     config=choice.attention, workspace=workspace)
+                                     config=choice.attention, workspace=workspace,
+                                     separate_merge=choice.separate_merge)
                 o = mm(out.view(self.bs, q_width), w, "o")
                 h, residual = norm(o, w["post_attention"], residual, "post_norm")
                 x = mm(mlp(h, w), w, "down")

@@ -30,6 +30,9 @@ def test_every_sweep_has_one_default_and_varies_only_its_own_field(bench):
     fusion = bench.sweep_choices("fusion", 8, sms=132)
     assert fusion["default"] == bench.Choice(splits)
     assert fusion["SiluAndMul launched alone"] == bench.Choice(splits, separate_silu=True)
+    assert fusion["attention merged by its last program"] == bench.Choice(splits,
+                                                                           separate_merge=False)
+    assert [c.separate_merge for c in fusion.values()].count(False) == 1
     assert {c.skip for c in fusion.values()} == {(), ("post_norm",), ("post_norm", "input_norm"),
                                                  ("rope",), ("attention",)}
     assert [c.shared_weights for c in fusion.values()].count(True) == 1

@@ -314,6 +314,28 @@ def test_lm_head_logits_are_float32_on_both_matmul_routes(kernel_calls):
     torch.testing.assert_close(sums, converted, **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("matmul", ["triton", "cublas"])
+def test_lm_head_writes_logits_into_the_given_buffer(kernel_calls, matmul):
+    """`out=` (the decode graphs' shared logits buffer): the result lands in that buffer, equal to
+    a fresh result, on both routes and through the custom-op route's `ops.linear`; a buffer of
+    another dtype, shape or layout is refused."""
+    from replaylm.layers.linear import linear
+
+    x = _randn(2, 576, dtype=torch.float16, seed=11)
+    w = _randn(64, 576, dtype=torch.float16, seed=12) / 24
+    buffer = torch.full((4, 64), float("nan"))
+    got = linear(x, w, None, matmul, out_dtype=torch.float32, out=buffer[:2])
+    assert got.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[:2], linear(x, w, None, matmul, out_dtype=torch.float32),
+                               rtol=0, atol=0)
+    assert torch.isnan(buffer[2:]).all()
+    if matmul == "triton":
+        for bad in (torch.empty(2, 64, dtype=torch.float16), torch.empty(2, 63),
+                    torch.empty(64, 2).t()):
+            with pytest.raises(ValueError, match="out must be a contiguous"):
+                linear(x, w, None, matmul, out_dtype=torch.float32, out=bad)
+
+
 def test_layers_take_the_triton_route_and_match_native(kernel_calls):
     norm = _norm(40, torch.float32, seed=5)
     x, r = _randn(3, 40, dtype=torch.float32, seed=6), _randn(3, 40, dtype=torch.float32, seed=7)

@@ -61,6 +61,35 @@ def test_decode_split_k_matches_reference(dtype, heads, kv_heads, dim, splits):
     assert rel_error(out, reference(case)) < TOL[dtype]
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "splits"), [(4, 2, 4), (6, 2, 3), (8, 1, 2)])
+def test_decode_separate_merge_equals_the_single_launch(heads, kv_heads, splits):
+    """The merge kernel (captured graphs) writes the single launch's output bit for bit: one
+    slice, several, slices past the end and an empty sequence, over a workspace of NaNs (no
+    stale partial may leak into a merge)."""
+    case = make_case(ForwardMode.DECODE, [0, 9, 40, 99, 250], [1] * 5, heads, kv_heads, 16,
+                     torch.float16, "cpu", seed=heads + splits)
+    _store(case)
+    b = case.batch
+    seq_lens = b.seq_lens.clone()
+    seq_lens[0] = 0
+    outs = []
+    for separate in (False, True):
+        ws = decode_workspace(case.q, kv_heads, splits)
+        ws.mid_o.fill_(float("nan"))
+        ws.mid_lse.fill_(float("nan"))
+        out = torch.full_like(case.q, float("nan"))
+        decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
+                         b.req_to_token_pool.req_to_token, b.req_pool_indices, seq_lens, out,
+                         case.layer.scaling, num_splits=splits, min_split_len=16,
+                         config=KernelConfig(block_n=16, num_warps=4, num_stages=1),
+                         workspace=ws, separate_merge=separate)
+        outs.append(out)
+    assert torch.equal(outs[0][0], torch.zeros_like(outs[0][0]))
+    assert not torch.isnan(outs[1]).any()
+    assert torch.equal(outs[1], outs[0])
+    assert rel_error(outs[1][1:], reference(case)[1:]) < TOL[torch.float16]
+
+
 def test_decode_of_an_empty_sequence_is_zero():
     case = make_case(ForwardMode.DECODE, [5, 0], [1, 1], 4, 2, 16, torch.float32, "cpu", seed=3)
     _store(case)
@@ -157,7 +186,8 @@ def test_backend_stores_then_attends(mode, deterministic):
 def test_graph_metadata_reads_the_runners_buffers_in_place():
     """Given the graph runner's buffers, decode metadata captured for a batch that views them
     reads them in place: what the runner writes there after the replay's refresh is what the
-    attention uses. A batch of other tensors is copied into them."""
+    attention uses. A batch of other tensors is copied into them. The captured path (slices
+    merged by a kernel of their own) computes eager decode's numbers exactly."""
     backend = TritonAttnBackend()
     case = make_case(ForwardMode.DECODE, [12, 5, 40], [1, 1, 1], 4, 2, 32, torch.float32, "cpu",
                      seed=7, backend=backend)
@@ -178,3 +208,5 @@ def test_graph_metadata_reads_the_runners_buffers_in_place():
     assert all(torch.equal(getattr(buffers, n)[:3], getattr(live, n)) for n in names)
     out = store_and_attend(backend, case.q, case.k, case.v, case.layer, live)
     assert rel_error(out, reference(case)) < 1e-5
+    backend.init_forward_metadata(live)
+    assert torch.equal(store_and_attend(backend, case.q, case.k, case.v, case.layer, live), out)

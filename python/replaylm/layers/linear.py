@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replaylm.layers.activation import SiluAndMul
-from replaylm.layers.kernels import use_triton_kernels
+from replaylm.layers.kernels import converted, use_triton_kernels
 
 # cublas: F.linear; triton: the skinny split-K kernel for inputs of at most 16 rows (F.linear
 # above); invariant: the skinny kernel for every input, K unsplit (rows independent of the batch);
@@ -25,16 +25,19 @@ AUTO_SKINNY_MAX_BYTES = 64 * 2**20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           matmul: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           matmul: str, out_dtype: torch.dtype | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` by the `matmul` kernel (one of MATMULS); the Triton ones only on the
     Triton route (`use_triton_kernels`), `F.linear` elsewhere. `out_dtype`: the result's dtype
-    (default x's; the skinny kernel writes it from its float32 sums, saving a conversion)."""
+    (default x's; the skinny kernel writes it from its float32 sums, saving a conversion).
+    `out`: a contiguous tensor of the result's shape and dtype to write (and return) instead of
+    a new one (eager calls)."""
     if _takes_triton_matmul(x, matmul):
         from replaylm.layers.kernels import ops
 
-        return ops.linear(x, weight, bias, all_rows=matmul == "invariant", out_dtype=out_dtype)
-    y = F.linear(x, weight, bias)
-    return y if out_dtype is None else y.to(out_dtype)
+        return ops.linear(x, weight, bias, all_rows=matmul == "invariant", out_dtype=out_dtype,
+                          out=out)
+    return converted(F.linear(x, weight, bias), out_dtype, out)
 
 
 def _takes_triton_matmul(x: torch.Tensor, matmul: str) -> bool:

@@ -23,12 +23,16 @@ class LMHead(nn.Module):
 
 
 class LogitsProcessor(MatmulLayer):
-    """`hidden [T, H] -> logits [B, V]` (float32): the last new token of every request."""
+    """`hidden [T, H] -> logits [B, V]` (float32): the last new token of every request; written
+    into `out` (contiguous `[B, V]` float32) when given, e.g. a buffer that every decode graph
+    shares (no copy after the matmul)."""
 
     def forward(
-        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: ForwardBatch
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not batch.forward_mode.is_decode():
             last = batch.extend_start_loc + batch.extend_seq_lens - 1
             hidden = hidden[last]
-        return linear(hidden, lm_head_weight, None, self.matmul, out_dtype=torch.float32)
+        return linear(hidden, lm_head_weight, None, self.matmul, out_dtype=torch.float32,
+                      out=out)

@@ -181,9 +181,11 @@ class LlamaForCausalLM(nn.Module):
         shapes, so a prefill graph can capture it for a token bucket)."""
         return self.model(input_ids, positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Next-token logits `[B, V]` (float32) from `forward_hidden`'s output."""
-        return self.logits_processor(hidden, self.lm_head_weight, batch)
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits `[B, V]` (float32) from `forward_hidden`'s output (into `out` when
+        given: contiguous, that shape and dtype)."""
+        return self.logits_processor(hidden, self.lm_head_weight, batch, out)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -89,6 +89,15 @@ def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def converted(y: torch.Tensor, out_dtype: torch.dtype | None,
+              out: torch.Tensor | None) -> torch.Tensor:
+    """`y` in `out_dtype` (None: as it is), written into `out` when given (one launch either
+    way): how a matmul result computed elsewhere (F.linear) meets `linear`'s contract."""
+    if out is not None:
+        return out.copy_(y)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
 @contextlib.contextmanager
 def _switch(name: str, value: bool) -> Iterator[None]:
     """Set the module flag `name` to `value` while active."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from replaylm.layers.kernels import converted
 from replaylm.layers.kernels import rmsnorm as _rmsnorm
 from replaylm.layers.kernels import silu_mul as _silu_mul
 from replaylm.layers.kernels import skinny_matmul as _skinny
@@ -55,15 +56,17 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            all_rows: bool, gated_silu: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
+            all_rows: bool, gated_silu: bool, out_dtype: torch.dtype | None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     if all_rows:
         return _skinny.skinny_matmul(x, weight, bias, _skinny.INVARIANT_CONFIG,
-                                     gated_silu=gated_silu, out_dtype=out_dtype)
+                                     gated_silu=gated_silu, out_dtype=out_dtype, out=out)
     if x.numel() <= _skinny.MAX_ROWS * x.shape[-1]:
-        return _skinny.skinny_matmul(x, weight, bias, gated_silu=gated_silu, out_dtype=out_dtype)
+        return _skinny.skinny_matmul(x, weight, bias, gated_silu=gated_silu, out_dtype=out_dtype,
+                                     out=out)
     y = F.linear(x, weight, bias)
     y = _silu_mul.silu_and_mul(y) if gated_silu else y
-    return y if out_dtype is None else y.to(out_dtype)
+    return converted(y, out_dtype, out)
 
 
 @torch.library.custom_op("replaylm::linear", mutates_args=())
@@ -99,14 +102,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            all_rows: bool = False, gated_silu: bool = False,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)`: the skinny kernel (`kernels.skinny_matmul`) for at most
     `MAX_ROWS` rows, else `F.linear`; decided per call at run time, so also under torch.compile,
     where the row count is symbolic (a custom op there). `all_rows`: the kernel for any number of
     rows, K unsplit (batch-invariant rows). `gated_silu`: `weight` is `[gate; up]` and the result
     SiluAndMul of the product (in the skinny kernel's epilogue; after F.linear, its own launch).
     `out_dtype`: the result's dtype (default x's; the skinny kernel writes it from its float32
-    sums, F.linear's result is converted)."""
+    sums, F.linear's result is converted). `out`: a contiguous tensor of the result's shape and
+    dtype to write instead of a new one (eager calls only)."""
     if not torch.compiler.is_compiling():
-        return _linear(x, weight, bias, all_rows, gated_silu, out_dtype)
+        return _linear(x, weight, bias, all_rows, gated_silu, out_dtype, out)
+    if out is not None:
+        raise ValueError("linear(out=...) is for eager calls, not compiled code")
     return torch.ops.replaylm.linear(x, weight, bias, all_rows, gated_silu, out_dtype)

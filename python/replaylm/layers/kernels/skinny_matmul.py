@@ -181,14 +181,16 @@ def reserve_workspace(device: torch.device) -> None:
 def skinny_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     config: MatmulConfig | None = None, gated_silu: bool = False,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous; a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums
     are rounded to it once, e.g. float32 logits unrounded). `config` overrides
     `matmul_config(N, K)`; a split-K config takes at most its `block_m` (<= 16) rows.
     `gated_silu`: `weight` is `[gate; up]` (N even) and the result `[..., N / 2]` is SiluAndMul
-    of the product, bit-equal to `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype)."""
+    of the product, bit-equal to `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype).
+    `out`: a contiguous tensor of the result's shape and dtype to write (and return) instead of a
+    new one (e.g. a buffer that outlives a CUDA graph's private pool)."""
     n, k = weight.shape
     out_dtype = out_dtype or x.dtype
     x2 = as_rows(x, k)
@@ -203,7 +205,12 @@ def skinny_matmul(
     if gated_silu and out_dtype != x.dtype:
         raise ValueError(f"a gated launch writes x's dtype {x.dtype}, not {out_dtype}")
     width = n // 2 if gated_silu else n
-    y = torch.empty((*x.shape[:-1], width), dtype=out_dtype, device=x.device)
+    shape = (*x.shape[:-1], width)
+    if out is not None and (out.shape != shape or out.dtype != out_dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {list(shape)}, "
+                         f"not {out.dtype} {list(out.shape)}")
+    y = out if out is not None else torch.empty(shape, dtype=out_dtype, device=x.device)
     tiles = triton.cdiv(width, cfg.block_n // 2) if gated_silu else triton.cdiv(n, cfg.block_n)
     if cfg.split_k > 1 and (tiles > _MAX_SPLIT_TILES or tiles * cfg.split_k * cfg.block_m
                             * cfg.block_n > _PARTIAL_FLOATS):

@@ -6,7 +6,8 @@ the backend keeps its own static copies of what the kernels read per request or 
 rows, sequence lengths, KV slots of the new tokens): the capture hook points the kernels at them,
 the replay hook refreshes them in place. The number of KV splits is a function of the batch size
 alone, so a graph captured for a batch size serves any lengths, and eager and replayed decode of
-the same batch compute exactly the same thing.
+the same batch compute exactly the same thing (a captured graph merges the KV slices in a launch
+of its own, eager decode in the attention launch: the same numbers either way).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class _DecodeMetadata:
     # arrivals in this static buffer instead
     graph_arrivals: torch.Tensor | None = None
     workspace: DecodeWorkspace | None = None
+    # captured graphs merge the slices in a launch of its own (no host cost there; the same
+    # numbers as the eager single launch, which saves a breakable graph's host a launch per layer)
+    separate_merge: bool = False
 
 
 @dataclass
@@ -149,6 +153,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
             batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens,
             out, layer.scaling, meta.num_splits, workspace=workspace,
+            separate_merge=meta.separate_merge,
         )
 
     # ---- CUDA graphs ------------------------------------------------------------------------
@@ -183,7 +188,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
                                          dtype=torch.int32, device=graph.seq_lens.device)
         self._meta = _DecodeMetadata(
             graph.req_pool_indices[:bs], graph.seq_lens[:bs], graph.out_cache_loc[:bs],
-            self._num_splits(batch), graph_arrivals=graph.arrivals,
+            self._num_splits(batch), graph_arrivals=graph.arrivals, separate_merge=True,
         )
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:

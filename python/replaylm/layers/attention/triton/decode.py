@@ -1,14 +1,21 @@
-"""Decode attention: one query token per request over its paged KV, split-K (flash-decoding) in
-one launch.
+"""Decode attention: one query token per request over its paged KV, split-K (flash-decoding).
 
 Grid `(bs, num_kv_heads, num_splits)`: a program takes one request, one KV head and one slice of
 the sequence, and computes the attention of all query heads of that KV head's group over the
-slice (so each KV byte is read once per group). A sequence that fits one slice is written to the
-output directly. Otherwise each program writes a normalised partial output and its log-sum-exp,
-then counts itself in on the (request, KV head)'s arrival counter; the program that arrives last
-merges the partials into the output (loading them all at once) and resets the counter to zero for
-the next launch (a merge kernel would cost a second launch: host time a breakable graph pays per
-layer).
+slice (so each KV byte is read once per group). The slices' partial outputs are merged in one of
+two ways:
+- in one launch (the default, for eager calls): a sequence that fits one slice is written to the
+  output directly; otherwise each program writes a normalised partial output and its
+  log-sum-exp, then counts itself in on the (request, KV head)'s arrival counter, and the program
+  that arrives last merges the partials into the output (loading them all at once) and resets
+  the counter to zero for the next launch. A second launch would be host time that a breakable
+  graph pays per layer;
+- by a merge kernel launched after it (`separate_merge`, for captured graphs, where a launch
+  costs no host time): every program writes its partial (a slice past the end writes zeros and
+  a log-sum-exp of -inf) and ends. The last program's fence, counter round trip and loads
+  lengthened every layer's attention by about 2 us (Qwen3-0.6B's decode chain, H100: bs1 896 ->
+  875 us per step, bs32 1787 -> 1742; benchmark/NOTES_attention.md item 12).
+Both merge the same partials in the same order: their outputs are equal bit for bit.
 
 The grid depends only on the batch size and `num_splits`, never on sequence lengths, so the
 launch can be captured in a CUDA graph: each request's slice length is computed in the kernel
@@ -35,6 +42,7 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 
 CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)  # NOTES_attention.md items 4, 11
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-precision dots: FMA
+MERGE_WARPS = 4  # the merge kernel's (2 were slower inside the step: NOTES_attention.md item 12)
 MIN_SPLIT_LEN = 64  # tokens (one block): see benchmark/NOTES_attention.md, "Split length"
 # slices per request: about PROGRAMS_PER_SM programs per multiprocessor over the batch's
 # (request, KV head) pairs, rounded down to a power of two, between MIN_SPLITS and MAX_SPLITS.
@@ -74,7 +82,7 @@ def _decode_kernel(
     stride_ot, stride_oh, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, SEPARATE_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_producers(USE_PDL)
     b = tl.program_id(0)
@@ -94,11 +102,17 @@ def _decode_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     out_ptrs = Out + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    if seq_len == 0:
-        if split == 0:
+    mid_o = (MidO + b * stride_mot + heads[:, None] * stride_moh + split * stride_mos
+             + offs_d[None, :])
+    mid_lse = MidLse + b * stride_mlt + heads * stride_mlh + split
+    if start >= end:  # a slice past the end (every slice of an empty sequence)
+        if SEPARATE_MERGE:  # a part the merge weighs 0
+            _store_partial(mid_o, mid_lse, tl.zeros([BLOCK_H, HEAD_DIM], tl.float32),
+                           tl.full([BLOCK_H], float("-inf"), tl.float32), head_ok)
+        elif (seq_len == 0) & (split == 0):
             tl.store(out_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], Out.dtype.element_ty),
                      mask=head_ok[:, None])
-    elif start < end:
+    else:
         offs_n = tl.arange(0, BLOCK_N)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -114,14 +128,13 @@ def _decode_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, PRECISION)
-        if num_active == 1:
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty),
-                     mask=head_ok[:, None])
+        value = acc / l_i[:, None]
+        if SEPARATE_MERGE:
+            _store_partial(mid_o, mid_lse, value, m_i + tl.log2(l_i), head_ok)
+        elif num_active == 1:
+            tl.store(out_ptrs, value.to(Out.dtype.element_ty), mask=head_ok[:, None])
         else:
-            mid_o = MidO + b * stride_mot + heads[:, None] * stride_moh + offs_d[None, :]
-            mid_lse = MidLse + b * stride_mlt + heads * stride_mlh
-            tl.store(mid_o + split * stride_mos, acc / l_i[:, None], mask=head_ok[:, None])
-            tl.store(mid_lse + split, m_i + tl.log2(l_i), mask=head_ok)
+            _store_partial(mid_o, mid_lse, value, m_i + tl.log2(l_i), head_ok)
             tl.debug_barrier()  # every thread's partial is stored before the arrival counts
             counter = Arrivals + b * NUM_KV_HEADS + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_active - 1:
@@ -133,12 +146,33 @@ def _decode_kernel(
 
 
 @triton.jit
+def _store_partial(mid_o, mid_lse, value, lse, head_ok):
+    """One slice's normalised partial output `[BLOCK_H, D]` and base-2 log-sum-exp `[BLOCK_H]`."""
+    tl.store(mid_o, value, mask=head_ok[:, None])
+    tl.store(mid_lse, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_kernel(MidO, MidLse, Out, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
+                  stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid `(bs, num_kv_heads)`: merge every slice's partial of one request and KV head group
+    (slices past the end weigh 0) into the output."""
+    wait_for_producers(USE_PDL)
+    b = tl.program_id(0)
+    _merge_partials(MidO + b * stride_mot, MidLse + b * stride_mlt, Out + b * stride_ot,
+                    tl.program_id(1) * GROUP, NUM_SPLITS, stride_moh, stride_mos, stride_mlh,
+                    stride_oh, GROUP, HEAD_DIM, NUM_SPLITS)
+
+
+@triton.jit
 def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride_mos,
                     stride_mlh, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     NUM_SPLITS: tl.constexpr):
     """Combine the first `num_parts` normalised partial outputs of heads `first_head` ..
     `first_head + GROUP - 1` of one request (`MidO` `[H, splits, D]`, their base-2 log-sum-exps
-    `MidLse` `[H, splits]`) into `Out` `[H, D]`. The loop over slices is unrolled, so every
+    `MidLse` `[H, splits]`) into `Out` `[H, D]`; a part whose log-sum-exp is -inf weighs 0, and
+    with no other part the output is zeros. The loop over slices is unrolled, so every
     partial's load is issued at once (one round trip, not one per slice), and each thread keeps
     its own elements (no cross-thread reduction); loads bypass L1: other programs wrote them."""
     GROUP_P2: tl.constexpr = triton.next_power_of_2(GROUP)
@@ -149,7 +183,7 @@ def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride
     m = tl.full([GROUP_P2], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    for part in tl.static_range(NUM_SPLITS):  # part 0 always merges: m is finite after it
+    for part in tl.static_range(NUM_SPLITS):
         # compared as a block: Triton's interpreter rejects a scalar comparison in the mask
         ok = head_ok & (tl.full([GROUP_P2], part, tl.int32) < num_parts)
         lse = tl.load(MidLse + heads * stride_mlh + part, mask=ok, other=float("-inf"),
@@ -158,13 +192,15 @@ def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride
         value = tl.load(MidO + heads[:, None] * stride_moh + part * stride_mos + offs_d[None, :],
                         mask=ok[:, None], other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no finite part yet: weights 0
+        alpha = tl.exp2(m - base)
+        weight = tl.exp2(lse - base)
         acc = acc * alpha[:, None] + value * weight[:, None]
         total = total * alpha + weight
         m = m_new
-    tl.store(Out + heads[:, None] * stride_oh + offs_d[None, :],
-             (acc / total[:, None]).to(Out.dtype.element_ty), mask=head_ok[:, None])
+    out = tl.where(total[:, None] > 0, acc / total[:, None], 0.0)
+    tl.store(Out + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=head_ok[:, None])
 
 
 @dataclass(frozen=True)
@@ -196,19 +232,22 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
     num_splits: int, min_split_len: int = MIN_SPLIT_LEN, config: KernelConfig | None = None,
-    workspace: DecodeWorkspace | None = None,
+    workspace: DecodeWorkspace | None = None, separate_merge: bool = False,
 ) -> torch.Tensor:
     """Attention of `q` `[bs, H, D]` (request i's one new token) over the `seq_lens[i]` tokens of
     request i, whose KV slots are `req_to_token[req_pool_indices[i], :seq_lens[i]]` in
     `k_cache`/`v_cache` `[slots, Hkv, D]`. Writes and returns `out` `[bs, H, D]`. `workspace`:
     from `decode_workspace` for this q and `num_splits` (default: a fresh one). Each slice count
-    compiles its own kernel variant (the merge's loop over slices is unrolled)."""
+    compiles its own kernel variant (the merge's loop over slices is unrolled).
+    `separate_merge`: merge the slices in a second launch (for CUDA-graph capture; the same
+    numbers as the default single launch, which costs one launch less of host time)."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     bs = q.shape[0]
     group = num_heads // num_kv_heads
     cfg = config or (FLOAT32_CONFIG if k_cache.dtype == torch.float32 else CONFIG)
     ws = workspace or decode_workspace(q, num_kv_heads, num_splits)
     mid_o, mid_lse = ws.mid_o, ws.mid_lse
+    separate = separate_merge and num_splits > 1  # one slice: written directly either way
     _decode_kernel[(bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out, mid_o, mid_lse,
         ws.arrivals, scale * LOG2E, min_split_len,
@@ -217,7 +256,14 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
-        PRECISION=dot_precision(k_cache.dtype),
+        PRECISION=dot_precision(k_cache.dtype), SEPARATE_MERGE=separate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
     )
+    if separate:
+        _merge_kernel[(bs, num_kv_heads)](
+            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=MERGE_WARPS,
+            **pdl_launch(),
+        )
     return out

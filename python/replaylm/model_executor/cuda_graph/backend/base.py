@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
 
 ForwardFn = Callable[["ForwardBatch"], torch.Tensor]
+_NO_SESSION = contextlib.nullcontext()
 
 
 def warm_up(stream: torch.cuda.Stream, forward_fn: ForwardFn, batch: ForwardBatch,
@@ -62,10 +63,10 @@ class BaseCudaGraphBackend(ABC):
         (the part of the forward a backend may transform: tc_piecewise compiles it)."""
         return model.forward_hidden(batch.input_ids, batch.positions, batch)
 
-    @contextlib.contextmanager
-    def runtime_session(self) -> Iterator[None]:
-        """Context around each replay."""
-        yield
+    def runtime_session(self) -> contextlib.AbstractContextManager[None]:
+        """Context around each replay (none by default: a reusable null context, not a
+        generator's, whose creation would cost every step's host a few us)."""
+        return _NO_SESSION
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether this backend can replay `batch` (the runner already checked its shape)."""

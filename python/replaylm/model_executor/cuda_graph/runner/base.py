@@ -143,9 +143,13 @@ class BaseCudaGraphRunner(ABC):
             self.capture_bytes / 2**20, list(self.shapes),
         )
 
-    @torch.inference_mode()
     def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, int]:
-        """(logits of the live requests, padding tokens this replay computed)."""
+        """(logits of the live requests, padding tokens this replay computed), under inference
+        mode (entered here unless the caller is in it already, as ModelRunner.forward is: this
+        is host time that a step-by-step server's GPU waits through, a few us per context)."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.replay(batch)
         key = self.shape_key(batch)
         shape = self.shape_for(key) if key is not None else None
         if shape is None:
