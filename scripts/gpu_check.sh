@@ -5,7 +5,8 @@
 #   bash scripts/gpu_check.sh [pytest args...]
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention matmul
-#   decode_chain one_batch one_batch_kernels one_batch_det profile startup offline serving;
+#   decode_chain one_batch decode_host one_batch_kernels one_batch_det profile startup offline
+#   serving; decode_host: host time of a server-like decode step (bench_decode_host.py);
 #   decode_chain: attention slices and launches, matmul configs and fusions inside a
 #   Qwen3-0.6B decode step's chain of kernels (bench_decode_chain.py); matmul: cuBLAS vs
 #   the skinny kernel per projection of both models (bench_matmul.py);
@@ -85,8 +86,8 @@ bench_serving_local() {  # decode/prefill: the built-in model in those modes, on
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"enable_pdl": false}'
                      '{"enable_pdl": true}')
-    for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch one_batch_kernels \
-                  one_batch_det profile startup offline serving}; do
+    for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch decode_host \
+                  one_batch_kernels one_batch_det profile startup offline serving}; do
         case $bench in
             serving) for modes in ${GPU_CHECK_SERVING_MODES:-full/breakable breakable/breakable \
                                    tc_piecewise/tc_piecewise}; do bench_serving_local "$modes"; done ;;

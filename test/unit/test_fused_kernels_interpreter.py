@@ -334,6 +334,8 @@ def test_lm_head_writes_logits_into_the_given_buffer(kernel_calls, matmul):
                     torch.empty(64, 2).t()):
             with pytest.raises(ValueError, match="out must be a contiguous"):
                 linear(x, w, None, matmul, out_dtype=torch.float32, out=bad)
+    with pytest.raises(ValueError, match="shape"):  # never broadcast into a bigger buffer
+        linear(x[:1], w, None, matmul, out_dtype=torch.float32, out=buffer[:2])
 
 
 def test_layers_take_the_triton_route_and_match_native(kernel_calls):

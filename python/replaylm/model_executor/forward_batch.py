@@ -71,7 +71,10 @@ class ForwardBatch:
         kv_pool: KVPool,
         attn_backend: AttentionBackend,
     ) -> ForwardBatch:
-        """Pack per-request host lists into device tensors (one host-to-device copy per field).
+        """Pack per-request host lists into device tensors: every index field is computed on
+        the host and the lot crosses to the device in one copy (the fields are views of it), so
+        building a batch launches no kernel and never waits for the device. A step-by-step
+        server pays this host time every step (a launch or a copy each costs several us).
 
         `new_token_ids[i]` are request i's tokens for this step, at positions
         `prefix_lens[i] ..`; their KV slots are `out_cache_loc` in the same packed order.
@@ -84,25 +87,30 @@ class ForwardBatch:
             raise ValueError(
                 f"out_cache_loc has {out_cache_loc.numel()} slots for {len(flat_ids)} tokens"
             )
-
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-        ext = as_tensor(ext_cpu)
-        prefix = as_tensor(prefix_lens)
+        bs, num_tokens = len(ext_cpu), len(flat_ids)
+        per_request = torch.tensor([ext_cpu, prefix_lens, seq_cpu, req_pool_indices],
+                                   dtype=torch.int64).view(4, bs)
+        ext, prefix = per_request[0], per_request[1]
         start = torch.cumsum(ext, 0) - ext
-        token_owner = torch.repeat_interleave(torch.arange(len(ext_cpu), device=device), ext)
-        offset_in_req = torch.arange(len(flat_ids), device=device) - start[token_owner]
+        # token j of request i sits at position prefix_i + j
+        positions = (torch.arange(num_tokens) + torch.repeat_interleave(prefix - start, ext,
+                                                                        output_size=num_tokens))
+        packed = torch.cat([torch.tensor(flat_ids, dtype=torch.int64), positions,
+                            per_request.flatten(), start])
+        on_device = packed.to(device, non_blocking=True)
+        input_ids, positions, per_request, start = on_device.split(
+            [num_tokens, num_tokens, 4 * bs, bs])
+        ext, prefix, seq_lens, rows = per_request.view(4, bs)
         return cls(
             forward_mode=forward_mode,
-            batch_size=len(ext_cpu),
-            input_ids=as_tensor(flat_ids),
-            positions=prefix[token_owner] + offset_in_req,
-            seq_lens=as_tensor(seq_cpu),
+            batch_size=bs,
+            input_ids=input_ids,
+            positions=positions,
+            seq_lens=seq_lens,
             prefix_lens=prefix,
             extend_seq_lens=ext,
             extend_start_loc=start,
-            req_pool_indices=as_tensor(req_pool_indices),
+            req_pool_indices=rows,
             out_cache_loc=out_cache_loc.to(torch.int64),
             seq_lens_cpu=seq_cpu,
             extend_seq_lens_cpu=ext_cpu,

@@ -50,14 +50,16 @@ def prepare_extend(
 def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
     """A DECODE batch: each request's last token (the one not yet in the cache)."""
     slots = runner.token_allocator.alloc(len(reqs))
-    rows = torch.tensor([r.req_pool_idx for r in reqs], device=slots.device)
-    cols = torch.tensor([r.kv_len for r in reqs], device=slots.device)
-    runner.req_to_token_pool.req_to_token[rows, cols] = slots.to(torch.int32)
     prefix_lens = [r.kv_len for r in reqs]
     for req in reqs:
         req.kv_len += 1
-    new_ids = [[r.all_ids[-1]] for r in reqs]
-    return _create(ForwardMode.DECODE, reqs, new_ids, prefix_lens, slots, runner)
+    batch = _create(ForwardMode.DECODE, reqs, [[r.last_id] for r in reqs], prefix_lens, slots,
+                    runner)
+    # each new token's table entry, at (its request's row, its position): the batch's own
+    # fields, already on the device (no copy of their own)
+    runner.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = (
+        slots.to(torch.int32))
+    return batch
 
 
 def release(req: Req, runner: ModelRunner) -> None:

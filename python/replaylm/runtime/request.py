@@ -40,6 +40,16 @@ class Req:
         return self.input_ids + self.output_ids
 
     @property
+    def num_ids(self) -> int:
+        """`len(all_ids)`, without building the list (per request per step)."""
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def last_id(self) -> int:
+        """`all_ids[-1]`, without building the list."""
+        return self.output_ids[-1] if self.output_ids else self.input_ids[-1]
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -112,7 +112,7 @@ class Scheduler:
         if prefill:
             reqs, chunks = prefill
             logits = self.runner.forward(prepare_extend(reqs, self.runner, chunks))
-            done = [i for i, r in enumerate(reqs) if r.kv_len == len(r.all_ids)]
+            done = [i for i, r in enumerate(reqs) if r.kv_len == r.num_ids]
             for i, req in enumerate(reqs):
                 if i in done:
                     self.running.append(req)
@@ -139,7 +139,7 @@ class Scheduler:
         reqs, chunks = [], []
         while self.waiting:
             req = self.waiting[0]
-            todo = len(req.all_ids) - req.kv_len
+            todo = req.num_ids - req.kv_len
             needs_row = req.req_pool_idx is None
             # keep one slot per admitted request for its first decode token
             chunk = min(todo, self.chunk_size, budget if reqs else todo, free_kv - 1)

@@ -92,8 +92,11 @@ def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 def converted(y: torch.Tensor, out_dtype: torch.dtype | None,
               out: torch.Tensor | None) -> torch.Tensor:
     """`y` in `out_dtype` (None: as it is), written into `out` when given (one launch either
-    way): how a matmul result computed elsewhere (F.linear) meets `linear`'s contract."""
+    way): how a matmul result computed elsewhere (F.linear) meets `linear`'s contract. `out`
+    must have `y`'s shape (no broadcasting)."""
     if out is not None:
+        if out.shape != y.shape:
+            raise ValueError(f"out has shape {list(out.shape)}, the result {list(y.shape)}")
         return out.copy_(y)
     return y if out_dtype is None else y.to(out_dtype)
 
