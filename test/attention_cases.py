@@ -54,9 +54,12 @@ def make_case(
     table = ReqToTokenPool(bs + 5, context, device)
     rows = torch.randperm(bs + 5, generator=gen, device=device)[:bs].tolist()
     slots = 1 + torch.randperm(total + spare_slots, generator=gen, device=device)[:total]
+    lengths = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    table.write(torch.tensor(rows, device=device).repeat_interleave(
+                    torch.tensor(lengths, device=device)),
+                torch.cat([torch.arange(n, device=device) for n in lengths]), slots)
     new_slots, offset = [], 0
-    for row, p, e in zip(rows, prefix_lens, extend_lens, strict=True):
-        table.write(row, 0, slots[offset : offset + p + e])
+    for p, e in zip(prefix_lens, extend_lens, strict=True):
         new_slots.append(slots[offset + p : offset + p + e])
         offset += p + e
     batch = ForwardBatch.create(

@@ -46,15 +46,17 @@ def test_request_table_rows_are_reused_and_exhaustion_reported():
     assert {r0, r1} == {0, 1}
     with pytest.raises(OutOfRequestSlotsError):
         pool.alloc(1)
-    pool.write(r0, 0, torch.tensor([5, 6, 7]))
-    pool.write(r0, 3, torch.tensor([9]))
-    assert pool.slots(r0, 0, 4).tolist() == [5, 6, 7, 9]
+    pool.write(torch.tensor([r0, r0, r0, r1]), torch.tensor([0, 1, 2, 0]),
+               torch.tensor([5, 6, 7, 4]))
+    pool.write(torch.tensor([r0]), torch.tensor([3]), torch.tensor([9]))
+    assert pool.slots(r0, 0, 4).tolist() == [5, 6, 7, 9] and pool.slots(r1, 0, 1).tolist() == [4]
     pool.free(r0)
     with pytest.raises(ValueError, match="not allocated"):
         pool.free(r0)
     assert pool.alloc(1) == [r0]
-    with pytest.raises(ValueError, match="context length"):
-        pool.write(r1, 15, torch.tensor([1, 2]))
+    pool.check_fits(16)
+    with pytest.raises(ValueError, match="position 17 exceeds the context length 16"):
+        pool.check_fits(17)
 
 
 def test_kv_pool_stores_per_layer_at_slots():

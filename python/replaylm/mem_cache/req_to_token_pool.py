@@ -10,10 +10,10 @@ from replaylm.mem_cache.errors import OutOfRequestSlotsError
 class ReqToTokenPool:
     """A `[max_reqs + 1, max_context_len]` int32 table plus a free list of rows.
 
-    Row contents are written by the caller (`write`) as tokens get KV slots; a freed row is reused
-    as is (stale contents are overwritten before they are read again). The extra last row,
-    `padding_row`, is never allocated and stays all zeros (KV slot 0, the padding slot): padding
-    requests of a CUDA graph point at it.
+    Row contents are written by the caller (`write`, a batch at a time) as tokens get KV slots; a
+    freed row is reused as is (stale contents are overwritten before they are read again). The
+    extra last row, `padding_row`, is never allocated and stays all zeros (KV slot 0, the padding
+    slot): padding requests of a CUDA graph point at it.
     """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str) -> None:
@@ -41,12 +41,17 @@ class ReqToTokenPool:
             raise ValueError(f"request row {row} is not allocated")
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """Record `slots` as the KV slots of tokens start..start+len(slots)-1 of request `row`."""
-        end = start + int(slots.numel())
+    def check_fits(self, end: int) -> None:
+        """Raise ValueError when a request would hold `end` tokens, more than a row has."""
         if end > self.max_context_len:
             raise ValueError(f"position {end} exceeds the context length {self.max_context_len}")
-        self.req_to_token[row, start:end] = slots.to(torch.int32)
+
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Record `slots[i]` as the KV slot of token `positions[i]` of the request in row
+        `rows[i]` (tensors of one length on the table's device): one scatter for a whole batch.
+        Positions are not checked here (that would read them back from the device): callers
+        check lengths on the host first (`check_fits`)."""
+        self.req_to_token[rows, positions] = slots.to(torch.int32)
 
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """KV slots of tokens start..end-1 of request `row` (int64)."""

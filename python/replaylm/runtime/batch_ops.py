@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
+    import torch
+
     from replaylm.model_executor.model_runner import ModelRunner
     from replaylm.runtime.request import Req
 
@@ -22,33 +22,37 @@ def prepare_extend(
 ) -> ForwardBatch:
     """An EXTEND batch of each request's next `chunk_sizes[i]` uncached tokens (default: all).
 
-    Allocates KV slots first, so OutOfKVCacheError leaves every request untouched.
+    Checks the lengths and allocates KV slots first, so ValueError or OutOfKVCacheError leaves
+    every request untouched.
     """
+    table = runner.req_to_token_pool
     new_ids = []
     for i, req in enumerate(reqs):
         todo = req.all_ids[req.kv_len :]
         new_ids.append(todo if chunk_sizes is None else todo[: chunk_sizes[i]])
+        table.check_fits(req.kv_len + len(new_ids[-1]))
     slots = runner.token_allocator.alloc(sum(len(t) for t in new_ids))
     rows_needed = [r for r in reqs if r.req_pool_idx is None]
     try:
-        rows = runner.req_to_token_pool.alloc(len(rows_needed))
+        rows = table.alloc(len(rows_needed))
     except Exception:
         runner.token_allocator.free(slots)
         raise
     for req, row in zip(rows_needed, rows, strict=True):
         req.req_pool_idx = row
-    prefix_lens, offset = [], 0
+    prefix_lens = [req.kv_len for req in reqs]
     for req, ids in zip(reqs, new_ids, strict=True):
-        new_slots = slots[offset : offset + len(ids)]
-        runner.req_to_token_pool.write(req.req_pool_idx, req.kv_len, new_slots)
-        prefix_lens.append(req.kv_len)
         req.kv_len += len(ids)
-        offset += len(ids)
-    return _create(ForwardMode.EXTEND, reqs, new_ids, prefix_lens, slots, runner)
+    batch = _create(ForwardMode.EXTEND, reqs, new_ids, prefix_lens, slots, runner)
+    token_rows = batch.req_pool_indices.repeat_interleave(batch.extend_seq_lens,
+                                                          output_size=batch.num_tokens)
+    table.write(token_rows, batch.positions, slots)
+    return batch
 
 
 def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
     """A DECODE batch: each request's last token (the one not yet in the cache)."""
+    runner.req_to_token_pool.check_fits(max((r.kv_len for r in reqs), default=0) + 1)
     slots = runner.token_allocator.alloc(len(reqs))
     prefix_lens = [r.kv_len for r in reqs]
     for req in reqs:
@@ -57,8 +61,7 @@ def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
                     runner)
     # each new token's table entry, at (its request's row, its position): the batch's own
     # fields, already on the device (no copy of their own)
-    runner.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = (
-        slots.to(torch.int32))
+    runner.req_to_token_pool.write(batch.req_pool_indices, batch.positions, slots)
     return batch
 
 
