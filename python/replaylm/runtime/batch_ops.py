@@ -43,11 +43,7 @@ def prepare_extend(
     prefix_lens = [req.kv_len for req in reqs]
     for req, ids in zip(reqs, new_ids, strict=True):
         req.kv_len += len(ids)
-    batch = _create(ForwardMode.EXTEND, reqs, new_ids, prefix_lens, slots, runner)
-    token_rows = batch.req_pool_indices.repeat_interleave(batch.extend_seq_lens,
-                                                          output_size=batch.num_tokens)
-    table.write(token_rows, batch.positions, slots)
-    return batch
+    return _create(ForwardMode.EXTEND, reqs, new_ids, prefix_lens, slots, runner)
 
 
 def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
@@ -57,12 +53,8 @@ def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
     prefix_lens = [r.kv_len for r in reqs]
     for req in reqs:
         req.kv_len += 1
-    batch = _create(ForwardMode.DECODE, reqs, [[r.last_id] for r in reqs], prefix_lens, slots,
-                    runner)
-    # each new token's table entry, at (its request's row, its position): the batch's own
-    # fields, already on the device (no copy of their own)
-    runner.req_to_token_pool.write(batch.req_pool_indices, batch.positions, slots)
-    return batch
+    return _create(ForwardMode.DECODE, reqs, [[r.last_id] for r in reqs], prefix_lens, slots,
+                   runner)
 
 
 def release(req: Req, runner: ModelRunner) -> None:
@@ -79,7 +71,15 @@ def _create(
     mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]], prefix_lens: list[int],
     slots: torch.Tensor, runner: ModelRunner,
 ) -> ForwardBatch:
-    return ForwardBatch.create(
+    """The batch, and each new token's request-table entry at (its request's row, its position)
+    in one scatter from the batch's own device fields (no copy of their own; a decode token's
+    row is its request's, an extend token's is repeated on the device without a sync)."""
+    batch = ForwardBatch.create(
         mode, new_ids, prefix_lens, [r.req_pool_idx for r in reqs], slots,
         runner.req_to_token_pool, runner.kv_pool, runner.attn_backend,
     )
+    rows = batch.req_pool_indices
+    if not mode.is_decode():
+        rows = rows.repeat_interleave(batch.extend_seq_lens, output_size=batch.num_tokens)
+    runner.req_to_token_pool.write(rows, batch.positions, slots)
+    return batch
