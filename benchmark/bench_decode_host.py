@@ -9,7 +9,8 @@ host (`prepare_decode`: KV slots, the request-table write, the ForwardBatch) and
 tokens back before it can build the next one. Per batch size, after prefilling `--context`-token
 prompts, this runs `--steps` decode steps the way the scheduler's loop does (prepare, forward,
 greedy argmax to the host, append), after WARMUP untimed ones, and reports the medians of
-`prepare_decode`'s host time and of the whole step's wall time. A `.json` model path is a config
+`prepare_decode`'s host time, of `runner.forward`'s host time and of the whole step's wall
+time. A `.json` model path is a config
 (dummy weights); default modes (on CUDA, full decode graphs).
 """
 
@@ -43,7 +44,8 @@ def build_runner(model_path: str, device: str, max_bs: int, tokens_per_req: int)
 
 
 def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) -> dict[str, float]:
-    """Medians of `prepare_decode` (us) and of a whole greedy decode step (ms) for `bs` requests
+    """Medians of `prepare_decode` (us), of `runner.forward`'s host time (us: until the replay or
+    the eager launches return) and of a whole greedy decode step (ms) for `bs` requests
     over `context`-token prompts; the requests are released after."""
     vocab = runner.config.vocab_size
     reqs = [Req(i, [(i * 31 + j) % (vocab - 10) + 10 for j in range(context)], SamplingParams(),
@@ -51,7 +53,7 @@ def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) ->
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
         tokens = runner.forward(prepare_extend(reqs, runner)).argmax(-1).tolist()
-        prepare, step = [], []
+        prepare, forward, step = [], [], []
         for i in range(WARMUP + steps):
             for req, token in zip(reqs, tokens, strict=True):
                 req.output_ids.append(token)
@@ -59,13 +61,17 @@ def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) ->
             start = time.perf_counter()
             batch = prepare_decode(reqs, runner)
             prepared = time.perf_counter()
-            tokens = runner.forward(batch).argmax(-1).tolist()
+            logits = runner.forward(batch)
+            launched = time.perf_counter()
+            tokens = logits.argmax(-1).tolist()
             if i >= WARMUP:
                 prepare.append(prepared - start)
+                forward.append(launched - prepared)
                 step.append(time.perf_counter() - start)
     for req in reqs:
         release(req, runner)
     return {"prepare_us": round(statistics.median(prepare) * 1e6, 1),
+            "forward_us": round(statistics.median(forward) * 1e6, 1),
             "step_ms": round(statistics.median(step) * 1e3, 3)}
 
 
@@ -86,9 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = [{"model": model, "device": args.device, "bs": bs, "context": args.context,
              "steps": args.steps, **time_decode_steps(runner, bs, args.context, args.steps)}
             for bs in args.bs]
-    print(f"{'model':24s} {'bs':>4s} {'prepare_decode us':>18s} {'decode step ms':>15s}")
+    print(f"{'model':24s} {'bs':>4s} {'prepare_decode us':>18s} {'forward host us':>16s} "
+          f"{'decode step ms':>15s}")
     for r in rows:
-        print(f"{r['model'][:24]:24s} {r['bs']:4d} {r['prepare_us']:18.1f} {r['step_ms']:15.3f}")
+        print(f"{r['model'][:24]:24s} {r['bs']:4d} {r['prepare_us']:18.1f} "
+              f"{r['forward_us']:16.1f} {r['step_ms']:15.3f}")
     if args.json:
         device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
         args.json.write_text(json.dumps({"device": device, "summary": rows}, indent=1))

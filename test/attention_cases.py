@@ -55,16 +55,15 @@ def make_case(
     rows = torch.randperm(bs + 5, generator=gen, device=device)[:bs].tolist()
     slots = 1 + torch.randperm(total + spare_slots, generator=gen, device=device)[:total]
     lengths = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    table.write(torch.tensor(rows, device=device).repeat_interleave(
-                    torch.tensor(lengths, device=device)),
-                torch.cat([torch.arange(n, device=device) for n in lengths]), slots)
+    table.write(torch.cat([r * table.row_width + torch.arange(n, device=device)
+                           for r, n in zip(rows, lengths, strict=True)]), slots.to(torch.int32))
     new_slots, offset = [], 0
     for p, e in zip(prefix_lens, extend_lens, strict=True):
         new_slots.append(slots[offset + p : offset + p + e])
         offset += p + e
     batch = ForwardBatch.create(
-        mode, [[1] * e for e in extend_lens], prefix_lens, rows, torch.cat(new_slots), table,
-        pool, backend or TorchNativeAttnBackend(),
+        mode, [[1] * e for e in extend_lens], prefix_lens, rows, torch.cat(new_slots).tolist(),
+        table, pool, backend or TorchNativeAttnBackend(),
     )
     t = sum(extend_lens)
     layer = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, layer_id=0)

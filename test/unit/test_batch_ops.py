@@ -1,5 +1,5 @@
-"""runtime/batch_ops on the CPU with a tiny checkpoint: the request table written in one scatter
-per batch, lengths checked before anything is allocated."""
+"""runtime/batch_ops on the CPU with a tiny checkpoint: the request table written from the
+batch's one copy, lengths checked before anything is allocated, slots and rows given back."""
 
 from __future__ import annotations
 
@@ -31,15 +31,15 @@ def test_extend_then_decode_write_each_token_slot_at_its_row_and_position(runner
     table = runner.req_to_token_pool
     slots, offset = batch.out_cache_loc.tolist(), 0
     for req, n in zip(reqs, [5, 2, 4], strict=True):
-        assert table.slots(req.req_pool_idx, 0, n).tolist() == slots[offset : offset + n]
+        assert table.slots(req.req_pool_idx, 0, n) == slots[offset : offset + n]
         offset += n
     batch = prepare_extend(reqs[2:], runner)  # the rest of the third prompt, after its prefix
-    assert table.slots(reqs[2].req_pool_idx, 4, 9).tolist() == batch.out_cache_loc.tolist()
+    assert table.slots(reqs[2].req_pool_idx, 4, 9) == batch.out_cache_loc.tolist()
     assert batch.positions.tolist() == [4, 5, 6, 7, 8]
     for req in reqs:
         req.output_ids.append(3)
     batch = prepare_decode(reqs, runner)
-    written = [table.slots(r.req_pool_idx, r.kv_len - 1, r.kv_len).item() for r in reqs]
+    written = [table.slots(r.req_pool_idx, r.kv_len - 1, r.kv_len)[0] for r in reqs]
     assert written == batch.out_cache_loc.tolist()
     for req in reqs:
         release(req, runner)

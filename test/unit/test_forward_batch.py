@@ -1,15 +1,20 @@
-"""ForwardBatch.create: the index fields a forward reads, built on the host in one copy."""
+"""ForwardBatch.create: the index fields a forward reads, built on the host in one copy, and
+the new tokens' slots recorded in the request table from it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
+from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
+from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode, send_packed
 
 
-def _create(mode: ForwardMode, new_ids: list[list[int]], prefix: list[int], rows: list[int]):
-    slots = torch.arange(100, 100 + sum(len(t) for t in new_ids))
-    return ForwardBatch.create(mode, new_ids, prefix, rows, slots, None, None, None)
+def _create(mode: ForwardMode, new_ids: list[list[int]], prefix: list[int], rows: list[int],
+            table: ReqToTokenPool | None = None):
+    slots = list(range(100, 100 + sum(len(t) for t in new_ids)))
+    table = table or ReqToTokenPool(8, 32, "cpu")
+    return ForwardBatch.create(mode, new_ids, prefix, rows, slots, table, None, None)
 
 
 def test_extend_fields_of_a_ragged_batch():
@@ -24,6 +29,30 @@ def test_extend_fields_of_a_ragged_batch():
     assert batch.req_pool_indices.tolist() == [3, 0, 7]
     assert batch.out_cache_loc.tolist() == list(range(100, 106))
     assert all(t.dtype == torch.int64 for t in (batch.input_ids, batch.positions, batch.seq_lens))
+
+
+def test_create_records_each_new_token_slot_at_its_row_and_position():
+    table = ReqToTokenPool(8, 16, "cpu")
+    table.req_to_token.fill_(-1)
+    _create(ForwardMode.EXTEND, [[5, 6, 7], [8], [9, 10]], [0, 4, 11], [3, 0, 7], table)
+    assert table.slots(3, 0, 3) == [100, 101, 102]
+    assert table.slots(0, 4, 5) == [103] and table.slots(7, 11, 13) == [104, 105]
+    assert int((table.req_to_token != -1).sum()) == 6  # nothing else, no neighbouring row
+    _create(ForwardMode.DECODE, [[42]], [13], [7], table)
+    assert table.slots(7, 11, 14) == [104, 105, 100]
+
+
+def test_a_token_past_the_row_is_refused_before_anything_is_written():
+    table = ReqToTokenPool(8, 16, "cpu")
+    with pytest.raises(ValueError, match="position 17 exceeds the context length 16"):
+        _create(ForwardMode.EXTEND, [[1, 2]], [15], [0], table)
+    assert int(table.req_to_token.count_nonzero()) == 0
+
+
+def test_send_packed_keeps_both_widths():
+    wide, narrow = send_packed(torch.device("cpu"), [2**40, -3, 7], [5, 2**31 - 1])
+    assert wide.dtype == torch.int64 and wide.tolist() == [2**40, -3, 7]
+    assert narrow.dtype == torch.int32 and narrow.tolist() == [5, 2**31 - 1]
 
 
 def test_decode_fields_share_one_transfer():

@@ -21,10 +21,13 @@ class ReqToTokenPool:
             raise ValueError("request table needs at least one row and one column")
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
+        self.row_width = max_context_len  # entry (row, position) is at row * row_width + position
         self.padding_row = max_reqs
         self.req_to_token = torch.zeros(
             (max_reqs + 1, max_context_len), dtype=torch.int32, device=device
         )
+        self.device = self.req_to_token.device
+        self._entries = self.req_to_token.view(-1)  # made once: a view is host time per write
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def available_size(self) -> int:
@@ -46,13 +49,13 @@ class ReqToTokenPool:
         if end > self.max_context_len:
             raise ValueError(f"position {end} exceeds the context length {self.max_context_len}")
 
-    def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Record `slots[i]` as the KV slot of token `positions[i]` of the request in row
-        `rows[i]` (tensors of one length on the table's device): one scatter for a whole batch.
-        Positions are not checked here (that would read them back from the device): callers
-        check lengths on the host first (`check_fits`)."""
-        self.req_to_token[rows, positions] = slots.to(torch.int32)
+    def write(self, index: torch.Tensor, slots: torch.Tensor) -> None:
+        """Record `slots[i]` (int32) at flat entry `index[i]` (int64, `row * row_width +
+        position`) of the table, on its device: one launch for a whole batch. Entries are not
+        checked here (that would read them back from the device): callers check lengths on the
+        host first (`check_fits`)."""
+        self._entries.index_copy_(0, index, slots)
 
-    def slots(self, row: int, start: int, end: int) -> torch.Tensor:
-        """KV slots of tokens start..end-1 of request `row` (int64)."""
-        return self.req_to_token[row, start:end].to(torch.int64)
+    def slots(self, row: int, start: int, end: int) -> list[int]:
+        """KV slots of tokens start..end-1 of request `row` (read back from the device)."""
+        return self.req_to_token[row, start:end].tolist()

@@ -148,7 +148,7 @@ class ModelRunner:
             self.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
             cfg.head_dim, self.dtype, self.device,
         )
-        self.token_allocator = TokenSlotAllocator(self.max_total_tokens, self.device)
+        self.token_allocator = TokenSlotAllocator(self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(
             self.args.max_running_requests, self.context_len, self.device
         )

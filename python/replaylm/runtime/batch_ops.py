@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    import torch
-
     from replaylm.model_executor.model_runner import ModelRunner
     from replaylm.runtime.request import Req
 
@@ -69,17 +67,11 @@ def release(req: Req, runner: ModelRunner) -> None:
 
 def _create(
     mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]], prefix_lens: list[int],
-    slots: torch.Tensor, runner: ModelRunner,
+    slots: list[int], runner: ModelRunner,
 ) -> ForwardBatch:
-    """The batch, and each new token's request-table entry at (its request's row, its position)
-    in one scatter from the batch's own device fields (no copy of their own; a decode token's
-    row is its request's, an extend token's is repeated on the device without a sync)."""
-    batch = ForwardBatch.create(
+    """The batch; ForwardBatch.create also records each new token's slot in the request table
+    (at its request's row and its position), from the batch's one host-to-device copy."""
+    return ForwardBatch.create(
         mode, new_ids, prefix_lens, [r.req_pool_idx for r in reqs], slots,
         runner.req_to_token_pool, runner.kv_pool, runner.attn_backend,
     )
-    rows = batch.req_pool_indices
-    if not mode.is_decode():
-        rows = rows.repeat_interleave(batch.extend_seq_lens, output_size=batch.num_tokens)
-    runner.req_to_token_pool.write(rows, batch.positions, slots)
-    return batch
