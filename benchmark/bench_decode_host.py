@@ -10,8 +10,8 @@ tokens back before it can build the next one. Per batch size, after prefilling `
 prompts, this runs `--steps` decode steps the way the scheduler's loop does (prepare, forward,
 greedy argmax to the host, append), after WARMUP untimed ones, and reports the medians of
 `prepare_decode`'s host time, of `runner.forward`'s host time and of the whole step's wall
-time. A `.json` model path is a config
-(dummy weights); default modes (on CUDA, full decode graphs).
+time. A `.json` model path is a config (dummy weights); default modes (on CUDA, full decode
+graphs).
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ class ForwardBatch:
         starts.pop()
         wide, narrow = send_packed(
             req_to_token_pool.device,
-            token_ids + positions + list(out_cache_loc) + table_index + list(req_pool_indices)
-            + seq_cpu + list(prefix_lens) + ext_cpu + starts,
+            token_ids + positions + list(out_cache_loc) + table_index + req_pool_indices
+            + seq_cpu + prefix_lens + ext_cpu + starts,
             out_cache_loc)
         (input_ids, positions_d, slots, table_index_d, rows, seq_lens, prefix, ext,
          start) = wide.split_with_sizes([num_tokens] * 4 + [bs] * 5)  # one call, not split()
