@@ -178,16 +178,20 @@ def test_decode_graph_replay_equals_eager(shape, live):
     case = make_case(ForwardMode.DECODE, [c - 1 for c in ctx], [1] * shape, 16, 4, 128, BF16,
                      "cuda", seed=shape, backend=backend)
     q, k, v = case.q.clone(), case.k.clone(), case.v.clone()  # the graph's static inputs
+    # the captured batch: its tensors are refreshed in place before each replay, as a graph
+    # runner does (the case's own batch keeps the lengths new batches are drawn from)
+    names = ("req_pool_indices", "seq_lens", "out_cache_loc")
+    static = dataclasses.replace(case.batch, **{n: getattr(case.batch, n).clone() for n in names})
     backend.init_cuda_graph_state(max_bs=32, max_num_tokens=32)
-    backend.init_forward_metadata_capture_cuda_graph(case.batch)
+    backend.init_forward_metadata_capture_cuda_graph(static)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        store_and_attend(backend, q, k, v, case.layer, case.batch)  # compile outside the capture
+        store_and_attend(backend, q, k, v, case.layer, static)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = store_and_attend(backend, q, k, v, case.layer, case.batch)
+        out = store_and_attend(backend, q, k, v, case.layer, static)
     pool = case.batch.kv_pool
     for _ in range(3):
         batch = _replay_batch(case, rng, live, shape)
@@ -197,7 +201,9 @@ def test_decode_graph_replay_equals_eager(shape, live):
         keep[batch.out_cache_loc] = False
         before = pool.k_buffers[0][keep].clone()
         out.fill_(float("nan"))
-        backend.init_forward_metadata_replay_cuda_graph(batch)
+        for n in names:
+            getattr(static, n).copy_(getattr(batch, n))
+        backend.init_forward_metadata_replay_cuda_graph(static)
         graph.replay()
         replayed = out.clone()
         assert torch.equal(pool.k_buffers[0][keep], before), "padding wrote a live KV slot"

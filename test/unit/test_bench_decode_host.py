@@ -19,7 +19,9 @@ def test_decode_host_bench_times_every_batch_size_and_releases(tmp_path):
     assert [r["bs"] for r in doc["summary"]] == [1, 3]
     for row in doc["summary"]:
         assert row["prepare_us"] > 0 and row["forward_us"] > 0
-        assert row["step_ms"] * 1e3 > row["prepare_us"] + row["forward_us"]
+        # each step contains its prepare and forward, so its median exceeds theirs (the median
+        # of the sums need not exceed the sum of the medians)
+        assert row["step_ms"] * 1e3 > max(row["prepare_us"], row["forward_us"])
         assert row["context"] == 12 and row["steps"] == 4
 
     runner = bench.build_runner(str(tmp_path / "ckpt"), "cpu", 2, 40)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
-from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode, send_packed
+from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
+from replaylm.model_executor.packed_inputs import send_packed
 
 
 def _create(mode: ForwardMode, new_ids: list[list[int]], prefix: list[int], rows: list[int],

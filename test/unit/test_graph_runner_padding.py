@@ -1,6 +1,6 @@
-"""Graph runners' padding, checked eagerly on the CPU: a live batch copied into the static
-buffers and padded up to a captured shape must give the live requests the same logits, and the
-padding must touch no live KV slot or request row."""
+"""Graph runners' padding, checked eagerly on the CPU: a live batch copied into (or built in) a
+shape's static inputs and padded up to that shape must give the live requests the same logits,
+and the padding must touch no live KV slot or request row."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGr
 from replaylm.model_executor.cuda_graph.backend.factory import create_graph_backend
 from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
+from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
@@ -41,26 +42,44 @@ def _kv_snapshot(runner: ModelRunner, skip: torch.Tensor) -> list[torch.Tensor]:
     return [k[keep].clone() for k in runner.kv_pool.k_buffers]
 
 
-def test_decode_padding_is_harmless(runner):
-    reqs = _reqs([5, 9, 3])
+_COPIED = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+           "prefix_lens")
+
+
+def _assert_padded(graph_runner: DecodeCudaGraphRunner, padded, live, shape: int) -> None:
+    """`padded` views `shape`'s inputs: the live requests' fields, then padding requests."""
+    inputs, n = graph_runner.inputs[shape], live.batch_size
+    assert padded.batch_size == shape and padded.input_ids is inputs.field("input_ids")
+    assert padded.seq_lens_cpu == live.seq_lens_cpu + [1] * (shape - n)
+    for name in _COPIED:
+        assert torch.equal(inputs.field(name)[:n], getattr(live, name))
+    assert inputs.field("req_pool_indices")[n:].eq(graph_runner.padding_row).all()
+    assert inputs.field("seq_lens")[n:].eq(1).all()
+    for name in ("input_ids", "positions", "out_cache_loc", "prefix_lens"):
+        assert not inputs.field(name)[n:].any()
+    assert padded.extend_seq_lens.eq(1).all()
+    assert torch.equal(padded.extend_start_loc, torch.arange(shape))
+
+
+def _decode_step(runner: ModelRunner, lens: list[int]):
+    """Requests of `lens` prompt tokens, prefilled, with a decode batch built eagerly."""
+    reqs = _reqs(lens)
     runner.forward(prepare_extend(reqs, runner))
     for r in reqs:
         r.output_ids.append(7)
-    live = prepare_decode(reqs, runner)
+    return reqs, prepare_decode(reqs, runner)
+
+
+def test_decode_padding_is_harmless(runner):
+    """A batch built elsewhere is copied into the shape's inputs and padded."""
+    reqs, live = _decode_step(runner, [5, 9, 3])
     expected = runner.forward(live)
     kv_before = _kv_snapshot(runner, live.out_cache_loc)  # live slots get rewritten
     graph_runner = DecodeCudaGraphRunner(runner, _plain(runner), shapes=[1, 4, 8])
     assert graph_runner.shape_for(3) == 4
-    graph_runner.buffers.input_ids.fill_(99)  # stale values the fill must overwrite
+    graph_runner.inputs[8].field("input_ids").fill_(99)  # stale values the fill must overwrite
     padded = graph_runner.fill(live, 8)
-    assert padded.batch_size == 8 and padded.seq_lens_cpu[3:] == [1] * 5
-    buf = graph_runner.buffers
-    for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
-                 "prefix_lens"):
-        assert torch.equal(getattr(buf, name)[:3], getattr(live, name))
-    assert buf.req_pool_indices[3:8].eq(graph_runner.padding_row).all()
-    assert buf.seq_lens[3:8].eq(1).all() and not buf.input_ids[3:8].any()
-    assert not buf.out_cache_loc[3:8].any() and not buf.positions[3:8].any()
+    _assert_padded(graph_runner, padded, live, 8)
     runner.attn_backend.init_forward_metadata(padded)
     got = graph_runner.finish(graph_runner.forward_fn(padded), live)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -69,8 +88,44 @@ def test_decode_padding_is_harmless(runner):
     assert not runner.req_to_token_pool.req_to_token[graph_runner.padding_row].any()
     again = graph_runner.fill(None, 8)  # all padding now: the same batch object, refilled
     assert again is padded and again.seq_lens_cpu == [1] * 8
-    assert buf.req_pool_indices[:8].eq(graph_runner.padding_row).all()
-    assert not buf.input_ids[:8].any() and buf.seq_lens[:8].eq(1).all()
+    inputs = graph_runner.inputs[8]
+    assert inputs.field("req_pool_indices").eq(graph_runner.padding_row).all()
+    assert not inputs.field("input_ids").any() and inputs.field("seq_lens").eq(1).all()
+    for r in reqs:
+        release(r, runner)
+
+
+def test_decode_batch_built_in_the_graphs_inputs_is_replayed_without_a_copy(runner, monkeypatch):
+    """`ForwardBatch.create(into=...)` packs a decode batch, padded, straight into the inputs
+    of the shape that replays it: the same values as the batch built elsewhere, the same logits,
+    the table's padding row untouched, and `fill` copies nothing."""
+    reqs, eager = _decode_step(runner, [4, 11, 6])
+    expected = runner.forward(eager)
+    graph_runner = DecodeCudaGraphRunner(runner, _plain(runner), shapes=[1, 4, 8])
+    into = graph_runner.inputs_for(3)
+    assert into is graph_runner.inputs[4] and graph_runner.inputs_for(9) is None
+    assert graph_runner.inputs_for(0) is None
+    built = ForwardBatch.create(
+        ForwardMode.DECODE, [[r.last_id] for r in reqs], [r.kv_len - 1 for r in reqs],
+        [r.req_pool_idx for r in reqs], eager.out_cache_loc.tolist(), runner.req_to_token_pool,
+        runner.kv_pool, runner.attn_backend, into=into)
+    assert built.batch_size == 3 and into.holds(built.input_ids)
+    assert built.seq_lens_cpu == eager.seq_lens_cpu
+    copies = []
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: copies.append(a))
+    padded = graph_runner.fill(built, 4)
+    assert not copies
+    graph_runner.fill(eager, 4)  # a batch built elsewhere is copied (not run: patched out)
+    assert len(copies) == 1
+    _assert_padded(graph_runner, padded, eager, 4)
+    assert not runner.req_to_token_pool.req_to_token[graph_runner.padding_row].any()
+    runner.attn_backend.init_forward_metadata(padded)
+    got = graph_runner.finish(graph_runner.forward_fn(padded), built)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot hold a DECODE batch of 5"):
+        ForwardBatch.create(ForwardMode.DECODE, [[1]] * 5, [0] * 5, [0] * 5, [1] * 5,
+                            runner.req_to_token_pool, runner.kv_pool, runner.attn_backend,
+                            into=into)
     for r in reqs:
         release(r, runner)
 

@@ -91,6 +91,10 @@ class CompiledForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         start_forward()
+        # fresh copies (two small kernels, in the first captured piece): a decode graph's inputs
+        # are views of one packed buffer, at storage offsets that vary with the shape, and
+        # Dynamo specialises an offset of 0 or 1 (a recompile, refused after the first compile)
+        input_ids, positions = input_ids.clone(), positions.clone()
         with kernels_in_compiled_code(self.options.kernels == "fused"):
             if self.is_compiled:
                 with torch.compiler.set_stance("fail_on_recompile"):

@@ -1,14 +1,14 @@
 """ForwardBatch: everything one forward pass of the model sees, as device tensors.
 
 Tokens of all requests are packed along one flat token dimension (`T` = `num_tokens`): request `i`
-owns tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`. A graph runner later
-copies these tensors into its static buffers, so every field a kernel reads is a tensor here; the
-`*_cpu` lists are host copies for code that needs sizes without a device sync.
+owns tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`. Every field a
+kernel reads is a tensor here: a graph runner copies them into its static inputs, or reads them
+in place when the batch was built there (`DecodeInputs`); the `*_cpu` lists are host copies for
+code that needs sizes without a device sync.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -16,6 +16,8 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
+
+from replaylm.model_executor.packed_inputs import DecodeInputs, pack_host, send_packed
 
 if TYPE_CHECKING:
     from replaylm.layers.attention.base import AttentionBackend
@@ -73,6 +75,7 @@ class ForwardBatch:
         req_to_token_pool: ReqToTokenPool,
         kv_pool: KVPool,
         attn_backend: AttentionBackend,
+        into: DecodeInputs | None = None,
     ) -> ForwardBatch:
         """Pack per-request host lists into device tensors and record every new token's KV slot
         in the request table (`req_to_token_pool.write`), so the batch's attention can read it.
@@ -84,7 +87,22 @@ class ForwardBatch:
 
         `new_token_ids[i]` are request i's tokens for this step, at positions
         `prefix_lens[i] ..`; their KV slots are `out_cache_loc` in the same packed order.
+
+        `into` (decode only): the persistent inputs of a graph shape of at least this many
+        requests. The batch is packed there, padded to `into.size` with padding requests (token
+        0 at position 0 of the table's padding row, whose entry is KV slot 0, as it stays), and
+        the returned batch views its live requests' part.
         """
+        live = len(new_token_ids)
+        if into is not None:
+            pad = into.size - live
+            if not forward_mode.is_decode() or pad < 0:
+                raise ValueError(f"decode inputs of {into.size} requests cannot hold a "
+                                 f"{forward_mode.name} batch of {live}")
+            new_token_ids = [*new_token_ids, *[[0]] * pad]
+            prefix_lens = [*prefix_lens, *[0] * pad]
+            req_pool_indices = [*req_pool_indices, *[req_to_token_pool.padding_row] * pad]
+            out_cache_loc = [*out_cache_loc, *[0] * pad]
         ext_cpu = [len(t) for t in new_token_ids]
         seq_cpu = [p + n for p, n in zip(prefix_lens, ext_cpu, strict=True)]
         bs, num_tokens = len(ext_cpu), sum(ext_cpu)
@@ -100,44 +118,42 @@ class ForwardBatch:
         table_index = [r * width + j for r, p, s in spans for j in range(p, s)]
         starts = list(accumulate(ext_cpu, initial=0))
         starts.pop()
-        wide, narrow = send_packed(
-            req_to_token_pool.device,
-            token_ids + positions + list(out_cache_loc) + table_index + req_pool_indices
-            + seq_cpu + prefix_lens + ext_cpu + starts,
-            out_cache_loc)
-        (input_ids, positions_d, slots, table_index_d, rows, seq_lens, prefix, ext,
-         start) = wide.split_with_sizes([num_tokens] * 4 + [bs] * 5)  # one call, not split()
-        req_to_token_pool.write(table_index_d, narrow)
+        wide = (token_ids + positions + list(out_cache_loc) + table_index + req_pool_indices
+                + seq_cpu + prefix_lens + ext_cpu + starts)  # in PACKED_FIELDS' order
+        if into is None:
+            wide_d, narrow = send_packed(req_to_token_pool.device, wide, out_cache_loc)
+            fields = wide_d.split_with_sizes([num_tokens] * 4 + [bs] * 5)  # one call
+        else:
+            into.load(pack_host(wide, out_cache_loc))
+            fields, narrow = into.fields, into.slots32
+        req_to_token_pool.write(fields[3], narrow)
+        if into is not None:
+            fields = into.live(live)
+        return cls.from_fields(forward_mode, fields, seq_cpu[:live], ext_cpu[:live],
+                               req_to_token_pool, kv_pool, attn_backend)
+
+    @classmethod
+    def from_fields(
+        cls, forward_mode: ForwardMode, fields: Sequence[torch.Tensor], seq_lens_cpu: list[int],
+        extend_seq_lens_cpu: list[int], req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
+        attn_backend: AttentionBackend,
+    ) -> ForwardBatch:
+        """A batch over device tensors in `PACKED_FIELDS` order (the table index is not kept)."""
+        input_ids, positions, slots, _, rows, seq_lens, prefix, ext, start = fields
         return cls(
             forward_mode=forward_mode,
-            batch_size=bs,
+            batch_size=len(seq_lens_cpu),
             input_ids=input_ids,
-            positions=positions_d,
+            positions=positions,
             seq_lens=seq_lens,
             prefix_lens=prefix,
             extend_seq_lens=ext,
             extend_start_loc=start,
             req_pool_indices=rows,
             out_cache_loc=slots,
-            seq_lens_cpu=seq_cpu,
-            extend_seq_lens_cpu=ext_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_seq_lens_cpu=extend_seq_lens_cpu,
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
             attn_backend=attn_backend,
         )
-
-
-def send_packed(device: torch.device, wide: Sequence[int], narrow: Sequence[int]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`wide` as int64, `narrow` as int32) on `device`, sent in one host-to-device copy. The
-    values are packed into one host buffer by the `array` module (a C loop; `torch.tensor` of a
-    list costs ~0.2 us per element), and every step is one torch call (each costs host time)."""
-    buffer = bytearray(array("q", wide))
-    buffer += array("i", narrow)
-    if not buffer:
-        empty = torch.empty(0, dtype=torch.int64, device=device)
-        return empty, empty.view(torch.int32)
-    host = torch.frombuffer(buffer, dtype=torch.uint8)
-    on_device = host.to(device, non_blocking=True)  # pageable: staged before the call returns
-    head, tail = on_device.split_with_sizes([8 * len(wide), 4 * len(narrow)])
-    return head.view(torch.int64), tail.view(torch.int32)

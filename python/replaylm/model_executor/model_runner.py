@@ -27,6 +27,7 @@ from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunn
 from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
 from replaylm.model_executor.forward_batch import ForwardBatch
 from replaylm.model_executor.forward_stats import ForwardStats
+from replaylm.model_executor.packed_inputs import DecodeInputs
 from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.model_loader.loader import load_model, load_model_config
 from replaylm.server_args import ServerArgs
@@ -152,6 +153,13 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             self.args.max_running_requests, self.context_len, self.device
         )
+
+    def decode_inputs(self, batch_size: int) -> DecodeInputs | None:
+        """Where a decode batch of `batch_size` requests is best built (`ForwardBatch.create`'s
+        `into`): the inputs of the decode graph that will replay it, so the replay copies
+        nothing; None without decode graphs or beyond their largest shape."""
+        graphs = self.graph_runners.get("decode")
+        return graphs.inputs_for(batch_size) if isinstance(graphs, DecodeCudaGraphRunner) else None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -12,6 +12,7 @@ from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from replaylm.model_executor.model_runner import ModelRunner
+    from replaylm.model_executor.packed_inputs import DecodeInputs
     from replaylm.runtime.request import Req
 
 
@@ -45,14 +46,16 @@ def prepare_extend(
 
 
 def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
-    """A DECODE batch: each request's last token (the one not yet in the cache)."""
+    """A DECODE batch: each request's last token (the one not yet in the cache). It is built in
+    the inputs of the decode graph that will replay it, where there is one (`decode_inputs`), so
+    it stays valid until the next decode batch is prepared."""
     runner.req_to_token_pool.check_fits(max((r.kv_len for r in reqs), default=0) + 1)
     slots = runner.token_allocator.alloc(len(reqs))
     prefix_lens = [r.kv_len for r in reqs]
     for req in reqs:
         req.kv_len += 1
     return _create(ForwardMode.DECODE, reqs, [[r.last_id] for r in reqs], prefix_lens, slots,
-                   runner)
+                   runner, runner.decode_inputs(len(reqs)))
 
 
 def release(req: Req, runner: ModelRunner) -> None:
@@ -67,11 +70,11 @@ def release(req: Req, runner: ModelRunner) -> None:
 
 def _create(
     mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]], prefix_lens: list[int],
-    slots: list[int], runner: ModelRunner,
+    slots: list[int], runner: ModelRunner, into: DecodeInputs | None = None,
 ) -> ForwardBatch:
     """The batch; ForwardBatch.create also records each new token's slot in the request table
     (at its request's row and its position), from the batch's one host-to-device copy."""
     return ForwardBatch.create(
         mode, new_ids, prefix_lens, [r.req_pool_idx for r in reqs], slots,
-        runner.req_to_token_pool, runner.kv_pool, runner.attn_backend,
+        runner.req_to_token_pool, runner.kv_pool, runner.attn_backend, into,
     )

@@ -13,7 +13,7 @@ shares (index tables, masks). Backends usable inside a `full` CUDA graph also im
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -70,14 +70,6 @@ class AttentionBackend(ABC):
         """One query token per request over its whole sequence, into `out`."""
 
 
-class GraphInputs(Protocol):
-    """A graph runner's static per-request and per-token inputs (its StaticBuffers)."""
-
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    out_cache_loc: torch.Tensor
-
-
 class CudaGraphAttentionBackend(AttentionBackend):
     """A backend whose metadata can live in static buffers, as a `full` CUDA graph needs.
 
@@ -86,24 +78,22 @@ class CudaGraphAttentionBackend(AttentionBackend):
     0, or length 1 over the request table's zero padding row, writing KV slot 0) must be
     harmless: they may race on slot 0 and their outputs are undefined, but they touch no live
     slot. q/k/v come from the captured graph's own (static) tensors; the KV pool and the request
-    table are static by construction.
+    table are static by construction; and the graph runner replays each shape with the very batch
+    object it captured, whose tensors it refreshes in place, so the kernels may read the batch's
+    own tensors (request rows, lengths, KV slots) with nothing copied.
     """
 
     @abstractmethod
-    def init_cuda_graph_state(
-        self, max_bs: int, max_num_tokens: int, inputs: GraphInputs | None = None
-    ) -> None:
-        """Allocate, once, every metadata buffer a captured graph will read, for batches of up
-        to `max_bs` requests and `max_num_tokens` tokens. `inputs`: the graph runner's own
-        static buffers of those sizes, which the backend may read in place of copies of its own
-        (a replay whose batch views them then copies nothing)."""
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate, once, every buffer a captured graph reads beyond its batch's own tensors,
+        for batches of up to `max_bs` requests and `max_num_tokens` tokens."""
 
     @abstractmethod
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
-        """Copy `batch`'s metadata into the static buffers and point the kernels at them, for a
-        capture of `batch`'s shape (the forward passes that follow are warm-up and capture)."""
+        """Point the kernels at static metadata for a capture of `batch`'s shape (the forward
+        passes that follow are warm-up and capture)."""
 
     @abstractmethod
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
-        """Refresh the static buffers' contents in place from `batch` (the batch size its graph
-        was captured for, any lengths), before that graph's replay."""
+        """Refresh whatever static metadata is derived from `batch` (the very batch its graph
+        captured, its tensors refreshed with any lengths) before that graph's replay."""

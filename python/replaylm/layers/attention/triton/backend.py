@@ -1,13 +1,13 @@
 """TritonAttnBackend: the default attention backend on CUDA, capturable in `full` CUDA graphs.
 
 Per batch, `init_forward_metadata` only picks tensors the batch already has (no launch, no host
-sync); the layers of an eager decode batch share one split-K workspace. For a `full` decode graph
-the backend keeps its own static copies of what the kernels read per request or token (request
-rows, sequence lengths, KV slots of the new tokens): the capture hook points the kernels at them,
-the replay hook refreshes them in place. The number of KV splits is a function of the batch size
-alone, so a graph captured for a batch size serves any lengths, and eager and replayed decode of
-the same batch compute exactly the same thing (a captured graph merges the KV slices in a launch
-of its own, eager decode in the attention launch: the same numbers either way).
+sync); the layers of an eager decode batch share one split-K workspace. In a `full` decode graph
+the kernels read what they need per request or token (request rows, sequence lengths, KV slots of
+the new tokens) from the captured batch's own tensors, which the graph runner refreshes in place,
+so a replay copies nothing. The number of KV splits is a function of the batch size alone, so a
+graph captured for a batch size serves any lengths, and eager and replayed decode of the same batch
+compute exactly the same thing (a captured graph merges the KV slices in a launch of its own, eager
+decode in the attention launch: the same numbers either way).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replaylm.layers.attention.base import CudaGraphAttentionBackend, GraphInputs
+from replaylm.layers.attention.base import CudaGraphAttentionBackend
 from replaylm.layers.attention.triton.decode import (
     DecodeWorkspace,
     decode_attention,
@@ -60,12 +60,10 @@ class _ExtendMetadata:
 
 
 @dataclass
-class _GraphBuffers:
-    """Static per-request / per-token inputs of captured decode graphs."""
+class _GraphState:
+    """What captured decode graphs read beyond their batches' own tensors."""
 
-    req_pool_indices: torch.Tensor  # [max_bs]
-    seq_lens: torch.Tensor  # [max_bs]
-    out_cache_loc: torch.Tensor  # [max_num_tokens]
+    max_bs: int
     arrivals: torch.Tensor | None = None  # [max_bs * KV heads] int32 zeros, made at first capture
 
 
@@ -90,7 +88,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
     def __init__(self, deterministic: bool = False) -> None:
         self.deterministic = deterministic
         self._meta: _DecodeMetadata | _ExtendMetadata | None = None
-        self._graph: _GraphBuffers | None = None
+        self._graph: _GraphState | None = None
 
     # ---- eager ------------------------------------------------------------------------------
 
@@ -158,42 +156,27 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
 
     # ---- CUDA graphs ------------------------------------------------------------------------
 
-    def init_cuda_graph_state(
-        self, max_bs: int, max_num_tokens: int, inputs: GraphInputs | None = None
-    ) -> None:
-        """Static buffers for batches up to `max_bs` requests: `inputs`' own, or new ones on the
-        current CUDA device."""
-        if inputs is not None:
-            self._graph = _GraphBuffers(inputs.req_pool_indices[:max_bs],
-                                        inputs.seq_lens[:max_bs],
-                                        inputs.out_cache_loc[:max_num_tokens])
-            return
-        device = torch.device("cuda", torch.cuda.current_device())
-
-        def zeros(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int64, device=device)
-
-        self._graph = _GraphBuffers(zeros(max_bs), zeros(max_bs), zeros(max_num_tokens))
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Batches up to `max_bs` requests (the arrival counters are made at the first capture,
+        which knows the KV heads)."""
+        self._graph = _GraphState(max_bs)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
-        """Decode batches only: copy `batch` into the static buffers and point the kernels at
-        them, with the number of KV splits fixed for this batch size."""
-        graph = self._graph_buffers()
+        """Decode batches only: point the kernels at the batch's own tensors, with the number of
+        KV splits fixed for this batch size."""
+        graph = self._graph_state()
         if not batch.forward_mode.is_decode():
             raise ValueError("triton attention captures decode batches only")
-        bs = batch.batch_size
-        self._fill_graph_buffers(batch)
         if graph.arrivals is None:
-            graph.arrivals = torch.zeros(graph.seq_lens.shape[0] * batch.kv_pool.num_kv_heads,
-                                         dtype=torch.int32, device=graph.seq_lens.device)
+            graph.arrivals = torch.zeros(graph.max_bs * batch.kv_pool.num_kv_heads,
+                                         dtype=torch.int32, device=batch.seq_lens.device)
         self._meta = _DecodeMetadata(
-            graph.req_pool_indices[:bs], graph.seq_lens[:bs], graph.out_cache_loc[:bs],
+            batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
             self._num_splits(batch), graph_arrivals=graph.arrivals, separate_merge=True,
         )
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
-        """Copy `batch` (the size its graph was captured for) into the static buffers."""
-        self._fill_graph_buffers(batch)
+        """Nothing to refresh: the kernels read the captured batch's own tensors."""
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -202,21 +185,10 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         return self._meta
 
-    def _graph_buffers(self) -> _GraphBuffers:
+    def _graph_state(self) -> _GraphState:
         if self._graph is None:
             raise RuntimeError("init_cuda_graph_state was not called")
         return self._graph
-
-    def _fill_graph_buffers(self, batch: ForwardBatch) -> None:
-        """Copy `batch`'s metadata into the static buffers, unless it is already there (a batch
-        viewing the graph runner's buffers, when they are these)."""
-        graph = self._graph_buffers()
-        bs = batch.batch_size
-        for static, live in ((graph.req_pool_indices, batch.req_pool_indices),
-                             (graph.seq_lens, batch.seq_lens),
-                             (graph.out_cache_loc, batch.out_cache_loc)):
-            if live.data_ptr() != static.data_ptr():
-                static[:bs].copy_(live)
 
     def _num_splits(self, batch: ForwardBatch) -> int:
         if self.deterministic:

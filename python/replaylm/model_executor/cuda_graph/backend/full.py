@@ -1,10 +1,9 @@
 """`full`: the whole forward in one CUDA graph per shape, attention included.
 
-Attention reads its metadata from static buffers that the attention backend sets up once
-(`init_cuda_graph_state`: the runner's own input buffers, where the backend can use them),
-points the kernels at during capture, and refreshes in place before every replay (nothing to
-copy when they are the runner's); so the attention backend must implement
-CudaGraphAttentionBackend.
+Attention reads its metadata from static tensors: the graph runner replays each shape with the
+batch it captured, its tensors refreshed in place, so the attention backend points the kernels
+at that batch's own tensors at capture and a replay copies nothing. The attention backend must
+implement CudaGraphAttentionBackend.
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
 
     def prepare(self, runner: BaseCudaGraphRunner) -> None:
         self._runner = runner
-        self.attn.init_cuda_graph_state(runner.max_batch_size, runner.max_num_tokens,
-                                        runner.buffers)
+        self.attn.init_cuda_graph_state(runner.max_batch_size, runner.max_num_tokens)
 
     def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
         assert self._runner is not None, "prepare() first"

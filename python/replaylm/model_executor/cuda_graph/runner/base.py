@@ -1,11 +1,11 @@
 """BaseCudaGraphRunner: the backend-agnostic half of CUDA-graph execution for one phase.
 
-It owns the shapes to capture, the static input buffers, the memory pool that every graph of the
-phase shares, and the capture loop (largest shape first, gc frozen, progress bar, time and memory
-logged). At run time it pads a live batch up to the next captured shape (padding requests use the
-request table's zero padding row and KV slot 0, so they read and write nothing live), asks its
-backend to replay, and slices the output back to the live batch. Subclasses say what a shape key
-is and how a live batch is copied into the buffers.
+It owns the shapes to capture, the memory pool that every graph of the phase shares, and the capture
+loop (largest shape first, gc frozen, progress bar, time and memory logged). At run time it pads a
+live batch up to the next captured shape (padding requests use the request table's zero padding row
+and KV slot 0, so they read and write nothing live), asks its backend to replay, and slices the
+output back to the live batch. Subclasses say what a shape key is and own the static inputs the
+graphs read (how a live batch gets into them).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from replaylm.model_executor.cuda_graph.runner.static_buffers import StaticBuffers
 from replaylm.model_executor.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -67,9 +66,6 @@ class BaseCudaGraphRunner(ABC):
         self.backend = backend
         self.shapes = tuple(sorted(set(shapes)))
         self.max_batch_size, self.max_num_tokens = self.buffer_sizes()
-        self.buffers = StaticBuffers.allocate(
-            self.max_batch_size, self.max_num_tokens, model_runner.device
-        )
         self.padding_row = model_runner.req_to_token_pool.padding_row
         self.memory_pool = None  # graph pool handle: owned for as long as graphs may be captured
         self.capture_stream: torch.cuda.Stream | None = None
@@ -79,7 +75,7 @@ class BaseCudaGraphRunner(ABC):
 
     @abstractmethod
     def buffer_sizes(self) -> tuple[int, int]:
-        """(max requests, max tokens) the static buffers must hold."""
+        """(max requests, max tokens) of any padded batch of this phase."""
 
     @abstractmethod
     def shape_key(self, batch: ForwardBatch) -> int | None:
@@ -87,8 +83,9 @@ class BaseCudaGraphRunner(ABC):
 
     @abstractmethod
     def fill_buffers(self, batch: ForwardBatch | None, shape: int) -> ForwardBatch:
-        """Copy `batch` into the static buffers, padded to `shape`; return the padded batch
-        (a view of the buffers). `batch=None` builds the all-padding batch used at capture."""
+        """Copy `batch` into the static inputs of `shape` (unless it was built there), padded to
+        `shape`; return the padded batch (a view of those inputs). `batch=None` builds the
+        all-padding batch used at capture."""
 
     @abstractmethod
     def forward_fn(self, batch: ForwardBatch) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+from replaylm.model_executor.cuda_graph.runner.static_buffers import StaticBuffers
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -16,6 +17,12 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     runs attention outside the graph (breakable, tc_piecewise) can serve this phase."""
 
     phase = "prefill"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.buffers = StaticBuffers.allocate(
+            self.max_batch_size, self.max_num_tokens, self.model_runner.device
+        )
 
     def buffer_sizes(self) -> tuple[int, int]:
         return self.model_runner.args.max_running_requests + 1, self.shapes[-1]

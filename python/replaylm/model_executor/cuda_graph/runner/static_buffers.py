@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,10 +57,3 @@ class StaticBuffers:
             attn_backend=model_runner.attn_backend,
         )
 
-
-def copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """`dst.copy_(src)` for each pair, as one multi-tensor copy: one launch on CUDA where the
-    pairs share a dtype (the int64 batch fields), not one per pair. A replay's input copies are
-    host time that a step-by-step server's GPU waits through."""
-    if dsts:
-        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
