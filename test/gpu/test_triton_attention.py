@@ -181,17 +181,17 @@ def test_decode_graph_replay_equals_eager(shape, live):
     # the captured batch: its tensors are refreshed in place before each replay, as a graph
     # runner does (the case's own batch keeps the lengths new batches are drawn from)
     names = ("req_pool_indices", "seq_lens", "out_cache_loc")
-    static = dataclasses.replace(case.batch, **{n: getattr(case.batch, n).clone() for n in names})
+    captured = dataclasses.replace(case.batch, **{n: getattr(case.batch, n).clone() for n in names})
     backend.init_cuda_graph_state(max_bs=32, max_num_tokens=32)
-    backend.init_forward_metadata_capture_cuda_graph(static)
+    backend.init_forward_metadata_capture_cuda_graph(captured)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        store_and_attend(backend, q, k, v, case.layer, static)  # compile outside the capture
+        store_and_attend(backend, q, k, v, case.layer, captured)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = store_and_attend(backend, q, k, v, case.layer, static)
+        out = store_and_attend(backend, q, k, v, case.layer, captured)
     pool = case.batch.kv_pool
     for _ in range(3):
         batch = _replay_batch(case, rng, live, shape)
@@ -202,8 +202,8 @@ def test_decode_graph_replay_equals_eager(shape, live):
         before = pool.k_buffers[0][keep].clone()
         out.fill_(float("nan"))
         for n in names:
-            getattr(static, n).copy_(getattr(batch, n))
-        backend.init_forward_metadata_replay_cuda_graph(static)
+            getattr(captured, n).copy_(getattr(batch, n))
+        backend.init_forward_metadata_replay_cuda_graph(captured)
         graph.replay()
         replayed = out.clone()
         assert torch.equal(pool.k_buffers[0][keep], before), "padding wrote a live KV slot"

@@ -1,4 +1,5 @@
-"""The fixed device buffers a captured graph reads its inputs from."""
+"""The fixed device buffers a prefill graph reads its inputs from (decode shapes have their own
+`DecodeInputs`, where batches are built)."""
 
 from __future__ import annotations
 
