@@ -43,4 +43,8 @@ def test_debug_graph_path_generates_what_eager_generates(checkpoint, mode):
     stats = engine.runner.forward_stats.phases
     assert stats["prefill"].graph > 0 and stats["decode"].graph > 0  # the graph path ran
     assert stats["decode"].padding_tokens > 0  # 6 live requests padded to the shape 8
+    # decode batches are built in the inputs of the shape that replays them (none past 8)
+    decode = engine.runner.graph_runners["decode"]
+    assert engine.runner.decode_inputs(6) is decode.inputs[8]
+    assert engine.runner.decode_inputs(9) is None and engine.runner.decode_inputs(0) is None
     assert set(engine.runner.cuda_graph_stats()) == {"decode", "prefill"}
