@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replaylm.model_executor.packed_inputs import DecodeInputs, send_packed
+from replaylm.model_executor.packed_inputs import DecodeInputs, pack_host, send_packed
 
 if TYPE_CHECKING:
     from replaylm.layers.attention.base import AttentionBackend
@@ -124,7 +124,7 @@ class ForwardBatch:
             wide_d, narrow = send_packed(req_to_token_pool.device, wide, out_cache_loc)
             fields = wide_d.split_with_sizes([num_tokens] * 4 + [bs] * 5)  # one call
         else:
-            into.load(wide, out_cache_loc)
+            into.load(pack_host(wide, out_cache_loc))
             fields, narrow = into.fields, into.slots32
         req_to_token_pool.write(fields[3], narrow)
         if into is not None:

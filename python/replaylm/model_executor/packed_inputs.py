@@ -18,22 +18,21 @@ PACKED_FIELDS = ("input_ids", "positions", "out_cache_loc", "table_index", "req_
                  "seq_lens", "prefix_lens", "extend_seq_lens", "extend_start_loc")
 
 
-def pack(wide: Sequence[int], narrow: Sequence[int]) -> bytearray:
-    """`wide` as int64 then `narrow` as int32, in one host buffer. The `array` module packs them
-    (a C loop; `torch.tensor` of a list costs ~0.2 us per element on a GPU host)."""
+def pack_host(wide: Sequence[int], narrow: Sequence[int]) -> torch.Tensor:
+    """`wide` as int64 then `narrow` as int32, in one host uint8 tensor. The `array` module packs
+    them (a C loop; `torch.tensor` of a list costs ~0.2 us per element on a GPU host)."""
     buffer = bytearray(array("q", wide))
     buffer += array("i", narrow)
-    return buffer
+    if not buffer:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def send_packed(device: torch.device, wide: Sequence[int], narrow: Sequence[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`wide` as int64, `narrow` as int32) on `device`, sent in one host-to-device copy; every
     step is one torch call (each costs host time)."""
-    buffer = pack(wide, narrow)
-    host = (torch.frombuffer(buffer, dtype=torch.uint8) if buffer
-            else torch.empty(0, dtype=torch.uint8))
-    on_device = host.to(device, non_blocking=True)  # pageable: staged before the call returns
+    on_device = pack_host(wide, narrow).to(device, non_blocking=True)  # pageable: staged now
     head, tail = on_device.split_with_sizes([8 * len(wide), 4 * len(narrow)])
     return head.view(torch.int64), tail.view(torch.int32)
 
@@ -46,10 +45,6 @@ class DecodeInputs:
     A batch built here stays valid until the next one is: `load` overwrites the buffer in stream
     order, so work queued before reads its own batch's values, and a host that builds one batch
     per step (as the scheduler does) never sees two.
-
-    On CUDA the batch crosses from a pinned host copy of the buffer, asynchronously (a pageable
-    copy is staged by the driver first: ~28 us of host time per decode step on an H100 host);
-    `load` waits for the previous copy out of it before overwriting it.
     """
 
     def __init__(self, size: int, device: torch.device) -> None:
@@ -57,16 +52,11 @@ class DecodeInputs:
             raise ValueError(f"decode inputs need at least one request, got {size}")
         self.size = size
         wide_bytes = 8 * len(PACKED_FIELDS) * size
-        nbytes = wide_bytes + 4 * size
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(wide_bytes + 4 * size, dtype=torch.uint8, device=device)
         wide, narrow = self.buffer.split_with_sizes([wide_bytes, 4 * size])
         self.fields: tuple[torch.Tensor, ...] = tuple(wide.view(torch.int64).split(size))
         self.slots32 = narrow.view(torch.int32)
         self._live: dict[int, tuple[torch.Tensor, ...]] = {size: self.fields}
-        on_cuda = device.type == "cuda"
-        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_cuda)
-        self._host_bytes = memoryview(self._host.numpy())  # writes without a torch call
-        self._copied = torch.cuda.Event() if on_cuda else None
 
     def field(self, name: str) -> torch.Tensor:
         return self.fields[PACKED_FIELDS.index(name)]
@@ -82,15 +72,6 @@ class DecodeInputs:
         """Whether a batch with these `input_ids` was built here."""
         return input_ids.data_ptr() == self.fields[0].data_ptr()
 
-    def load(self, wide: Sequence[int], narrow: Sequence[int]) -> None:
-        """Pack `wide` (the nine fields, `size` each) and `narrow` (`size` slots) into the
-        buffer: one asynchronous copy."""
-        packed = pack(wide, narrow)
-        if len(packed) != len(self._host_bytes):
-            raise ValueError(f"{len(packed)} bytes for decode inputs of {len(self._host_bytes)}")
-        if self._copied is not None:
-            self._copied.synchronize()  # the last copy has read the host buffer
-        self._host_bytes[:] = packed
-        self.buffer.copy_(self._host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+    def load(self, host: torch.Tensor) -> None:
+        """One copy of a `pack_host` buffer of this layout into the device buffer."""
+        self.buffer.copy_(host, non_blocking=True)
