@@ -8,7 +8,7 @@ import torch
 
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
-from replaylm.model_executor.packed_inputs import send_packed
+from replaylm.model_executor.packed_inputs import DecodeInputs, send_packed
 
 
 def _create(mode: ForwardMode, new_ids: list[list[int]], prefix: list[int], rows: list[int],
@@ -70,3 +70,29 @@ def test_an_empty_batch_has_empty_fields():
     batch = _create(ForwardMode.IDLE, [], [], [])
     assert batch.batch_size == 0 and batch.num_tokens == 0
     assert batch.positions.numel() == batch.seq_lens.numel() == 0
+
+
+def test_a_decode_batch_built_in_decode_inputs_is_padded_there():
+    """`create(into=...)`: the live requests' fields and table entries as without it, then
+    padding requests (token 0 at position 0 of the padding row, KV slot 0, length 1) up to the
+    inputs' size; the batch views the live part, and the padding row stays all zeros."""
+    table = ReqToTokenPool(8, 16, "cpu")
+    into = DecodeInputs(4, torch.device("cpu"))
+    batch = ForwardBatch.create(ForwardMode.DECODE, [[42], [43]], [5, 9], [3, 6], [100, 101],
+                                table, None, None, into=into)
+    assert batch.batch_size == 2 and batch.seq_lens_cpu == [6, 10]
+    assert into.holds(batch.input_ids) and batch.input_ids is into.live(2)[0]
+    assert table.slots(3, 5, 6) == [100] and table.slots(6, 9, 10) == [101]
+    assert not table.req_to_token[table.padding_row].any()
+    values = {name: into.field(name).tolist() for name in
+              ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+               "prefix_lens", "extend_seq_lens", "extend_start_loc")}
+    pad = table.padding_row
+    assert values == {"input_ids": [42, 43, 0, 0], "positions": [5, 9, 0, 0],
+                      "out_cache_loc": [100, 101, 0, 0], "req_pool_indices": [3, 6, pad, pad],
+                      "seq_lens": [6, 10, 1, 1], "prefix_lens": [5, 9, 0, 0],
+                      "extend_seq_lens": [1] * 4, "extend_start_loc": [0, 1, 2, 3]}
+    assert into.slots32.tolist() == [100, 101, 0, 0]
+    with pytest.raises(ValueError, match="cannot hold 1 requests in EXTEND mode"):
+        ForwardBatch.create(ForwardMode.EXTEND, [[1]], [0], [0], [7], table, None, None,
+                            into=into)

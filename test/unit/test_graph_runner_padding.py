@@ -122,7 +122,7 @@ def test_decode_batch_built_in_the_graphs_inputs_is_replayed_without_a_copy(runn
     runner.attn_backend.init_forward_metadata(padded)
     got = graph_runner.finish(graph_runner.forward_fn(padded), built)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="cannot hold a DECODE batch of 5"):
+    with pytest.raises(ValueError, match="cannot hold 5 requests in DECODE mode"):
         ForwardBatch.create(ForwardMode.DECODE, [[1]] * 5, [0] * 5, [0] * 5, [1] * 5,
                             runner.req_to_token_pool, runner.kv_pool, runner.attn_backend,
                             into=into)

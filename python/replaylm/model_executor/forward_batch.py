@@ -97,8 +97,8 @@ class ForwardBatch:
         if into is not None:
             pad = into.size - live
             if not forward_mode.is_decode() or pad < 0:
-                raise ValueError(f"decode inputs of {into.size} requests cannot hold a "
-                                 f"{forward_mode.name} batch of {live}")
+                raise ValueError(f"decode inputs of {into.size} requests cannot hold "
+                                 f"{live} requests in {forward_mode.name} mode")
             new_token_ids = [*new_token_ids, *[[0]] * pad]
             prefix_lens = [*prefix_lens, *[0] * pad]
             req_pool_indices = [*req_pool_indices, *[req_to_token_pool.padding_row] * pad]
