@@ -17,11 +17,16 @@ copy bandwidth measured in this run.
 `--server-args` sets further ServerArgs fields of every runner, e.g. `{"deterministic": true}` or
 `{"small_batch_matmul": "triton"}` (the server flags' names, underscored); given several JSON
 objects, every run is repeated for each (a "variant" column), so kernels compare on one host.
+`--kernels fused native` repeats every run over the layers' torch code instead of their fused
+Triton kernels (`native_only()`: eager, full and breakable run it unfused, tc_piecewise hands it
+to its compiler as `--tc-piecewise-kernels native` does): what the compiler's own fusion is worth
+under the same graph breaks.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from replaylm.layers.kernels import native_only
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
@@ -138,32 +144,46 @@ def capture_row(model: str, runner: ModelRunner, phase: str) -> dict:
 
 
 def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,
-                bandwidth: float, extra: dict | None = None) -> tuple[list[dict], list[dict]]:
+                bandwidth: float, extra: dict | None = None,
+                kernels: str = "fused") -> tuple[list[dict], list[dict]]:
     """Each run is a `--cuda-graph-mode` JSON; eager times come from the first runner. Rows and
-    captures name `extra` as their "variant"."""
+    captures name `extra` as their "variant" and `kernels` (fused, or native: every runner built
+    and timed in `native_only()`) as their "kernels"."""
+    extra = extra or {}
+    variant = json.dumps(extra)
+    route = contextlib.nullcontext()
+    if kernels == "native":
+        route, extra = native_only(), {**extra, "tc_piecewise_kernels": "native"}
+    with route:
+        rows, captures = _bench_runs(model, runs, bs_list, context, bandwidth, extra)
+    for r in rows + captures:
+        r.update(variant=variant, kernels=kernels)
+    return rows, captures
+
+
+def _bench_runs(model: str, runs: list[str], bs_list: list[int], context: int,
+                bandwidth: float, extra: dict) -> tuple[list[dict], list[dict]]:
     rows, captures, eager = [], [], {}
-    variant = json.dumps(extra or {})
     for modes in runs:
         runner = build_runner(model, modes, max(bs_list), context, extra)
         config = json.loads(modes)
         for phase in ("decode", "prefill"):
             if config.get(phase, "disabled") != "disabled":
-                captures.append({**capture_row(model, runner, phase), "variant": variant})
+                captures.append(capture_row(model, runner, phase))
         if config.get("prefill", "disabled") != "disabled":
             for n, length in PREFILL_CASES:
                 step = f"prefill {n}x{length}"
                 t = time_prefill(runner, n, length, eager=step not in eager)
                 eager.setdefault(step, t.get("eager_ms"))
                 rows.append({"model": model, "step": step, "mode": config["prefill"],
-                             "variant": variant, "eager_ms": eager[step], "graph_ms": t["graph_ms"],
-                             "floor_ms": None})
+                             "eager_ms": eager[step], "graph_ms": t["graph_ms"], "floor_ms": None})
         if config.get("decode", "disabled") != "disabled":
             for bs in bs_list:
                 step = f"decode bs{bs}"
                 t = time_decode(runner, bs, context, eager=step not in eager)
                 eager.setdefault(step, t.get("eager_ms"))
                 rows.append({"model": model, "step": step, "mode": config["decode"],
-                             "variant": variant, "eager_ms": eager[step], "graph_ms": t["graph_ms"],
+                             "eager_ms": eager[step], "graph_ms": t["graph_ms"],
                              "back_to_back_ms": t["back_to_back_ms"],
                              "floor_ms": decode_bytes(runner, bs, context) / (bandwidth * 1e6)})
         del runner
@@ -187,30 +207,36 @@ def main() -> None:
     parser.add_argument("--server-args", type=json.loads, nargs="+", default=[{}],
                         help="JSON object of further ServerArgs fields for every runner; "
                              "several: every run once per object")
+    parser.add_argument("--kernels", nargs="+", choices=("fused", "native"), default=["fused"],
+                        help="the layers' fused Triton kernels, or their torch code "
+                             "(native_only); several: every run once per choice")
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth_gbs()
     rows, captures = [], []
     for model in args.models:
-        for extra in args.server_args:
-            model_rows, model_captures = bench_model(model, args.runs, args.bs, args.context,
-                                                     bandwidth, extra)
-            rows += model_rows
-            captures += model_captures
+        for kernels in args.kernels:
+            for extra in args.server_args:
+                model_rows, model_captures = bench_model(model, args.runs, args.bs, args.context,
+                                                         bandwidth, extra, kernels)
+                rows += model_rows
+                captures += model_captures
 
     print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens")
     print(f"{'model':14} {'step':18} {'mode':13} {'eager ms':>9} {'graph ms':>9} "
-          f"{'speedup':>8} {'back-to-back ms':>16} {'floor ms':>9}  variant")
+          f"{'speedup':>8} {'back-to-back ms':>16} {'floor ms':>9} {'kernels':7}  variant")
     for r in rows:
         floor = f"{r['floor_ms']:9.3f}" if r["floor_ms"] is not None else f"{'':9}"
         b2b = f"{r['back_to_back_ms']:16.3f}" if "back_to_back_ms" in r else f"{'':16}"
         print(f"{r['model']:14} {r['step']:18} {r['mode']:13} {r['eager_ms']:9.3f} "
-              f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {b2b} {floor}  {r['variant']}")
+              f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {b2b} {floor} {r['kernels']:7}  "
+              f"{r['variant']}")
     for c in captures:
         compile_s = f" after {c['compile_s']} s compiling" if c["compile_s"] is not None else ""
         print(f"{c['model']}: {c['phase']} {c['mode']}: {c['shapes']} shapes captured in "
-              f"{c['capture_s']} s{compile_s}, {c['graph_mib']} MiB  {c['variant']}")
+              f"{c['capture_s']} s{compile_s}, {c['graph_mib']} MiB  {c['kernels']} {c['variant']}")
     summary = [{"model": r["model"], "step": r["step"], "mode": r["mode"], "variant": r["variant"],
+                "kernels": r["kernels"],
                 "graph_ms": round(r["graph_ms"], 3), "speedup": round(r["speedup"], 2),
                 **({"back_to_back_ms": round(r["back_to_back_ms"], 3)}
                    if "back_to_back_ms" in r else {}),
@@ -220,6 +246,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"copy_bandwidth_gbs": bandwidth,
                                          "server_args": args.server_args,
+                                         "kernels": args.kernels,
                                          "rows": rows,
                                          "captures": captures, "summary": summary}, indent=2))
 

@@ -90,8 +90,11 @@ def _mode_label(row: dict[str, Any]) -> str:
 
 
 def _variant_label(row: dict[str, Any]) -> str:
-    """" [key=value, ...]" of a bench_one_batch row's ServerArgs variant; "" for none."""
+    """" [key=value, ...]" of a bench_one_batch row's ServerArgs variant and its kernels where
+    native; "" for neither."""
     fields = json.loads(row.get("variant") or "{}")
+    if row.get("kernels") == "native":
+        fields["kernels"] = "native"
     return f" [{', '.join(f'{k}={v}' for k, v in fields.items())}]" if fields else ""
 
 

@@ -31,6 +31,7 @@ def one_batch_doc() -> dict:
                                             ("tc_piecewise", 3.0))]
     variant = json.dumps({"small_batch_matmul": "triton"})  # a second kernel variant's rows
     rows += [{**r, "variant": variant, "graph_ms": r["graph_ms"] * 0.9} for r in rows[:5]]
+    rows += [{**r, "kernels": "native", "graph_ms": r["graph_ms"] * 1.2} for r in rows[:5]]
     return {"copy_bandwidth_gbs": 3000.0, "rows": rows, "captures": [], "summary": []}
 
 
@@ -142,6 +143,8 @@ def test_one_batch_series_name_their_kernel_variant():
     assert plot._variant_label({"variant": "{}"}) == ""
     pdl = json.dumps({"small_batch_matmul": "triton", "enable_pdl": True})
     assert plot._variant_label({"variant": pdl}) == " [small_batch_matmul=triton, enable_pdl=True]"
+    assert plot._variant_label({"variant": "{}", "kernels": "fused"}) == ""
+    assert plot._variant_label({"variant": "{}", "kernels": "native"}) == " [kernels=native]"
 
 
 def test_serving_groups_are_labelled_by_what_bounds_them():
