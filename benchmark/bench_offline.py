@@ -3,7 +3,7 @@
     python benchmark/bench_offline.py [--model-path benchmark/configs/qwen3-0.6b.json]
         [--num-seqs 256] [--min-len 100] [--max-len 1024] [--seed 0] [--device auto]
         [--modes full breakable tc_piecewise disabled '{"decode": "full", "prefill": "disabled"}']
-        [--json out.json]
+        [--overlap on off] [--json out.json]
 
 The workload of nano-vllm's bench.py, so the numbers sit beside theirs (Qwen3-0.6B on an RTX 4070
 Laptop: nano-vllm 1,434 tok/s, vLLM 1,362 tok/s): `--num-seqs` prompts of random token ids
@@ -13,7 +13,9 @@ exactly its output length. A mode is a `--cuda-graph-mode` JSON object or a deco
 prefill phase then keeps its default). Per mode: a fresh Engine (random weights of the config's
 shapes with `--load-format dummy`), one untimed warm-up generation, then the whole batch in one
 `generate` call, timed by the wall clock (CUDA synchronised). Throughput is generated tokens per
-second. Prints a markdown table; `--json` writes `{"config", "summary": [one row per mode]}`.
+second. `--overlap on off` runs every mode with the overlap schedule and without it
+(`--disable-overlap-schedule`). Prints a markdown table; `--json` writes `{"config", "summary":
+[one row per mode and overlap setting]}`.
 """
 
 from __future__ import annotations
@@ -64,11 +66,11 @@ def cuda_graph_mode(mode: str) -> str:
     return json.dumps({"decode": mode}) if mode in MODES else mode
 
 
-def build_engine(args: argparse.Namespace, mode: str) -> Engine:
+def build_engine(args: argparse.Namespace, mode: str, overlap: bool = True) -> Engine:
     """An Engine whose context holds the longest prompt plus the longest output."""
     return Engine(model_path=str(args.model_path), load_format=args.load_format,
                   device=args.device, seed=args.seed, context_length=2 * args.max_len,
-                  cuda_graph_mode=cuda_graph_mode(mode))
+                  cuda_graph_mode=cuda_graph_mode(mode), disable_overlap_schedule=not overlap)
 
 
 def _sync(engine: Engine) -> None:
@@ -97,17 +99,20 @@ def run_mode(engine: Engine, mode: str, workload: Workload) -> dict[str, Any]:
         output_tokens=sum(len(o["output_ids"]) for o in outputs),
         requested_output_tokens=sum(workload.output_lens), seconds=seconds,
         forwards=dataclasses.asdict(engine.runner.forward_stats)["phases"],
+        overlap=engine.scheduler.overlap,
     )
 
 
 def result_row(mode: str, resolved: str, num_seqs: int, input_tokens: int, output_tokens: int,
                requested_output_tokens: int, seconds: float,
-               forwards: dict[str, dict[str, int]]) -> dict[str, Any]:
+               forwards: dict[str, dict[str, int]], overlap: bool = True) -> dict[str, Any]:
     """One mode's summary row. `resolved` is the engine's per-phase config as JSON; `forwards`
-    counts the timed run's graph / eager forward passes per phase."""
+    counts the timed run's graph / eager forward passes per phase; `overlap`: whether the
+    scheduler overlapped decode steps."""
     phases = json.loads(resolved)
     return {
-        "name": f"offline {mode}", "mode": mode, "decode": phases["decode"],
+        "name": f"offline {mode}" + ("" if overlap else " no-overlap"), "mode": mode,
+        "decode": phases["decode"], "overlap": overlap,
         "prefill": phases["prefill"], "num_seqs": num_seqs, "input_tokens": input_tokens,
         "output_tokens": output_tokens, "requested_output_tokens": requested_output_tokens,
         "seconds": round(seconds, 3), "output_throughput": round(output_tokens / seconds, 2),
@@ -118,20 +123,22 @@ def result_row(mode: str, resolved: str, num_seqs: int, input_tokens: int, outpu
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """One line per mode; "graph decode steps" counts those replayed from a CUDA graph."""
-    lines = ["| decode | prefill | seqs | output tokens | seconds | output tok/s | total tok/s "
-             "| graph decode steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| decode | prefill | overlap | seqs | output tokens | seconds | output tok/s "
+             "| total tok/s | graph decode steps |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         decode = r["forwards"]["decode"]
+        overlap = "on" if r.get("overlap", True) else "off"
         lines.append(
-            f"| {r['decode']} | {r['prefill']} | {r['num_seqs']} | {r['output_tokens']} | "
+            f"| {r['decode']} | {r['prefill']} | {overlap} | {r['num_seqs']} | "
+            f"{r['output_tokens']} | "
             f"{r['seconds']:.2f} | {r['output_throughput']:.0f} | {r['total_throughput']:.0f} | "
             f"{decode['graph']}/{decode['graph'] + decode['eager']} |")
     return "\n".join(lines)
 
 
-def bench_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+def bench_mode(args: argparse.Namespace, mode: str, overlap: bool = True) -> dict[str, Any]:
     """Build the mode's Engine, run the workload; the Engine is garbage once this returns."""
-    engine = build_engine(args, mode)
+    engine = build_engine(args, mode, overlap)
     workload = make_workload(args.num_seqs, args.min_len, args.max_len, args.seed,
                              engine.runner.config.vocab_size)
     return run_mode(engine, mode, workload)
@@ -157,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="the workload's and the weights'")
     parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
                         help="decode-mode names or --cuda-graph-mode JSON objects")
+    parser.add_argument("--overlap", nargs="+", choices=("on", "off"), default=["on"],
+                        help="the scheduler's overlap schedule; several: every mode with each")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -179,14 +188,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     rows = []
     for mode in args.modes:
-        rows.append(bench_mode(args, mode))
-        print(f"{mode}: {rows[-1]['output_throughput']:.0f} output tok/s", flush=True)
-        if rows[-1]["output_tokens"] != rows[-1]["requested_output_tokens"]:
-            print(f"warning: {mode} generated {rows[-1]['output_tokens']} tokens, "
-                  f"{rows[-1]['requested_output_tokens']} were requested")
-        if args.json:
-            write_json(args, rows)
-        free_memory()
+        for overlap in args.overlap:
+            rows.append(bench_mode(args, mode, overlap == "on"))
+            label = f"{mode} (overlap {overlap})"
+            print(f"{label}: {rows[-1]['output_throughput']:.0f} output tok/s", flush=True)
+            if rows[-1]["output_tokens"] != rows[-1]["requested_output_tokens"]:
+                print(f"warning: {label} generated {rows[-1]['output_tokens']} tokens, "
+                      f"{rows[-1]['requested_output_tokens']} were requested")
+            if args.json:
+                write_json(args, rows)
+            free_memory()
     print(f"\n{markdown_table(rows)}")
     return rows
 

@@ -198,7 +198,9 @@ def _mode_bars(docs: list[Doc], key: str, series_of: Callable[[dict[str, Any]], 
 
 def plot_offline(docs: list[Doc], out: Path) -> list[Path]:
     """Output tok/s per mode; nano-vllm's and vLLM's numbers drawn when the workload is theirs."""
-    ax, fig = _mode_bars(docs, "output_throughput", lambda r: "output tok/s", "output tok/s")
+    ax, fig = _mode_bars(docs, "output_throughput",
+                         lambda r: "output tok/s" + ("" if r.get("overlap", True)
+                                                     else ", no overlap"), "output tok/s")
     if any(Path(doc["config"]["model_path"]).name == "qwen3-0.6b.json" for _, doc in docs):
         for (name, value), style in zip(NANO_VLLM_REFERENCE.items(), ("--", ":"), strict=True):
             ax.axhline(value, color="gray", linestyle=style, label=name)

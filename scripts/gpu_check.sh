@@ -5,8 +5,11 @@
 #   bash scripts/gpu_check.sh [pytest args...]
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention matmul
-#   decode_chain one_batch decode_host one_batch_kernels one_batch_det profile startup offline
-#   serving; decode_host: host time of a server-like decode step (bench_decode_host.py);
+#   decode_chain one_batch one_batch_native decode_host one_batch_kernels one_batch_det profile
+#   startup offline offline_bs1 serving; one_batch_native: Qwen3-0.6B over the fused kernels and
+#   over the layers' torch code (what Inductor's fusion gives tc_piecewise); offline and
+#   offline_bs1: offline throughput with the overlap schedule and without (offline_bs1: one
+#   request, full decode graphs: the per-token step of a server); decode_host: host time of a server-like decode step (bench_decode_host.py);
 #   decode_chain: attention slices and launches, matmul configs and fusions inside a
 #   Qwen3-0.6B decode step's chain of kernels (bench_decode_chain.py); matmul: cuBLAS vs
 #   the skinny kernel per projection of both models (bench_matmul.py);
@@ -86,8 +89,9 @@ bench_serving_local() {  # decode/prefill: the built-in model in those modes, on
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"enable_pdl": false}'
                      '{"enable_pdl": true}')
-    for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch decode_host \
-                  one_batch_kernels one_batch_det profile startup offline serving}; do
+    for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch one_batch_native \
+                  decode_host one_batch_kernels one_batch_det profile startup offline offline_bs1 \
+                  serving}; do
         case $bench in
             serving) for modes in ${GPU_CHECK_SERVING_MODES:-full/breakable breakable/breakable \
                                    tc_piecewise/tc_piecewise}; do bench_serving_local "$modes"; done ;;
@@ -99,6 +103,11 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
                 --models qwen3-0.6b llama-3.1-8b --server-args "${kernel_variants[@]}" ;;
             one_batch_det) run_bench bench_one_batch_det benchmark/bench_one_batch.py \
                 --models qwen3-0.6b --server-args '{"deterministic": true}' ;;
+            one_batch_native) run_bench bench_one_batch_native benchmark/bench_one_batch.py \
+                --models qwen3-0.6b --kernels fused native ;;
+            offline) run_bench bench_offline benchmark/bench_offline.py --overlap on off ;;
+            offline_bs1) run_bench bench_offline_bs1 benchmark/bench_offline.py --modes full \
+                --overlap on off --num-seqs 1 --min-len 512 --max-len 512 ;;
             *) run_bench "bench_$bench" "benchmark/bench_$bench.py" ;;
         esac
     done

@@ -62,6 +62,10 @@ class ServerArgs:
     max_prefill_tokens: int | None = field(default=None, metadata=_opt(
         "most new tokens in one prefill batch (default: --chunked-prefill-size, so a batch fits "
         "the largest prefill graph bucket; one prompt chunk is always admitted)"))
+    disable_overlap_schedule: bool = field(default=False, metadata=_opt(
+        "read each decode step's tokens back before launching the next (by default the next "
+        "step is launched first, its input tokens copied on the device, so the host's work "
+        "overlaps the GPU's)"))
     # kernels
     attention_backend: str = field(default="auto", metadata=_opt(
         "attention implementation", ATTENTION_BACKEND_CHOICES))

@@ -1,5 +1,6 @@
 """benchmark/bench_offline.py in-process on the CPU: a tiny checkpoint, a few short sequences,
-two spellings of the eager mode. Every requested token is generated and counted."""
+two spellings of the eager mode, each with and without the overlap schedule. Every requested
+token is generated and counted."""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ def test_offline_bench_generates_and_counts_every_requested_token(tmp_path):
     out = tmp_path / "offline.json"
     bench.main(["--model-path", str(tmp_path / "ckpt"), "--device", "cpu",
                 "--num-seqs", str(NUM_SEQS), "--min-len", str(MIN_LEN), "--max-len", str(MAX_LEN),
-                "--seed", str(SEED), "--modes", *MODES, "--json", str(out)])
+                "--seed", str(SEED), "--modes", *MODES, "--overlap", "on", "off",
+                "--json", str(out)])
 
     doc = json.loads(out.read_text())
     workload = bench.make_workload(NUM_SEQS, MIN_LEN, MAX_LEN, SEED, vocab)
     assert all(MIN_LEN <= len(p) <= MAX_LEN for p in workload.prompts)
     assert all(MIN_LEN <= n <= MAX_LEN for n in workload.output_lens)
     assert doc["config"]["num_seqs"] == NUM_SEQS and doc["config"]["modes"] == MODES
-    assert [row["mode"] for row in doc["summary"]] == MODES
+    assert [(row["mode"], row["overlap"]) for row in doc["summary"]] == [
+        (m, overlap) for m in MODES for overlap in (True, False)]
     for row in doc["summary"]:
         assert (row["decode"], row["prefill"]) == ("disabled", "disabled")
         assert row["num_seqs"] == NUM_SEQS

@@ -39,6 +39,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.runner, self.eos_token_ids, self._decode,
             self.server_args.chunked_prefill_size, self.server_args.max_prefill_tokens,
+            overlap=not self.server_args.disable_overlap_schedule,
         )
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

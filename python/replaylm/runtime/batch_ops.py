@@ -40,8 +40,10 @@ def prepare_extend(
     for req, row in zip(rows_needed, rows, strict=True):
         req.req_pool_idx = row
     prefix_lens = [req.kv_len for req in reqs]
+    start = 0
     for req, ids in zip(reqs, new_ids, strict=True):
-        req.kv_len += len(ids)
+        req.kv_slots += slots[start : start + len(ids)]
+        start += len(ids)
     return _create(ForwardMode.EXTEND, reqs, new_ids, prefix_lens, slots, runner)
 
 
@@ -52,20 +54,21 @@ def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
     runner.req_to_token_pool.check_fits(max((r.kv_len for r in reqs), default=0) + 1)
     slots = runner.token_allocator.alloc(len(reqs))
     prefix_lens = [r.kv_len for r in reqs]
-    for req in reqs:
-        req.kv_len += 1
+    for req, slot in zip(reqs, slots, strict=True):
+        req.kv_slots.append(slot)
     return _create(ForwardMode.DECODE, reqs, [[r.last_id] for r in reqs], prefix_lens, slots,
                    runner, runner.decode_inputs(len(reqs)))
 
 
 def release(req: Req, runner: ModelRunner) -> None:
-    """Free the request's KV slots and its request-table row."""
+    """Free the request's KV slots and its request-table row (host bookkeeping only: a step in
+    flight may still write them; later steps reuse them in stream order)."""
     if req.req_pool_idx is None:
         return
-    runner.token_allocator.free(runner.req_to_token_pool.slots(req.req_pool_idx, 0, req.kv_len))
+    runner.token_allocator.free(req.kv_slots)
     runner.req_to_token_pool.free(req.req_pool_idx)
     req.req_pool_idx = None
-    req.kv_len = 0
+    req.kv_slots = []
 
 
 def _create(

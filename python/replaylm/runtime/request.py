@@ -22,7 +22,9 @@ class FinishReason:
 
 @dataclass
 class Req:
-    """`kv_len` counts the tokens of `input_ids + output_ids` whose K/V are in the cache."""
+    """`kv_slots`: the KV slots of the first tokens of `input_ids + output_ids`, those whose K/V
+    are cached (or being written by a step in flight), in order: the host's copy of the request's
+    row of the request table, so freeing them reads nothing back from the device."""
 
     rid: int
     input_ids: list[int]
@@ -31,9 +33,14 @@ class Req:
     max_new_tokens: int
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
-    kv_len: int = 0
+    kv_slots: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     top_logprobs: int | None = None  # None: no logprobs; k: sampled token's + k alternatives
+
+    @property
+    def kv_len(self) -> int:
+        """How many of the request's tokens are cached."""
+        return len(self.kv_slots)
 
     @property
     def all_ids(self) -> list[int]:

@@ -9,6 +9,15 @@ retraction and decays while decoding goes well). When decode still runs out of K
 newest running requests are retracted to the front of the waiting queue (their KV freed, their
 tokens recomputed when re-admitted). The step is the only place that builds ForwardBatches
 (through `batch_ops`).
+
+Overlap (the default; `--disable-overlap-schedule` turns it off): a decode step is launched
+before the one before it is read back. Its input tokens are that step's sampled ids, copied on
+the device, so the host builds the next batch, and then appends tokens, checks stops and sends
+outputs, while the GPU runs: the GPU no longer waits for the host between decode steps. A request
+that finished in the step being read back was computed once more in the step in flight; that
+token is dropped (a request that reaches `max_new_tokens` is left out of the next step, since
+its end is known). Prefill steps, retraction and an empty running set read the step in flight
+back first, so they see every request's tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +52,55 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None
 
 
+@dataclass
+class _Logprobs:
+    """Log-probabilities of one step's sampled tokens for the requests that asked for them:
+    `wanted` (their rows), each chosen token's logprob and the top `k` (ids, logprobs)."""
+
+    wanted: list[int]
+    chosen: torch.Tensor  # [W] float32
+    top_vals: torch.Tensor  # [W, k] float32
+    top_ids: torch.Tensor  # [W, k] int64
+
+    def to_host(self) -> _Logprobs:
+        return _Logprobs(self.wanted, *(_to_host(t) for t in
+                                        (self.chosen, self.top_vals, self.top_ids)))
+
+
+@dataclass
+class _Sampled:
+    """A launched step's sampled tokens: `next_ids` on the device (the next decode step's input
+    ids), their copies on the host (and the logprobs'), complete once `ready` has passed (None:
+    computed on the host already). `rows` maps id(req) to its row."""
+
+    reqs: list[Req]
+    next_ids: torch.Tensor
+    host_ids: torch.Tensor
+    logprobs: _Logprobs | None
+    ready: torch.cuda.Event | None
+    rows: dict[int, int]
+
+    @classmethod
+    def start(cls, reqs: list[Req], next_ids: torch.Tensor,
+              logprobs: _Logprobs | None) -> _Sampled:
+        """Start the copies to the host behind the step's work on the current stream."""
+        host_ids = _to_host(next_ids)
+        host_logprobs = logprobs.to_host() if logprobs is not None else None
+        ready = None
+        if next_ids.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return cls(reqs, next_ids, host_ids, host_logprobs, ready,
+                   {id(r): i for i, r in enumerate(reqs)})
+
+    def results(self) -> tuple[list[int], list[list[TokenLogprob] | None] | None]:
+        """(token per request, logprobs per request or None), waiting for the copies only."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.host_ids.tolist()
+        return tokens, _token_logprobs(self.reqs, tokens, self.logprobs)
+
+
 class Scheduler:
     """Owns the waiting queue and the running set; `decode_text` maps output ids to text (used
     for stop strings; None when the model has no tokenizer)."""
@@ -50,9 +108,10 @@ class Scheduler:
     def __init__(
         self, runner: ModelRunner, eos_ids: frozenset[int],
         decode_text: Callable[[list[int]], str] | None,
-        chunked_prefill_size: int, max_prefill_tokens: int | None,
+        chunked_prefill_size: int, max_prefill_tokens: int | None, overlap: bool = True,
     ) -> None:
-        """`max_prefill_tokens` None: a prefill batch holds at most `chunked_prefill_size`."""
+        """`max_prefill_tokens` None: a prefill batch holds at most `chunked_prefill_size`.
+        `overlap`: launch each decode step before reading the one before back."""
         self.runner = runner
         self.eos_ids = eos_ids
         self.decode_text = decode_text
@@ -63,6 +122,10 @@ class Scheduler:
         self.num_retractions = 0
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO
+        self.overlap = overlap
+        self._in_flight: _Sampled | None = None  # a decode step not read back yet
+        logger.info("overlap schedule: %s", "on (each decode step is launched before the one "
+                    "before it is read back)" if overlap else "off (--disable-overlap-schedule)")
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -88,7 +151,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     def stats(self) -> SchedulerStats:
         total = self.runner.max_total_tokens
@@ -107,25 +170,61 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Run one forward pass; return the requests that got a token (finished ones included)."""
+        """Run one forward pass; return the requests that got a token (finished ones included).
+        With overlap, a decode step returns the tokens of the decode step before it."""
         prefill = self._admit_prefill()
         if prefill:
             reqs, chunks = prefill
             logits = self.runner.forward(prepare_extend(reqs, self.runner, chunks))
+            outputs = self._read_back()  # while the GPU runs the prefill
             done = [i for i, r in enumerate(reqs) if r.kv_len == r.num_ids]
             for i, req in enumerate(reqs):
                 if i in done:
                     self.running.append(req)
                 else:
                     self.waiting.appendleft(req)  # a chunked prompt: next chunk next step
-            return self._sample([reqs[i] for i in done], logits[done])
+            done_reqs = [reqs[i] for i in done]
+            if done_reqs:
+                outputs += self._apply(self._sample(done_reqs, logits[done]))
+            return outputs
+        outputs = []
+        if self.runner.token_allocator.available_size() < len(self.running):
+            outputs = self._read_back()  # its finished requests free slots; retract after
         if not self.running:
-            return []
+            return outputs + self._read_back()
         self.new_token_ratio = max(self.min_new_token_ratio,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self._retract_for_decode()
-        logits = self.runner.forward(prepare_decode(self.running, self.runner))
-        return self._sample(list(self.running), logits)
+        launched = self._launch_decode()
+        outputs += self._read_back()
+        self._in_flight = launched
+        if not self.overlap:
+            outputs += self._read_back()
+        return outputs
+
+    def _launch_decode(self) -> _Sampled | None:
+        """Launch a decode step of the running requests, its input tokens those of the step in
+        flight where there is one (copied on the device); None when every request ends in it."""
+        in_flight = self._in_flight
+        pending = in_flight.rows if in_flight is not None else {}
+        reqs = [r for r in self.running
+                if id(r) not in pending or len(r.output_ids) + 1 < r.max_new_tokens]
+        if not reqs:
+            return None
+        batch = prepare_decode(reqs, self.runner)
+        if in_flight is not None:
+            rows = [pending[id(r)] for r in reqs]  # every running request is in flight
+            ids = in_flight.next_ids
+            if rows != list(range(len(rows))):
+                ids = ids[torch.tensor(rows).to(ids.device, non_blocking=True)]
+            batch.input_ids.copy_(ids[: len(rows)])
+        logits = self.runner.forward(batch)
+        return self._sample(reqs, logits, pending)
+
+    def _read_back(self) -> list[StepOutput]:
+        """Apply the step in flight's tokens (nothing when none is)."""
+        in_flight, self._in_flight = self._in_flight, None
+        return self._apply(in_flight) if in_flight is not None else []
 
     def _expected_new_tokens(self, req: Req) -> int:
         return int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
@@ -183,18 +282,28 @@ class Scheduler:
         release(req, self.runner)
         self.num_retractions += 1
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[StepOutput]:
-        if not reqs:
-            return []
+    def _sample(self, reqs: list[Req], logits: torch.Tensor,
+                pending: dict[int, int] | None = None) -> _Sampled:
+        """Sample each request's next token on the device. `pending`: requests (by id) with a
+        token in flight, which counts as generated (each sampling step has its own noise)."""
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs], [r.seed for r in reqs], logits.shape[-1],
             logits.device,
         )
-        steps = torch.tensor([len(r.output_ids) for r in reqs], device=logits.device)
+        pending = pending or {}
+        steps = torch.tensor([len(r.output_ids) + (id(r) in pending) for r in reqs],
+                             device=logits.device)
         next_ids = self.runner.sample(logits, info, steps)
-        logprobs = _logprobs(reqs, logits, next_ids)
+        return _Sampled.start(reqs, next_ids, _logprobs(reqs, logits, next_ids))
+
+    def _apply(self, sampled: _Sampled) -> list[StepOutput]:
+        """Append the sampled tokens (skipping requests that finished or were aborted since the
+        step was launched), release finished requests."""
+        tokens, logprobs = sampled.results()
         outputs = []
-        for i, (req, token) in enumerate(zip(reqs, next_ids.tolist(), strict=True)):
+        for i, (req, token) in enumerate(zip(sampled.reqs, tokens, strict=True)):
+            if req.finished:
+                continue
             text = None
             if req.sampling_params.stop and self.decode_text is not None:
                 text = self.decode_text([*req.output_ids, token])
@@ -206,20 +315,35 @@ class Scheduler:
         return outputs
 
 
-def _logprobs(
-    reqs: list[Req], logits: torch.Tensor, next_ids: torch.Tensor
-) -> list[list[TokenLogprob] | None] | None:
-    """Log-probabilities (of the model's distribution) for requests that asked for them."""
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`, asynchronous from CUDA (into pinned memory); `t` itself on the CPU."""
+    return t.to("cpu", non_blocking=True)
+
+
+def _logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: torch.Tensor) -> _Logprobs | None:
+    """Log-probabilities (of the model's distribution) for the requests that asked for them,
+    on the device."""
     wanted = [i for i, r in enumerate(reqs) if r.top_logprobs is not None]
     if not wanted:
         return None
     rows = torch.log_softmax(logits[wanted].float(), dim=-1)
-    chosen = rows.gather(-1, next_ids[wanted, None].long())[:, 0].tolist()
+    chosen = rows.gather(-1, next_ids[wanted, None].long())[:, 0]
     k = max(reqs[i].top_logprobs for i in wanted)
     top_vals, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
+    return _Logprobs(wanted, chosen, top_vals, top_ids)
+
+
+def _token_logprobs(
+    reqs: list[Req], tokens: list[int], logprobs: _Logprobs | None
+) -> list[list[TokenLogprob] | None] | None:
+    """Per request: its token's TokenLogprob (None for requests that did not ask)."""
+    if logprobs is None:
+        return None
+    chosen = logprobs.chosen.tolist()
+    top_vals, top_ids = logprobs.top_vals.tolist(), logprobs.top_ids.tolist()
     result: list[list[TokenLogprob] | None] = [None] * len(reqs)
-    for row, i in enumerate(wanted):
+    for row, i in enumerate(logprobs.wanted):
         n = reqs[i].top_logprobs
-        top = list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True))
-        result[i] = [TokenLogprob(int(next_ids[i]), chosen[row], top)]
+        top = list(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
+        result[i] = [TokenLogprob(tokens[i], chosen[row], top)]
     return result

@@ -121,7 +121,8 @@ def _build_scheduler(args: ServerArgs, conn: Connection) -> Scheduler | None:
         raise TypeError(f"expected TokenizerInfo first, got {type(info).__name__}")
     decode = scheduler_decoder(info, args.tokenizer_path or args.model_path)
     return Scheduler(runner, eos_token_ids(runner, info.eos_token_id), decode,
-                     args.chunked_prefill_size, args.max_prefill_tokens)
+                     args.chunked_prefill_size, args.max_prefill_tokens,
+                     overlap=not args.disable_overlap_schedule)
 
 
 def _loop(scheduler: Scheduler, conn: Connection) -> None:
