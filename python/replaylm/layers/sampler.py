@@ -72,21 +72,21 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingBatchInfo:
-        """Build from validated params and one resolved seed (int in [0, 2**63)) per request."""
+        """Build from validated params and one resolved seed (int in [0, 2**63)) per request.
+        The tensors cross to `device` in two asynchronous copies (a copy from a Python list
+        straight to CUDA would wait for the work queued on the stream)."""
         if len(seeds) != len(params):
             raise ValueError(f"got {len(seeds)} seeds for {len(params)} requests")
         sampled = [p for p in params if not p.is_greedy]
-        top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        floats = torch.tensor([[0.0 if p.is_greedy else p.temperature for p in params],
+                               [p.top_p for p in params], [p.min_p for p in params]],
+                              dtype=torch.float32).to(device, non_blocking=True)
+        ints = torch.tensor([[vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
+                              for p in params], seeds],
+                            dtype=torch.int64).to(device, non_blocking=True)
         return cls(
-            temperatures=torch.tensor(
-                [0.0 if p.is_greedy else p.temperature for p in params],
-                dtype=torch.float32, device=device,
-            ),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            all_greedy=not sampled,
+            temperatures=floats[0], top_ps=floats[1], min_ps=floats[2], top_ks=ints[0],
+            seeds=ints[1], all_greedy=not sampled,
             need_top_p_top_k=any(p.top_p < 1 or 0 < p.top_k < vocab_size for p in sampled),
             need_min_p=any(p.min_p > 0 for p in sampled),
         )

@@ -291,8 +291,8 @@ class Scheduler:
             logits.device,
         )
         pending = pending or {}
-        steps = torch.tensor([len(r.output_ids) + (id(r) in pending) for r in reqs],
-                             device=logits.device)
+        steps = torch.tensor([len(r.output_ids) + (id(r) in pending) for r in reqs]).to(
+            logits.device, non_blocking=True)
         next_ids = self.runner.sample(logits, info, steps)
         return _Sampled.start(reqs, next_ids, _logprobs(reqs, logits, next_ids))
 
@@ -326,8 +326,9 @@ def _logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: torch.Tensor) -> 
     wanted = [i for i, r in enumerate(reqs) if r.top_logprobs is not None]
     if not wanted:
         return None
-    rows = torch.log_softmax(logits[wanted].float(), dim=-1)
-    chosen = rows.gather(-1, next_ids[wanted, None].long())[:, 0]
+    index = torch.tensor(wanted).to(logits.device, non_blocking=True)  # no wait for the stream
+    rows = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen = rows.gather(-1, next_ids.index_select(0, index)[:, None].long())[:, 0]
     k = max(reqs[i].top_logprobs for i in wanted)
     top_vals, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
     return _Logprobs(wanted, chosen, top_vals, top_ids)
