@@ -286,3 +286,31 @@ def test_dummy_qwen3_logits_triton_vs_native(dtype, tol, matmul):
         print(f"{name}: relative errors per step:", [f"{e:.1e}" for e in errors])
         assert all(torch.isfinite(a).all() for a in got)
         assert max(errors) < tol
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_sampler_noise_kernel_is_bit_equal_to_the_torch_code(rows):
+    from replaylm.layers.kernels.seeded_uniform import seeded_uniform_vocab
+    from replaylm.layers.sampler import seeded_uniform
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    seeds = torch.randint(0, 2**62, (rows,), device="cuda", generator=gen)
+    steps = torch.randint(0, 4096, (rows,), device="cuda", generator=gen)
+    vocab = 151936  # Qwen3's
+    got = seeded_uniform_vocab(seeds, steps, vocab)
+    assert torch.equal(got, seeded_uniform(seeds, steps, torch.arange(vocab, device="cuda")))
+
+
+def test_sampler_kernel_route_picks_the_torch_routes_tokens():
+    from replaylm.layers.sampler import Sampler, SamplingBatchInfo
+    from replaylm.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.6, 1.0, 1.5)] * 4
+    info = SamplingBatchInfo.from_params(params, list(range(16)), 151936, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(16, 151936, device="cuda", generator=gen)
+    steps = torch.arange(16, device="cuda")
+    assert use_triton_kernels(logits)
+    fused = Sampler()(logits, info, steps)
+    with native_only():
+        assert torch.equal(fused, Sampler()(logits, info, steps))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replaylm.layers.kernels import use_triton_kernels
 from replaylm.sampling_params import SamplingParams
 
 # splitmix64 constants, as signed int64 (torch int64 arithmetic wraps around).
@@ -111,14 +112,29 @@ class Sampler(torch.nn.Module):
         greedy = info.temperatures == 0
         temperatures = torch.where(greedy, 1.0, info.temperatures).unsqueeze(1)
         probs = torch.softmax(logits / temperatures, dim=-1)
-        vocab_ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(probs)
         if info.need_top_p_top_k or info.need_min_p:
+            vocab_ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(probs)
             probs, vocab_ids = probs.sort(dim=-1, descending=True)
             probs = _filter_sorted(probs, info)
-        noise = -torch.log(seeded_uniform(info.seeds, steps, vocab_ids))
-        choice = (probs / noise).argmax(dim=-1, keepdim=True)
-        sampled_ids = vocab_ids.gather(1, choice).squeeze(1)
+            noise = -torch.log(seeded_uniform(info.seeds, steps, vocab_ids))
+            choice = (probs / noise).argmax(dim=-1, keepdim=True)
+            sampled_ids = vocab_ids.gather(1, choice).squeeze(1)
+        else:  # the vocabulary in order: the noise of every id, in one launch on the Triton route
+            noise = -torch.log(_uniform_in_order(info.seeds, steps, logits))
+            sampled_ids = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def _uniform_in_order(seeds: torch.Tensor, steps: torch.Tensor,
+                      logits: torch.Tensor) -> torch.Tensor:
+    """`seeded_uniform` of every vocabulary id in order: one Triton launch where the kernels run
+    (`use_triton_kernels`), the torch code's ~40 launches elsewhere (bit-equal)."""
+    if use_triton_kernels(logits):
+        from replaylm.layers.kernels.seeded_uniform import seeded_uniform_vocab
+
+        return seeded_uniform_vocab(seeds, steps, logits.shape[-1])
+    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
+    return seeded_uniform(seeds, steps, vocab_ids)
 
 
 def _filter_sorted(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
