@@ -5,7 +5,8 @@ bfloat16 and float32; the skinny matmul's rows bit-equal whatever the batch's si
 Relative error by norm: under 1e-2 for bf16 (the kernels round rope once where torch rounds each
 product and the sum), 1e-5 for fp32; residual sums bit-equal. Then the kernels captured in a CUDA
 graph and replayed on new inputs equal eager, bit for bit, and a dummy-weight Qwen3-0.6B's logits
-through the kernels (eager and from CUDA graphs) agree with the native route.
+through the kernels (eager and from CUDA graphs) agree with the native route. Last, the sampler's
+noise kernel is bit-equal to its torch code, so the Sampler picks the same tokens on both routes.
 """
 
 from __future__ import annotations
