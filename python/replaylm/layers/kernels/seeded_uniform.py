@@ -12,9 +12,9 @@ import triton.language as tl
 from replaylm.layers import sampler
 
 # the torch code's constants (signed int64 there) as the unsigned values the kernel computes with
-_GOLDEN = sampler._GOLDEN % 2**64
-_MIX1 = sampler._MIX1 % 2**64
-_MIX2 = sampler._MIX2 % 2**64
+_GOLDEN = tl.constexpr(sampler._GOLDEN % 2**64)
+_MIX1 = tl.constexpr(sampler._MIX1 % 2**64)
+_MIX2 = tl.constexpr(sampler._MIX2 % 2**64)
 
 
 @triton.jit
