@@ -119,21 +119,22 @@ class Sampler(torch.nn.Module):
             noise = -torch.log(seeded_uniform(info.seeds, steps, vocab_ids))
             choice = (probs / noise).argmax(dim=-1, keepdim=True)
             sampled_ids = vocab_ids.gather(1, choice).squeeze(1)
-        else:
-            sampled_ids = _noisy_argmax(probs, info.seeds, steps)
+        else:  # the vocabulary in order: the noise of every id, in one launch on the Triton route
+            noise = -torch.log(_uniform_in_order(info.seeds, steps, logits))
+            sampled_ids = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_ids, sampled_ids)
 
 
-def _noisy_argmax(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """`argmax(probs / -log(seeded_uniform(seeds, steps, vocab id)))` over the vocabulary in
-    order: one Triton launch where the kernels run (`use_triton_kernels`), the torch code's ~45
-    launches elsewhere; the same picks."""
-    if use_triton_kernels(probs):
-        from replaylm.layers.kernels.noisy_argmax import noisy_argmax
+def _uniform_in_order(seeds: torch.Tensor, steps: torch.Tensor,
+                      logits: torch.Tensor) -> torch.Tensor:
+    """`seeded_uniform` of every vocabulary id in order: one Triton launch where the kernels run
+    (`use_triton_kernels`), the torch code's ~40 launches elsewhere (bit-equal)."""
+    if use_triton_kernels(logits):
+        from replaylm.layers.kernels.seeded_uniform import seeded_uniform_vocab
 
-        return noisy_argmax(probs, seeds, steps)
-    vocab_ids = torch.arange(probs.shape[-1], device=probs.device)
-    return (probs / -torch.log(seeded_uniform(seeds, steps, vocab_ids))).argmax(dim=-1)
+        return seeded_uniform_vocab(seeds, steps, logits.shape[-1])
+    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
+    return seeded_uniform(seeds, steps, vocab_ids)
 
 
 def _filter_sorted(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
