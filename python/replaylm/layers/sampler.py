@@ -14,11 +14,12 @@ import torch
 from replaylm.layers.kernels import use_triton_kernels
 from replaylm.sampling_params import SamplingParams
 
-# splitmix64 constants, as signed int64 (torch int64 arithmetic wraps around).
-_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
-_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
-_MIX2 = 0x94D049BB133111EB - 2**64
-_UNIFORM_BITS = 23  # 23 bits keep (k + 0.5) / 2**23 exact in float32 and strictly inside (0, 1)
+# splitmix64 constants, as signed int64 (torch int64 arithmetic wraps around); the noise
+# kernel (layers/kernels/seeded_uniform.py) hashes with the same ones.
+GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+MIX2 = 0x94D049BB133111EB - 2**64
+UNIFORM_BITS = 23  # 23 bits keep (k + 0.5) / 2**23 exact in float32 and strictly inside (0, 1)
 
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -28,8 +29,8 @@ def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 finalizer on int64 tensors: a bijective avalanche mix of 64 bits."""
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
+    x = (x ^ _shr(x, 30)) * MIX1
+    x = (x ^ _shr(x, 27)) * MIX2
     return x ^ _shr(x, 31)
 
 
@@ -41,9 +42,9 @@ def seeded_uniform(
     `seeds` and `steps` are int64 [B]; `vocab_ids` is int64 [V] or [B, V]. Returns float32
     [B, V]. Only integer ops are used, so values are bit-identical on every device.
     """
-    row = _mix64(_mix64(seeds) + steps * _GOLDEN).unsqueeze(1)
-    bits = _shr(_mix64(row + (vocab_ids + 1) * _GOLDEN), 64 - _UNIFORM_BITS)
-    return (bits.to(torch.float32) + 0.5) * (2.0**-_UNIFORM_BITS)
+    row = _mix64(_mix64(seeds) + steps * GOLDEN).unsqueeze(1)
+    bits = _shr(_mix64(row + (vocab_ids + 1) * GOLDEN), 64 - UNIFORM_BITS)
+    return (bits.to(torch.float32) + 0.5) * (2.0**-UNIFORM_BITS)
 
 
 @dataclass

@@ -12,9 +12,9 @@ import triton.language as tl
 from replaylm.layers import sampler
 
 # the torch code's constants (signed int64 there) as the unsigned values the kernel computes with
-_GOLDEN = tl.constexpr(sampler._GOLDEN % 2**64)
-_MIX1 = tl.constexpr(sampler._MIX1 % 2**64)
-_MIX2 = tl.constexpr(sampler._MIX2 % 2**64)
+_GOLDEN = tl.constexpr(sampler.GOLDEN % 2**64)
+_MIX1 = tl.constexpr(sampler.MIX1 % 2**64)
+_MIX2 = tl.constexpr(sampler.MIX2 % 2**64)
 
 
 @triton.jit
@@ -45,6 +45,6 @@ def seeded_uniform_vocab(seeds: torch.Tensor, steps: torch.Tensor, vocab: int,
     out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
     if seeds.shape[0]:
         _seeded_uniform_kernel[(seeds.shape[0], triton.cdiv(vocab, block))](
-            seeds, steps, out, vocab, BLOCK=block, BITS=sampler._UNIFORM_BITS, num_warps=4,
+            seeds, steps, out, vocab, BLOCK=block, BITS=sampler.UNIFORM_BITS, num_warps=4,
         )
     return out
