@@ -66,7 +66,7 @@ DTYPE = torch.bfloat16
 ATTENTION_CELLS = ((1, 512), (8, 512), (1, 2048), (8, 2048), (1, 8192), (16, 512), (32, 512),
                    (64, 512))
 ATTENTION_CONFIG_CELLS = ((1, 512), (8, 512), (1, 2048), (16, 512))
-MATMUL_CELLS = ((1, 512), (8, 512))
+MATMUL_CELLS = ((1, 512), (8, 512), (16, 512))
 FUSION_CELLS = ((1, 512), (8, 512), (16, 512), (32, 512))
 # the projections' (N, K) and the matmul choices tried: name -> {projection: config}
 PROJECTIONS = {"qkv": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), "o": (HIDDEN, HEADS * DIM),
@@ -79,6 +79,14 @@ EPS = CONFIG["rms_norm_eps"]
 def _configs(names: tuple[str, ...], **changes: int) -> dict[str, MatmulConfig]:
     """The default launch of these projections with `changes` (MatmulConfig fields)."""
     return {name: replace(matmul_config(*PROJECTIONS[name]), **changes) for name in names}
+
+
+def _one_block(names: tuple[str, ...], block_k: int, **changes: int) -> dict[str, MatmulConfig]:
+    """These projections with K in blocks of `block_k`, one block per program (split-K into as
+    many slices as blocks), and `changes`."""
+    return {name: replace(matmul_config(*PROJECTIONS[name]), block_k=block_k,
+                          split_k=-(-PROJECTIONS[name][1] // block_k), **changes)
+            for name in names}
 
 
 ALL = tuple(PROJECTIONS)
@@ -95,6 +103,12 @@ MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
     "o/down K blocks of 256": _configs(("o", "down"), block_k=256, num_stages=3),
     "o/down K blocks of 256, split 4": _configs(("o", "down"), block_k=256, num_stages=3,
                                                 split_k=4),
+    "o K blocks of 256": _configs(("o",), block_k=256, num_stages=3),
+    "down K blocks of 256": _configs(("down",), block_k=256, num_stages=3),
+    "o/down one block of 256": _one_block(("o", "down"), 256, num_stages=3),
+    "o/down one block of 256, 1 stage": _one_block(("o", "down"), 256, num_stages=1),
+    "o/down one block of 512": _one_block(("o", "down"), 512, num_stages=1),
+    "all one block of 256": _one_block(ALL, 256, num_stages=3),
 }
 
 
