@@ -14,8 +14,8 @@
 #   Qwen3-0.6B decode step's chain of kernels (bench_decode_chain.py); matmul: cuBLAS vs
 #   the skinny kernel per projection of both models (bench_matmul.py);
 #   one_batch_kernels: Qwen3-0.6B and Llama-3.1-8B, full decode and breakable prefill, with
-#   --small-batch-matmul cublas, the defaults (auto matmul, PDL where it helps), auto with
-#   --no-enable-pdl and auto with --enable-pdl, on one host; one_batch_det: Qwen3-0.6B with
+#   --small-batch-matmul cublas, the defaults (auto matmul, PDL on sm90+), auto with
+#   --no-enable-pdl and every matmul on triton, on one host; one_batch_det: Qwen3-0.6B with
 #   --deterministic; profile: kernels of the full bs1 step of both models under the same four
 #   kernel choices (bench_profile.py); serving: one server per GPU_CHECK_SERVING_MODES entry,
 #   decode/prefill, default "full/breakable breakable/breakable tc_piecewise/tc_piecewise", 4,
@@ -88,7 +88,7 @@ bench_serving_local() {  # decode/prefill: the built-in model in those modes, on
 }
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"enable_pdl": false}'
-                     '{"enable_pdl": true}')
+                     '{"small_batch_matmul": "triton"}')
     for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch one_batch_native \
                   decode_host one_batch_kernels one_batch_det profile startup offline offline_bs1 \
                   serving}; do

@@ -114,9 +114,9 @@ class ServerArgs:
     enable_pdl: bool | None = field(default=None, metadata=_opt(
         "launch replaylm's Triton kernels with programmatic dependent launch (Hopper or newer): "
         "each may start while the kernel before it finishes, the matmuls loading weights "
-        "meanwhile; same numbers. Default: on where it measured faster (a GPU of compute "
-        "capability 9.0+ with every matmul layer on replaylm's Triton kernels, see "
-        "--small-batch-matmul); --no-enable-pdl turns it off"))
+        "meanwhile; same numbers. Default: on where supported (a GPU of compute capability "
+        "9.0+: it measured faster there with any --small-batch-matmul); --no-enable-pdl turns "
+        "it off"))
     tc_piecewise_kernels: str = field(default="fused", metadata=_opt(
         "what tc_piecewise pieces run for norms, rope and SiluAndMul: fused (replaylm's Triton "
         "kernels kept whole: the eager model's numbers) or native (the torch code, fused by the "

@@ -28,10 +28,11 @@ pytestmark = pytest.mark.skipif(
     reason="needs a GPU of compute capability 9.0+")
 
 
-def _logits(enable_pdl: bool, decode: str, prefill: str) -> tuple[list[torch.Tensor], dict]:
+def _logits(enable_pdl: bool, decode: str, prefill: str, matmul: str = "triton"
+            ) -> tuple[list[torch.Tensor], dict]:
     """A dummy Qwen3-0.6B's scripted logits in these modes, and its graph-served forwards."""
     runner = dummy_runner(QWEN3, "cuda", "bfloat16", attention_backend="triton",
-                          small_batch_matmul="triton", enable_pdl=enable_pdl,
+                          small_batch_matmul=matmul, enable_pdl=enable_pdl,
                           cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}))
     assert pdl_launch()["USE_PDL"] is enable_pdl
     logits = scripted_logits(runner, prompt_lens=(5, 300, 33, 1), decode_steps=6)
@@ -48,6 +49,14 @@ def test_pdl_logits_equal_plain_launches(decode, prefill):
     got, graphed = _logits(True, decode, prefill)
     if decode != "disabled":
         assert graphed["decode"] > 0 and graphed["prefill"] > 0
+    for ours, ref in zip(got, want, strict=True):
+        assert torch.equal(ours, ref)
+
+
+def test_pdl_logits_equal_plain_launches_between_cublas_matmuls():
+    """PDL is on by default also where cuBLAS kernels (launched without it) sit between ours."""
+    want, _ = _logits(False, "full", "breakable", matmul="cublas")
+    got, _ = _logits(True, "full", "breakable", matmul="cublas")
     for ours, ref in zip(got, want, strict=True):
         assert torch.equal(ours, ref)
 

@@ -593,13 +593,11 @@ def test_enable_pdl_is_refused_off_hopper(tmp_path):
         _tiny_runner(tmp_path, "qwen3-0.6b.json", enable_pdl=True)
 
 
-def test_pdl_is_on_by_default_only_on_hopper_with_every_matmul_on_triton(tmp_path):
-    assert kernels.choose_pdl(None, True, 0) == (
-        True, "default: every matmul layer runs a replaylm Triton kernel")
-    assert kernels.choose_pdl(None, True, 64) == (
-        False, "default: 64 matmul layers run cuBLAS kernels")
-    assert kernels.choose_pdl(None, False, 0)[0] is False
-    assert kernels.choose_pdl(True, True, 64) == (True, "--enable-pdl")
-    assert kernels.choose_pdl(False, True, 0) == (False, "--no-enable-pdl")
+def test_pdl_is_on_by_default_only_where_supported(tmp_path):
+    assert kernels.choose_pdl(None, True) == (True, "default: a GPU of compute capability 9.0+")
+    assert kernels.choose_pdl(None, False) == (
+        False, "default: needs a CUDA GPU of compute capability 9.0+")
+    assert kernels.choose_pdl(True, True) == (True, "--enable-pdl")
+    assert kernels.choose_pdl(False, True) == (False, "--no-enable-pdl")
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json")  # the default on a CPU: off
     assert runner.pdl is False and kernels.pdl_launch() == {"USE_PDL": False}

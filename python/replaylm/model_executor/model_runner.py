@@ -63,7 +63,7 @@ class ModelRunner:
             logger.info("--small-batch-matmul auto: the skinny triton kernel for %d matmul layers "
                         "(the LM head and weights up to %d MiB), cuBLAS for %d (larger weights)",
                         layers["triton"], AUTO_SKINNY_MAX_BYTES // 2**20, layers["cublas"])
-        self.pdl, why = choose_pdl(args.enable_pdl, pdl_supported(self.device), layers["cublas"])
+        self.pdl, why = choose_pdl(args.enable_pdl, pdl_supported(self.device))
         set_pdl(self.pdl)  # before any Triton kernel is launched (or captured)
         logger.info("programmatic dependent launch %s (%s)", "on" if self.pdl else "off", why)
         self.context_len = args.context_length or self.config.max_position_embeddings

@@ -52,19 +52,17 @@ def check_pdl(enabled: bool, device: torch.device) -> None:
                      f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
 
 
-def choose_pdl(asked: bool | None, supported: bool, cublas_layers: int) -> tuple[bool, str]:
+def choose_pdl(asked: bool | None, supported: bool) -> tuple[bool, str]:
     """(whether to launch with PDL, why) for `--enable-pdl` `asked` (None: decide), on a device
-    where PDL is `supported` or not, with `cublas_layers` matmul layers on cuBLAS. The default
-    is on only where no cuBLAS kernel breaks the chain of Triton kernels: H100, Qwen3-0.6B (all
-    layers on the skinny kernel) stepped 10% faster at bs 1; Llama-3.1-8B (its MLP on cuBLAS)
-    0.5% faster at bs 1 and 3.6% slower at bs 8."""
+    where PDL is `supported` or not. The default is on wherever it is supported: H100, full
+    decode steps with PDL against without (docs/benchmarks.md, sixteenth session): Qwen3-0.6B
+    bs1 10% faster; Llama-3.1-8B, whose MLP runs cuBLAS between the Triton kernels, 3% faster
+    at bs 1, 8 and 64, prefill unchanged."""
     if asked is not None:
         return asked, "--enable-pdl" if asked else "--no-enable-pdl"
     if not supported:
         return False, "default: needs a CUDA GPU of compute capability 9.0+"
-    if cublas_layers:
-        return False, f"default: {cublas_layers} matmul layers run cuBLAS kernels"
-    return True, "default: every matmul layer runs a replaylm Triton kernel"
+    return True, "default: a GPU of compute capability 9.0+"
 
 
 def set_pdl(enabled: bool) -> None:

@@ -68,7 +68,9 @@ def _copy_heads(Src, Cache, first_head, num_heads, stride_ch, HEAD_DIM: tl.const
     tl.store(Cache + heads * stride_ch + cols, x.to(Cache.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+# one element per token is read through Pos and Loc: their alignment (a batch's packed index
+# fields sit at any 8-byte offset) need not make a variant of its own
+@triton.jit(do_not_specialize_on_alignment=["Pos", "Loc"])
 def _qk_norm_rope_kernel(
     Q, K, QOut, KOut, QW, KW, Cos, Sin, Pos, V, KCache, VCache, Loc,
     stride_q, stride_k, stride_v, stride_cos, stride_ct, stride_ch, eps,

@@ -16,7 +16,7 @@ from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # one variant for every row count
 def _rms_norm_kernel(
     X, R, W, Out, ResOut, n_rows, n_cols, stride_x, stride_r, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,

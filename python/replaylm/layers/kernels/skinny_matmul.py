@@ -122,7 +122,7 @@ def _dot_tile(X, w, acc, offs_m, k_block, M, K, stride_xm, BLOCK_K: tl.constexpr
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one variant for every row count (fewer JIT compiles)
 def _skinny_matmul_kernel(
     X, W, B, Y, Partials, Arrivals, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCKS_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,

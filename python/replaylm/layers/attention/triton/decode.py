@@ -57,6 +57,14 @@ MIN_SPLITS, MAX_SPLITS = 2, 16
 PROGRAMS_PER_SM = 2
 
 
+def merge_unroll(num_splits: int) -> int:
+    """How many slices a merge's unrolled loop covers for `num_splits` (a constexpr of the
+    kernels, while the count itself is a runtime argument): MAX_SPLITS for every count the
+    default policy picks, so one compiled variant serves every batch size (each variant is a
+    JIT compile on a first start), larger counts the next power of two."""
+    return max(MAX_SPLITS, triton.next_power_of_2(num_splits))
+
+
 def num_kv_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     """Slices per request for a batch of `batch_size`: a power of two from MIN_SPLITS to
     MAX_SPLITS (few kernel variants), the largest with at most PROGRAMS_PER_SM programs per
@@ -74,14 +82,18 @@ def _split_len(seq_len, num_splits, min_split_len):
     return tl.cdiv(per_split, min_split_len) * min_split_len
 
 
-@triton.jit
+# ReqPoolIndices, SeqLens: one element per request, at any 8-byte offset; num_splits (and the
+# log-sum-exps' head stride, which equals it): runtime values, so the batch sizes' slice counts
+# share one compiled variant
+@triton.jit(do_not_specialize=["num_splits", "stride_mlh"],
+            do_not_specialize_on_alignment=["ReqPoolIndices", "SeqLens"])
 def _decode_kernel(
     Q, KCache, VCache, ReqToToken, ReqPoolIndices, SeqLens, Out, MidO, MidLse, Arrivals,
-    qk_scale, min_split_len,
+    qk_scale, min_split_len, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
     stride_ot, stride_oh, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_UNROLL: tl.constexpr,
     PRECISION: tl.constexpr, SEPARATE_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_producers(USE_PDL)
@@ -97,7 +109,7 @@ def _decode_kernel(
     row = ReqToToken + tl.load(ReqPoolIndices + b).to(tl.int64) * stride_rt
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=head_ok[:, None], other=0.0).to(KCache.dtype.element_ty)
-    split_len = _split_len(seq_len, NUM_SPLITS, min_split_len)
+    split_len = _split_len(seq_len, num_splits, min_split_len)
     num_active = tl.cdiv(seq_len, split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -142,7 +154,7 @@ def _decode_kernel(
                 _merge_partials(MidO + b * stride_mot, MidLse + b * stride_mlt,
                                 Out + b * stride_ot, kv_head * GROUP, num_active,
                                 stride_moh, stride_mos, stride_mlh, stride_oh,
-                                GROUP, HEAD_DIM, NUM_SPLITS)
+                                GROUP, HEAD_DIM, MERGE_UNROLL)
 
 
 @triton.jit
@@ -152,29 +164,31 @@ def _store_partial(mid_o, mid_lse, value, lse, head_ok):
     tl.store(mid_lse, lse, mask=head_ok)
 
 
-@triton.jit
-def _merge_kernel(MidO, MidLse, Out, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
-                  stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits", "stride_mlh"])  # as _decode_kernel
+def _merge_kernel(MidO, MidLse, Out, num_splits, stride_mot, stride_moh, stride_mos, stride_mlt,
+                  stride_mlh, stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MERGE_UNROLL: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid `(bs, num_kv_heads)`: merge every slice's partial of one request and KV head group
     (slices past the end weigh 0) into the output."""
     wait_for_producers(USE_PDL)
     b = tl.program_id(0)
     _merge_partials(MidO + b * stride_mot, MidLse + b * stride_mlt, Out + b * stride_ot,
-                    tl.program_id(1) * GROUP, NUM_SPLITS, stride_moh, stride_mos, stride_mlh,
-                    stride_oh, GROUP, HEAD_DIM, NUM_SPLITS)
+                    tl.program_id(1) * GROUP, num_splits, stride_moh, stride_mos, stride_mlh,
+                    stride_oh, GROUP, HEAD_DIM, MERGE_UNROLL)
 
 
 @triton.jit
 def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride_mos,
                     stride_mlh, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr):
-    """Combine the first `num_parts` normalised partial outputs of heads `first_head` ..
-    `first_head + GROUP - 1` of one request (`MidO` `[H, splits, D]`, their base-2 log-sum-exps
-    `MidLse` `[H, splits]`) into `Out` `[H, D]`; a part whose log-sum-exp is -inf weighs 0, and
-    with no other part the output is zeros. The loop over slices is unrolled, so every
-    partial's load is issued at once (one round trip, not one per slice), and each thread keeps
-    its own elements (no cross-thread reduction); loads bypass L1: other programs wrote them."""
+                    MERGE_UNROLL: tl.constexpr):
+    """Combine the first `num_parts` (at most MERGE_UNROLL) normalised partial outputs of heads
+    `first_head` .. `first_head + GROUP - 1` of one request (`MidO` `[H, splits, D]`, their
+    base-2 log-sum-exps `MidLse` `[H, splits]`) into `Out` `[H, D]`; a part whose log-sum-exp is
+    -inf weighs 0, and with no other part the output is zeros. The loop over slices is unrolled
+    to MERGE_UNROLL, so every partial's load is issued at once (one round trip, not one per
+    slice); parts from `num_parts` on load nothing and fold in as exact no-ops (weight 0, factor
+    1). Each thread keeps its own elements (no cross-thread reduction); loads bypass L1: other
+    programs wrote them."""
     GROUP_P2: tl.constexpr = triton.next_power_of_2(GROUP)
     offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -183,7 +197,7 @@ def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride
     m = tl.full([GROUP_P2], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    for part in tl.static_range(NUM_SPLITS):
+    for part in tl.static_range(MERGE_UNROLL):
         # compared as a block: Triton's interpreter rejects a scalar comparison in the mask
         ok = head_ok & (tl.full([GROUP_P2], part, tl.int32) < num_parts)
         lse = tl.load(MidLse + heads * stride_mlh + part, mask=ok, other=float("-inf"),
@@ -237,8 +251,8 @@ def decode_attention(
     """Attention of `q` `[bs, H, D]` (request i's one new token) over the `seq_lens[i]` tokens of
     request i, whose KV slots are `req_to_token[req_pool_indices[i], :seq_lens[i]]` in
     `k_cache`/`v_cache` `[slots, Hkv, D]`. Writes and returns `out` `[bs, H, D]`. `workspace`:
-    from `decode_workspace` for this q and `num_splits` (default: a fresh one). Each slice count
-    compiles its own kernel variant (the merge's loop over slices is unrolled).
+    from `decode_workspace` for this q and `num_splits` (default: a fresh one). Slice counts up to
+    MAX_SPLITS share one compiled variant (`merge_unroll`).
     `separate_merge`: merge the slices in a second launch (for CUDA-graph capture; the same
     numbers as the default single launch, which costs one launch less of host time)."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
@@ -250,20 +264,21 @@ def decode_attention(
     separate = separate_merge and num_splits > 1  # one slice: written directly either way
     _decode_kernel[(bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out, mid_o, mid_lse,
-        ws.arrivals, scale * LOG2E, min_split_len,
+        ws.arrivals, scale * LOG2E, min_split_len, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, MERGE_UNROLL=merge_unroll(num_splits),
         PRECISION=dot_precision(k_cache.dtype), SEPARATE_MERGE=separate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
     )
     if separate:
         _merge_kernel[(bs, num_kv_heads)](
-            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_o, mid_lse, out, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=MERGE_WARPS,
+            GROUP=group, HEAD_DIM=head_dim, MERGE_UNROLL=merge_unroll(num_splits),
+            num_warps=MERGE_WARPS,
             **pdl_launch(),
         )
     return out

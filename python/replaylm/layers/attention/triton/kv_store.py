@@ -11,7 +11,7 @@ from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Loc"])  # one slot per token: any 8-byte offset
 def _store_kv_kernel(
     K, V, KCache, VCache, Loc,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_ch,
