@@ -164,6 +164,7 @@ def test_qk_norm_rope_rejects_an_odd_head_dim():
     (1, 96, 576, False, None),  # split-K 4 with an empty last slice (576 = 4.5 blocks)
     (13, 512, 1024, True, None),
     (16, 300, 700, False, None),
+    (3, 64, 1536, False, None),  # K in 6 slices of one 256-wide block each
     (5, 70, 130, True, None),  # one slice (K < 4 blocks)
     (7, 90, 200, True, MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4,
                                     num_stages=2)),
@@ -245,6 +246,10 @@ def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_onl
     assert matmul_config(1024, 3072).split_k == 8 and matmul_config(4096, 1024).split_k == 1
     assert matmul_config(1024, 576).split_k == 4  # 4.5 blocks of K
     assert matmul_config(1024, 256).split_k == 1  # too few K blocks to split
+    # 1024 < K <= 2048: one 256-wide block per slice (Qwen3-0.6B's o projection)
+    assert matmul_config(1024, 2048) == MatmulConfig(block_n=32, block_k=256, split_k=8,
+                                                     num_warps=4, num_stages=3)
+    assert (matmul_config(576, 1536).block_k, matmul_config(576, 1536).split_k) == (256, 6)
     with pytest.raises(ValueError, match="split-K takes at most 16 rows, got 17"):
         skinny_matmul(torch.ones(17, 1024), torch.ones(64, 1024))
 

@@ -62,9 +62,9 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     took the bs 8 step from 1250 to 1203 us, bs 1 unchanged; 6 stages over 4: bs1 944 -> 938
     and 939 -> 933 us, bs8 1107 -> 1098 and 1126 -> 1113 on two hosts; bench_decode_chain.py,
     H100.) Where 8 slices of K fit in blocks of 256 (1024 < K <= 2048), each slice is one such
-    block: with PDL a program then loads all its weights before it waits for its input (Qwen3-0.6B's
-    o projection: bs1 891 -> 859 us per step, bs8 1058 -> 1051, bs16 1247 -> 1240; the same for
-    its down projection, 2 blocks per slice, lost at bs 16)."""
+    block: with PDL a program then loads all its weights before it waits for its input
+    (Qwen3-0.6B's o projection: bs1 891 -> 859 us per step, bs8 1058 -> 1051, bs16 1247 ->
+    1240; the same for its down projection, 2 blocks per slice, lost at bs 16)."""
     block_n, block_k = 32, 128
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     if tiles >= 128:
