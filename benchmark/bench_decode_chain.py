@@ -100,12 +100,12 @@ MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
     "K blocks of 256, 3 stages": _configs(ALL, block_k=256, num_stages=3),
     "K blocks of 64, 8 stages": _configs(ALL, block_k=64, num_stages=8),
     "qkv/gate_up K blocks of 256": _configs(("qkv", "gate_up"), block_k=256, num_stages=3),
-    "o/down K blocks of 256": _configs(("o", "down"), block_k=256, num_stages=3),
     "o/down K blocks of 256, split 4": _configs(("o", "down"), block_k=256, num_stages=3,
                                                 split_k=4),
-    "o K blocks of 256": _configs(("o",), block_k=256, num_stages=3),
+    # (o's default is K blocks of 256 since the sixteenth session: "o K blocks of 256" and
+    # "o/down K blocks of 256" in earlier JSON are now the default and the next choice)
     "down K blocks of 256": _configs(("down",), block_k=256, num_stages=3),
-    "o/down one block of 256": _one_block(("o", "down"), 256, num_stages=3),
+    "down one block of 256": _one_block(("down",), 256, num_stages=3),
     "o/down one block of 256, 1 stage": _one_block(("o", "down"), 256, num_stages=1),
     "o/down one block of 512": _one_block(("o", "down"), 512, num_stages=1),
     "all one block of 256": _one_block(ALL, 256, num_stages=3),

@@ -67,9 +67,9 @@ def merge_unroll(num_splits: int) -> int:
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     """Slices per request for a batch of `batch_size`: a power of two from MIN_SPLITS to
-    MAX_SPLITS (few kernel variants), the largest with at most PROGRAMS_PER_SM programs per
-    multiprocessor unless that is below MIN_SPLITS. Depends on the batch shape only, as graph
-    capture needs."""
+    MAX_SPLITS (so `merge_unroll`'s one variant serves them all), the largest with at most
+    PROGRAMS_PER_SM programs per multiprocessor unless that is below MIN_SPLITS. Depends on the
+    batch shape only, as graph capture needs."""
     want = PROGRAMS_PER_SM * sm_count // (batch_size * num_kv_heads)
     return min(MAX_SPLITS, max(MIN_SPLITS, 1 << max(want, 1).bit_length() - 1))
 
