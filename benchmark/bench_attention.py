@@ -85,6 +85,7 @@ class KVCache:
     def tables(self, bs: int, ctx: int, n: int, contiguous: bool = False) -> list[torch.Tensor]:
         """`n` request-to-token tables `[bs, ctx]` of distinct random slots each (or, with
         `contiguous`, each request on consecutive slots from a random start)."""
+
         def one() -> torch.Tensor:
             if not contiguous:
                 return 1 + torch.randperm(self.slots, device="cuda")[: bs * ctx]
@@ -94,9 +95,15 @@ class KVCache:
         return [one().to(torch.int32).view(bs, ctx) for _ in range(n)]
 
 
-def bench_decode(cache: KVCache, bs: int, ctx: int, config: KernelConfig | None = None,
-                 splits: int | None = None, min_split_len: int = 256,
-                 contiguous: bool = False) -> float:
+def bench_decode(
+    cache: KVCache,
+    bs: int,
+    ctx: int,
+    config: KernelConfig | None = None,
+    splits: int | None = None,
+    min_split_len: int = 256,
+    contiguous: bool = False,
+) -> float:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = splits or num_kv_splits(bs, KV_HEADS, sms)
     tables = cache.tables(bs, ctx, CALLS_PER_GRAPH, contiguous)
@@ -104,9 +111,22 @@ def bench_decode(cache: KVCache, bs: int, ctx: int, config: KernelConfig | None 
     out = torch.empty_like(q)
     rows = torch.arange(bs, device="cuda")
     seq_lens = torch.full((bs,), ctx, device="cuda")
-    return graph_ms(lambda i: decode_attention(
-        q, cache.k, cache.v, tables[i], rows, seq_lens, out, DIM**-0.5, splits,
-        min_split_len=min_split_len, config=config, separate_merge=True))  # as graphs do
+    return graph_ms(
+        lambda i: decode_attention(
+            q,
+            cache.k,
+            cache.v,
+            tables[i],
+            rows,
+            seq_lens,
+            out,
+            DIM**-0.5,
+            splits,
+            min_split_len=min_split_len,
+            config=config,
+            separate_merge=True,
+        )
+    )  # as graphs do
 
 
 def decode_bytes(bs: int, ctx: int) -> int:
@@ -132,9 +152,22 @@ class ExtendCase:
         self.n, self.new, self.prefix_len = n, new, prefix
 
     def run(self, config: KernelConfig | None = None) -> None:
-        extend_attention(self.q, self.k, self.v, self.out, self.cache.k, self.cache.v,
-                         self.table, self.rows, self.prefix, self.new_lens, self.start, self.new,
-                         DIM**-0.5, config=config)
+        extend_attention(
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.cache.k,
+            self.cache.v,
+            self.table,
+            self.rows,
+            self.prefix,
+            self.new_lens,
+            self.start,
+            self.new,
+            DIM**-0.5,
+            config=config,
+        )
 
     def flops(self) -> float:
         pairs = self.new * self.prefix_len + self.new * (self.new + 1) / 2
@@ -168,10 +201,13 @@ def bench_store(tokens: int) -> dict:
         cache.k[locs[i]] = k
         cache.v[locs[i]] = v
 
-    return {"tokens": tokens, "fused_graph_us": 1e3 * graph_ms(fused),
-            "index_put_graph_us": 1e3 * graph_ms(index_put),
-            "fused_eager_us": 1e3 * median_ms(lambda: fused(0)),
-            "index_put_eager_us": 1e3 * median_ms(lambda: index_put(0))}
+    return {
+        "tokens": tokens,
+        "fused_graph_us": 1e3 * graph_ms(fused),
+        "index_put_graph_us": 1e3 * graph_ms(index_put),
+        "fused_eager_us": 1e3 * median_ms(lambda: fused(0)),
+        "index_put_eager_us": 1e3 * median_ms(lambda: index_put(0)),
+    }
 
 
 def sweep(cache: KVCache, prompt: ExtendCase) -> list[dict]:
@@ -180,9 +216,17 @@ def sweep(cache: KVCache, prompt: ExtendCase) -> list[dict]:
         for splits in (1, 2, 4, 8):
             for min_len in (64, 128, 256):
                 ms = bench_decode(cache, bs, ctx, None, splits, min_split_len=min_len)
-                rows.append({"kernel": "decode", "case": f"bs{bs} ctx{ctx}", "config": "default",
-                             "splits": splits, "min_split_len": min_len, "us": 1e3 * ms,
-                             "GB/s": decode_bytes(bs, ctx) / (ms / 1e3) / 1e9})
+                rows.append(
+                    {
+                        "kernel": "decode",
+                        "case": f"bs{bs} ctx{ctx}",
+                        "config": "default",
+                        "splits": splits,
+                        "min_split_len": min_len,
+                        "us": 1e3 * ms,
+                        "GB/s": decode_bytes(bs, ctx) / (ms / 1e3) / 1e9,
+                    }
+                )
     for bs, ctx in ((64, 4096), (1, 16384), (256, 1024)):
         for bn, warps, stages in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3)):
             for splits in (None, 1, 2, 4, 16, 64):
@@ -190,27 +234,56 @@ def sweep(cache: KVCache, prompt: ExtendCase) -> list[dict]:
                     continue
                 cfg = KernelConfig(block_n=bn, num_warps=warps, num_stages=stages)
                 ms = bench_decode(cache, bs, ctx, cfg, splits, min_split_len=64)
-                rows.append({"kernel": "decode", "case": f"bs{bs} ctx{ctx}", "config": str(cfg),
-                             "splits": splits or "auto", "us": 1e3 * ms,
-                             "GB/s": decode_bytes(bs, ctx) / (ms / 1e3) / 1e9})
+                rows.append(
+                    {
+                        "kernel": "decode",
+                        "case": f"bs{bs} ctx{ctx}",
+                        "config": str(cfg),
+                        "splits": splits or "auto",
+                        "us": 1e3 * ms,
+                        "GB/s": decode_bytes(bs, ctx) / (ms / 1e3) / 1e9,
+                    }
+                )
     for contiguous in (False, True):
         ms = bench_decode(cache, 64, 4096, contiguous=contiguous)
-        rows.append({"kernel": "decode", "case": "bs64 ctx4096", "config": "default",
-                     "slots": "contiguous" if contiguous else "random", "us": 1e3 * ms,
-                     "GB/s": decode_bytes(64, 4096) / (ms / 1e3) / 1e9})
-    for bm, bn, warps, stages in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2),
-                                  (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3),
-                                  (128, 128, 8, 2), (64, 32, 4, 3)):
+        rows.append(
+            {
+                "kernel": "decode",
+                "case": "bs64 ctx4096",
+                "config": "default",
+                "slots": "contiguous" if contiguous else "random",
+                "us": 1e3 * ms,
+                "GB/s": decode_bytes(64, 4096) / (ms / 1e3) / 1e9,
+            }
+        )
+    for bm, bn, warps, stages in (
+        (128, 64, 8, 3),
+        (128, 64, 8, 4),
+        (128, 64, 8, 2),
+        (128, 32, 8, 3),
+        (64, 64, 4, 3),
+        (128, 64, 4, 3),
+        (128, 128, 8, 2),
+        (64, 32, 4, 3),
+    ):
         cfg = KernelConfig(block_n=bn, num_warps=warps, num_stages=stages, block_m=bm)
         ms = median_ms(lambda cfg=cfg: prompt.run(cfg))
-        rows.append({"kernel": "extend", "case": "1x4096", "config": str(cfg), "us": 1e3 * ms,
-                     "TFLOP/s": prompt.flops() / (ms / 1e3) / 1e12})
+        rows.append(
+            {
+                "kernel": "extend",
+                "case": "1x4096",
+                "config": str(cfg),
+                "us": 1e3 * ms,
+                "TFLOP/s": prompt.flops() / (ms / 1e3) / 1e12,
+            }
+        )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--sweep", action="store_true", help="also time other configs")
     args = parser.parse_args()
@@ -226,61 +299,118 @@ def main() -> None:
         for ctx in DECODE_CTX:
             ms = bench_decode(cache, bs, ctx)
             gbs = decode_bytes(bs, ctx) / (ms / 1e3) / 1e9
-            rows.append({"kernel": "decode", "case": f"bs{bs} ctx{ctx}", "us": 1e3 * ms,
-                         "GB/s": gbs, "pct_copy_bw": 100 * gbs / bandwidth,
-                         "TFLOP/s": 4 * bs * HEADS * ctx * DIM / (ms / 1e3) / 1e12})
+            rows.append(
+                {
+                    "kernel": "decode",
+                    "case": f"bs{bs} ctx{ctx}",
+                    "us": 1e3 * ms,
+                    "GB/s": gbs,
+                    "pct_copy_bw": 100 * gbs / bandwidth,
+                    "TFLOP/s": 4 * bs * HEADS * ctx * DIM / (ms / 1e3) / 1e12,
+                }
+            )
     prompt, chunks = ExtendCase(1, 4096, 0), ExtendCase(8, 512, 2048)
     sdpa = prompt.sdpa_ms()
     for name, case in (("1x4096", prompt), ("8x512 on 2048", chunks)):
         ms = median_ms(case.run)
         rate = case.flops() / (ms / 1e3) / 1e12
-        rows.append({"kernel": "extend", "case": name, "us": 1e3 * ms, "TFLOP/s": rate,
-                     "pct_matmul": 100 * rate / tflops,
-                     **({"sdpa_flash_us": 1e3 * sdpa, "ratio_vs_sdpa": ms / sdpa}
-                        if case is prompt else {})})
+        rows.append(
+            {
+                "kernel": "extend",
+                "case": name,
+                "us": 1e3 * ms,
+                "TFLOP/s": rate,
+                "pct_matmul": 100 * rate / tflops,
+                **(
+                    {"sdpa_flash_us": 1e3 * sdpa, "ratio_vs_sdpa": ms / sdpa}
+                    if case is prompt
+                    else {}
+                ),
+            }
+        )
     stores = [bench_store(t) for t in (64, 4096)]
     sweeps = sweep(cache, prompt) if args.sweep else []
 
-    print(f"\n{'kernel':8} {'case':16} {'us':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
-          f"{'%mm':>5} {'vs SDPA':>8}")
+    print(
+        f"\n{'kernel':8} {'case':16} {'us':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
+        f"{'%mm':>5} {'vs SDPA':>8}"
+    )
     for r in rows:
-        print(f"{r['kernel']:8} {r['case']:16} {r['us']:9.1f} {r.get('GB/s', 0):7.0f} "
-              f"{r.get('pct_copy_bw', 0):6.1f} {r['TFLOP/s']:8.1f} {r.get('pct_matmul', 0):5.1f} "
-              f"{r.get('ratio_vs_sdpa', 0):8.2f}")
+        print(
+            f"{r['kernel']:8} {r['case']:16} {r['us']:9.1f} {r.get('GB/s', 0):7.0f} "
+            f"{r.get('pct_copy_bw', 0):6.1f} {r['TFLOP/s']:8.1f} {r.get('pct_matmul', 0):5.1f} "
+            f"{r.get('ratio_vs_sdpa', 0):8.2f}"
+        )
     for s in stores:
-        print(f"kv store {s['tokens']:5d} tokens: fused {s['fused_graph_us']:.1f} us / index_put "
-              f"{s['index_put_graph_us']:.1f} us in a graph; eager {s['fused_eager_us']:.1f} / "
-              f"{s['index_put_eager_us']:.1f} us")
+        print(
+            f"kv store {s['tokens']:5d} tokens: fused {s['fused_graph_us']:.1f} us / index_put "
+            f"{s['index_put_graph_us']:.1f} us in a graph; eager {s['fused_eager_us']:.1f} / "
+            f"{s['index_put_eager_us']:.1f} us"
+        )
     for r in sweeps:
-        print("sweep " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                   for k, v in r.items()))
+        print(
+            "sweep "
+            + "  ".join(
+                f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+            )
+        )
 
     by_case = {(r["kernel"], r["case"]): r for r in rows}
     goal_decode = by_case[("decode", "bs64 ctx4096")]
     goal_prefill = by_case[("extend", "1x4096")]
     summary = [
-        {"name": "ceilings", "device": device, "copy_GBps": round(bandwidth),
-         "matmul_TFLOPs": round(tflops)},
-        {"name": "decode bs64 ctx4096", "us": round(goal_decode["us"], 1),
-         "pct_copy_bw": round(goal_decode["pct_copy_bw"], 1), "goal": f">={GOAL_DECODE_PCT}",
-         "met": goal_decode["pct_copy_bw"] >= GOAL_DECODE_PCT},
-        {"name": "decode bs1 ctx16384", "us": round(by_case[("decode", "bs1 ctx16384")]["us"], 1),
-         "pct_copy_bw": round(by_case[("decode", "bs1 ctx16384")]["pct_copy_bw"], 1)},
-        {"name": "prefill 1x4096 causal", "us": round(goal_prefill["us"], 1),
-         "sdpa_flash_us": round(goal_prefill["sdpa_flash_us"], 1),
-         "ratio_vs_sdpa": round(goal_prefill["ratio_vs_sdpa"], 2),
-         "goal": f"<={GOAL_PREFILL_RATIO}",
-         "met": goal_prefill["ratio_vs_sdpa"] <= GOAL_PREFILL_RATIO},
-        {"name": "extend 8x512 on 2048", "us": round(by_case[("extend", "8x512 on 2048")]["us"], 1),
-         "pct_matmul": round(by_case[("extend", "8x512 on 2048")]["pct_matmul"], 1)},
-        {"name": "kv store 64 tokens (graph)", "fused_us": round(stores[0]["fused_graph_us"], 1),
-         "index_put_us": round(stores[0]["index_put_graph_us"], 1)},
+        {
+            "name": "ceilings",
+            "device": device,
+            "copy_GBps": round(bandwidth),
+            "matmul_TFLOPs": round(tflops),
+        },
+        {
+            "name": "decode bs64 ctx4096",
+            "us": round(goal_decode["us"], 1),
+            "pct_copy_bw": round(goal_decode["pct_copy_bw"], 1),
+            "goal": f">={GOAL_DECODE_PCT}",
+            "met": goal_decode["pct_copy_bw"] >= GOAL_DECODE_PCT,
+        },
+        {
+            "name": "decode bs1 ctx16384",
+            "us": round(by_case[("decode", "bs1 ctx16384")]["us"], 1),
+            "pct_copy_bw": round(by_case[("decode", "bs1 ctx16384")]["pct_copy_bw"], 1),
+        },
+        {
+            "name": "prefill 1x4096 causal",
+            "us": round(goal_prefill["us"], 1),
+            "sdpa_flash_us": round(goal_prefill["sdpa_flash_us"], 1),
+            "ratio_vs_sdpa": round(goal_prefill["ratio_vs_sdpa"], 2),
+            "goal": f"<={GOAL_PREFILL_RATIO}",
+            "met": goal_prefill["ratio_vs_sdpa"] <= GOAL_PREFILL_RATIO,
+        },
+        {
+            "name": "extend 8x512 on 2048",
+            "us": round(by_case[("extend", "8x512 on 2048")]["us"], 1),
+            "pct_matmul": round(by_case[("extend", "8x512 on 2048")]["pct_matmul"], 1),
+        },
+        {
+            "name": "kv store 64 tokens (graph)",
+            "fused_us": round(stores[0]["fused_graph_us"], 1),
+            "index_put_us": round(stores[0]["index_put_graph_us"], 1),
+        },
     ]
     if args.json:
-        args.json.write_text(json.dumps({"device": device, "copy_GBps": bandwidth,
-                                         "matmul_TFLOPs": tflops, "rows": rows,
-                                         "kv_store": stores, "sweep": sweeps,
-                                         "summary": summary}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "copy_GBps": bandwidth,
+                    "matmul_TFLOPs": tflops,
+                    "rows": rows,
+                    "kv_store": stores,
+                    "sweep": sweeps,
+                    "summary": summary,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -59,18 +59,33 @@ from replaylm.layers.kernels.skinny_matmul import (
 
 CONFIG = json.loads((Path(__file__).resolve().parent / "configs" / "qwen3-0.6b.json").read_text())
 LAYERS, HIDDEN = CONFIG["num_hidden_layers"], CONFIG["hidden_size"]
-HEADS, KV_HEADS, DIM = (CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"],
-                        CONFIG["head_dim"])
+HEADS, KV_HEADS, DIM = (
+    CONFIG["num_attention_heads"],
+    CONFIG["num_key_value_heads"],
+    CONFIG["head_dim"],
+)
 INTER = CONFIG["intermediate_size"]
 DTYPE = torch.bfloat16
-ATTENTION_CELLS = ((1, 512), (8, 512), (1, 2048), (8, 2048), (1, 8192), (16, 512), (32, 512),
-                   (64, 512))
+ATTENTION_CELLS = (
+    (1, 512),
+    (8, 512),
+    (1, 2048),
+    (8, 2048),
+    (1, 8192),
+    (16, 512),
+    (32, 512),
+    (64, 512),
+)
 ATTENTION_CONFIG_CELLS = ((1, 512), (8, 512), (1, 2048), (16, 512))
 MATMUL_CELLS = ((1, 512), (8, 512), (16, 512))
 FUSION_CELLS = ((1, 512), (8, 512), (16, 512), (32, 512))
 # the projections' (N, K) and the matmul choices tried: name -> {projection: config}
-PROJECTIONS = {"qkv": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), "o": (HIDDEN, HEADS * DIM),
-               "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+PROJECTIONS = {
+    "qkv": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN),
+    "o": (HIDDEN, HEADS * DIM),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+}
 
 NORMS = {"input": HIDDEN, "post_attention": HIDDEN, "q": DIM, "k": DIM}
 EPS = CONFIG["rms_norm_eps"]
@@ -84,9 +99,15 @@ def _configs(names: tuple[str, ...], **changes: int) -> dict[str, MatmulConfig]:
 def _one_block(names: tuple[str, ...], block_k: int, **changes: int) -> dict[str, MatmulConfig]:
     """These projections with K in blocks of `block_k`, one block per program (split-K into as
     many slices as blocks), and `changes`."""
-    return {name: replace(matmul_config(*PROJECTIONS[name]), block_k=block_k,
-                          split_k=-(-PROJECTIONS[name][1] // block_k), **changes)
-            for name in names}
+    return {
+        name: replace(
+            matmul_config(*PROJECTIONS[name]),
+            block_k=block_k,
+            split_k=-(-PROJECTIONS[name][1] // block_k),
+            **changes,
+        )
+        for name in names
+    }
 
 
 ALL = tuple(PROJECTIONS)
@@ -100,8 +121,9 @@ MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
     "K blocks of 256, 3 stages": _configs(ALL, block_k=256, num_stages=3),
     "K blocks of 64, 8 stages": _configs(ALL, block_k=64, num_stages=8),
     "qkv/gate_up K blocks of 256": _configs(("qkv", "gate_up"), block_k=256, num_stages=3),
-    "o/down K blocks of 256, split 4": _configs(("o", "down"), block_k=256, num_stages=3,
-                                                split_k=4),
+    "o/down K blocks of 256, split 4": _configs(
+        ("o", "down"), block_k=256, num_stages=3, split_k=4
+    ),
     # (o's default is K blocks of 256 since the sixteenth session: "o K blocks of 256" and
     # "o/down K blocks of 256" in earlier JSON are now the default and the next choice)
     "down K blocks of 256": _configs(("down",), block_k=256, num_stages=3),
@@ -133,14 +155,16 @@ class Choice:
 
 def fusion_choices(splits: int) -> dict[str, Choice]:
     """The `fusion` sweep's choices at `splits` attention slices."""
-    return {"default": Choice(splits),
-            "SiluAndMul launched alone": Choice(splits, separate_silu=True),
-            "attention merged by its last program": Choice(splits, separate_merge=False),
-            "bound: no post-attention norm": Choice(splits, skip=("post_norm",)),
-            "bound: no norms": Choice(splits, skip=("post_norm", "input_norm")),
-            "bound: no rope kernel": Choice(splits, skip=("rope",)),
-            "bound: no attention": Choice(splits, skip=("attention",)),
-            "bound: one layer's weights (in L2)": Choice(splits, shared_weights=True)}
+    return {
+        "default": Choice(splits),
+        "SiluAndMul launched alone": Choice(splits, separate_silu=True),
+        "attention merged by its last program": Choice(splits, separate_merge=False),
+        "bound: no post-attention norm": Choice(splits, skip=("post_norm",)),
+        "bound: no norms": Choice(splits, skip=("post_norm", "input_norm")),
+        "bound: no rope kernel": Choice(splits, skip=("rope",)),
+        "bound: no attention": Choice(splits, skip=("attention",)),
+        "bound: one layer's weights (in L2)": Choice(splits, shared_weights=True),
+    }
 
 
 def _randn(*shape: int) -> torch.Tensor:
@@ -153,12 +177,15 @@ class DecodeChain:
 
     def __init__(self, bs: int, ctx: int) -> None:
         self.bs = bs
-        self.weights = [{name: _randn(n, k) / k**0.5 for name, (n, k) in PROJECTIONS.items()}
-                        | {name: _randn(width) * 0.1 + 1 for name, width in NORMS.items()}
-                        for _ in range(LAYERS)]
+        self.weights = [
+            {name: _randn(n, k) / k**0.5 for name, (n, k) in PROJECTIONS.items()}
+            | {name: _randn(width) * 0.1 + 1 for name, width in NORMS.items()}
+            for _ in range(LAYERS)
+        ]
         slots = bs * ctx + 1  # slot 0 unused
-        self.caches = [(_randn(slots, KV_HEADS, DIM), _randn(slots, KV_HEADS, DIM))
-                       for _ in range(LAYERS)]
+        self.caches = [
+            (_randn(slots, KV_HEADS, DIM), _randn(slots, KV_HEADS, DIM)) for _ in range(LAYERS)
+        ]
         self.table = (1 + torch.randperm(slots - 1, device="cuda")).to(torch.int32).view(bs, ctx)
         self.slots = self.table[:, -1].to(torch.int64)
         self.positions = torch.full((bs,), ctx - 1, device="cuda")
@@ -174,15 +201,16 @@ class DecodeChain:
         out = _randn(self.bs, HEADS, DIM)
         q_width, kv_width = HEADS * DIM, KV_HEADS * DIM
 
-        def mm(x: torch.Tensor, w: dict[str, torch.Tensor], name: str,
-               gated_silu: bool = False) -> torch.Tensor:
+        def mm(
+            x: torch.Tensor, w: dict[str, torch.Tensor], name: str, gated_silu: bool = False
+        ) -> torch.Tensor:
             if self.bs > MAX_ROWS:  # as the model: cuBLAS, then SiluAndMul's kernel
                 return linear(x, w[name], gated_silu=gated_silu)
-            return skinny_matmul(x, w[name], config=choice.matmuls.get(name),
-                                 gated_silu=gated_silu)
+            return skinny_matmul(x, w[name], config=choice.matmuls.get(name), gated_silu=gated_silu)
 
-        def norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                 name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        def norm(
+            x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, name: str
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             return (x, residual) if name in choice.skip else rms_norm(x, weight, EPS, residual)
 
         def mlp(h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -199,15 +227,32 @@ class DecodeChain:
                 q, k = qkv[:, :q_width], qkv[:, q_width : q_width + kv_width]
                 v = qkv[:, q_width + kv_width :]
                 if "rope" not in choice.skip:
-                    q, _ = qk_norm_rope(q, k, self.positions, self.cos, self.sin, DIM,
-                                        (w["q"], w["k"], EPS),
-                                        kv_store=(v, k_cache, v_cache, self.slots))
+                    q, _ = qk_norm_rope(
+                        q,
+                        k,
+                        self.positions,
+                        self.cos,
+                        self.sin,
+                        DIM,
+                        (w["q"], w["k"], EPS),
+                        kv_store=(v, k_cache, v_cache, self.slots),
+                    )
                 if "attention" not in choice.skip:
-                    decode_attention(q.reshape(self.bs, HEADS, DIM), k_cache, v_cache,
-                                     self.table, self.rows, self.seq_lens, out, DIM**-0.5,
-                                     choice.splits, min_split_len=choice.min_split_len,
-                                     config=choice.attention, workspace=workspace,
-                                     separate_merge=choice.separate_merge)
+                    decode_attention(
+                        q.reshape(self.bs, HEADS, DIM),
+                        k_cache,
+                        v_cache,
+                        self.table,
+                        self.rows,
+                        self.seq_lens,
+                        out,
+                        DIM**-0.5,
+                        choice.splits,
+                        min_split_len=choice.min_split_len,
+                        config=choice.attention,
+                        workspace=workspace,
+                        separate_merge=choice.separate_merge,
+                    )
                 o = mm(out.view(self.bs, q_width), w, "o")
                 h, residual = norm(o, w["post_attention"], residual, "post_norm")
                 x = mm(mlp(h, w), w, "down")
@@ -226,8 +271,9 @@ def graph_us(step: Callable[[], torch.Tensor]) -> float:
     return cuda_time_ms(graph.replay, 20, 100) * 1e3
 
 
-def sweep_cell(chain: DecodeChain, choices: dict[str, Choice],
-               repeats: int) -> dict[str, list[float]]:
+def sweep_cell(
+    chain: DecodeChain, choices: dict[str, Choice], repeats: int
+) -> dict[str, list[float]]:
     """choice name -> its times, the choices interleaved `repeats` times."""
     steps = {name: chain.step_fn(choice) for name, choice in choices.items()}
     times: dict[str, list[float]] = {name: [] for name in choices}
@@ -251,16 +297,24 @@ def attention_config_choices(splits: int) -> dict[str, Choice]:
     """The attention kernel's launch choices at `splits` slices, each slice at least one key
     block (the default's minimum)."""
     cfg = ATTENTION_CONFIG
-    configs = {"default": cfg, "2 stages": cfg._replace(num_stages=2),
-               "1 stage": cfg._replace(num_stages=1), "2 warps": cfg._replace(num_warps=2),
-               "8 warps": cfg._replace(num_warps=8), "blocks of 32": cfg._replace(block_n=32),
-               "blocks of 128": cfg._replace(block_n=128)}
-    return {name: Choice(splits, c.block_n, attention=c)
-            for name, c in configs.items()}
+    configs = {
+        "default": cfg,
+        "2 stages": cfg._replace(num_stages=2),
+        "1 stage": cfg._replace(num_stages=1),
+        "2 warps": cfg._replace(num_warps=2),
+        "8 warps": cfg._replace(num_warps=8),
+        "blocks of 32": cfg._replace(block_n=32),
+        "blocks of 128": cfg._replace(block_n=128),
+    }
+    return {name: Choice(splits, c.block_n, attention=c) for name, c in configs.items()}
 
 
-SWEEP_CELLS = {"attention": ATTENTION_CELLS, "attention_config": ATTENTION_CONFIG_CELLS,
-               "matmul": MATMUL_CELLS, "fusion": FUSION_CELLS}
+SWEEP_CELLS = {
+    "attention": ATTENTION_CELLS,
+    "attention_config": ATTENTION_CONFIG_CELLS,
+    "matmul": MATMUL_CELLS,
+    "fusion": FUSION_CELLS,
+}
 
 
 def sweep_choices(sweep: str, bs: int, sms: int) -> dict[str, Choice]:
@@ -277,8 +331,7 @@ def sweep_choices(sweep: str, bs: int, sms: int) -> dict[str, Choice]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", nargs="+", choices=tuple(SWEEP_CELLS),
-                        default=list(SWEEP_CELLS))
+    parser.add_argument("--sweep", nargs="+", choices=tuple(SWEEP_CELLS), default=list(SWEEP_CELLS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -291,20 +344,38 @@ def main() -> None:
             chain = DecodeChain(bs, ctx)
             choices = sweep_choices(sweep, bs, sms)
             for name, times in sweep_cell(chain, choices, args.repeats).items():
-                rows.append({"sweep": sweep, "bs": bs, "ctx": ctx, "choice": name,
-                             "us": times, "median_us": statistics.median(times),
-                             "choice_fields": asdict(choices[name])})
+                rows.append(
+                    {
+                        "sweep": sweep,
+                        "bs": bs,
+                        "ctx": ctx,
+                        "choice": name,
+                        "us": times,
+                        "median_us": statistics.median(times),
+                        "choice_fields": asdict(choices[name]),
+                    }
+                )
             del chain
             torch.cuda.empty_cache()
     print(f"\n{'sweep':10s} {'bs':>3s} {'ctx':>5s}  {'choice':28s} {'us per step':>12s}  runs")
     for row in rows:
         runs = " ".join(f"{t:.1f}" for t in row["us"])
-        print(f"{row['sweep']:10s} {row['bs']:3d} {row['ctx']:5d}  {row['choice']:28s} "
-              f"{row['median_us']:12.1f}  {runs}")
+        print(
+            f"{row['sweep']:10s} {row['bs']:3d} {row['ctx']:5d}  {row['choice']:28s} "
+            f"{row['median_us']:12.1f}  {runs}"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "pdl": kernels.pdl_launch().get("USE_PDL", False),
-                                         "summary": summary(rows), "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "pdl": kernels.pdl_launch().get("USE_PDL", False),
+                    "summary": summary(rows),
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -316,8 +387,16 @@ def summary(rows: list[dict]) -> list[dict]:
     for (sweep, bs, ctx), cell in cells.items():
         default = next(r for r in cell if r["choice"] == "default" or r["choice"].endswith("*"))
         best = min(cell, key=lambda r: r["median_us"])
-        out.append({"sweep": sweep, "bs": bs, "ctx": ctx, "default_us": default["median_us"],
-                    "best": best["choice"], "best_us": best["median_us"]})
+        out.append(
+            {
+                "sweep": sweep,
+                "bs": bs,
+                "ctx": ctx,
+                "default_us": default["median_us"],
+                "best": best["choice"],
+                "best_us": best["median_us"],
+            }
+        )
     return out
 
 

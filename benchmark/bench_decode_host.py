@@ -36,11 +36,17 @@ WARMUP = 20
 
 def build_runner(model_path: str, device: str, max_bs: int, tokens_per_req: int) -> ModelRunner:
     """A runner whose KV pool and request table hold `max_bs` requests of `tokens_per_req`."""
-    return ModelRunner(ServerArgs(
-        model_path=model_path, load_format="dummy" if model_path.endswith(".json") else "auto",
-        device=device, max_running_requests=max_bs, context_length=tokens_per_req,
-        max_total_tokens=max_bs * tokens_per_req + 64, chunked_prefill_size=2048,
-    ))
+    return ModelRunner(
+        ServerArgs(
+            model_path=model_path,
+            load_format="dummy" if model_path.endswith(".json") else "auto",
+            device=device,
+            max_running_requests=max_bs,
+            context_length=tokens_per_req,
+            max_total_tokens=max_bs * tokens_per_req + 64,
+            chunked_prefill_size=2048,
+        )
+    )
 
 
 def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) -> dict[str, float]:
@@ -48,8 +54,16 @@ def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) ->
     the eager launches return) and of a whole greedy decode step (ms) for `bs` requests
     over `context`-token prompts; the requests are released after."""
     vocab = runner.config.vocab_size
-    reqs = [Req(i, [(i * 31 + j) % (vocab - 10) + 10 for j in range(context)], SamplingParams(),
-                0, WARMUP + steps + 1) for i in range(bs)]
+    reqs = [
+        Req(
+            i,
+            [(i * 31 + j) % (vocab - 10) + 10 for j in range(context)],
+            SamplingParams(),
+            0,
+            WARMUP + steps + 1,
+        )
+        for i in range(bs)
+    ]
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
         tokens = runner.forward(prepare_extend(reqs, runner)).argmax(-1).tolist()
@@ -70,14 +84,17 @@ def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) ->
                 step.append(time.perf_counter() - start)
     for req in reqs:
         release(req, runner)
-    return {"prepare_us": round(statistics.median(prepare) * 1e6, 1),
-            "forward_us": round(statistics.median(forward) * 1e6, 1),
-            "step_ms": round(statistics.median(step) * 1e3, 3)}
+    return {
+        "prepare_us": round(statistics.median(prepare) * 1e6, 1),
+        "forward_us": round(statistics.median(forward) * 1e6, 1),
+        "step_ms": round(statistics.median(step) * 1e3, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=str(DEFAULT_MODEL))
     parser.add_argument("--bs", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per request")
@@ -89,14 +106,26 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_req = args.context + WARMUP + args.steps + 8
     runner = build_runner(args.model_path, args.device, max(args.bs), tokens_per_req)
     model = Path(args.model_path).stem if args.model_path.endswith(".json") else args.model_path
-    rows = [{"model": model, "device": args.device, "bs": bs, "context": args.context,
-             "steps": args.steps, **time_decode_steps(runner, bs, args.context, args.steps)}
-            for bs in args.bs]
-    print(f"{'model':24s} {'bs':>4s} {'prepare_decode us':>18s} {'forward host us':>16s} "
-          f"{'decode step ms':>15s}")
+    rows = [
+        {
+            "model": model,
+            "device": args.device,
+            "bs": bs,
+            "context": args.context,
+            "steps": args.steps,
+            **time_decode_steps(runner, bs, args.context, args.steps),
+        }
+        for bs in args.bs
+    ]
+    print(
+        f"{'model':24s} {'bs':>4s} {'prepare_decode us':>18s} {'forward host us':>16s} "
+        f"{'decode step ms':>15s}"
+    )
     for r in rows:
-        print(f"{r['model'][:24]:24s} {r['bs']:4d} {r['prepare_us']:18.1f} "
-              f"{r['forward_us']:16.1f} {r['step_ms']:15.3f}")
+        print(
+            f"{r['model'][:24]:24s} {r['bs']:4d} {r['prepare_us']:18.1f} "
+            f"{r['forward_us']:16.1f} {r['step_ms']:15.3f}"
+        )
     if args.json:
         device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
         args.json.write_text(json.dumps({"device": device, "summary": rows}, indent=1))

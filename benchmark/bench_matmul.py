@@ -42,8 +42,13 @@ def projections(cfg: dict) -> dict[str, tuple[int, int]]:
     """name -> (N, K) of a Llama-family layer's projections and the LM head."""
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d, inter = cfg.get("head_dim") or h // heads, cfg["intermediate_size"]
-    return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * inter, h),
-            "down": (h, inter), "lm_head": (cfg["vocab_size"], h)}
+    return {
+        "qkv": ((heads + 2 * kv) * d, h),
+        "o": (h, heads * d),
+        "gate_up": (2 * inter, h),
+        "down": (h, inter),
+        "lm_head": (cfg["vocab_size"], h),
+    }
 
 
 def graph_us(launch, count: int) -> float:
@@ -61,8 +66,9 @@ def operands(n: int, k: int, rows: int, layers: int) -> tuple[torch.Tensor, list
     """A `[rows, k]` input and one distinct random `[n, k]` bf16 weight per layer (fewer where
     they would pass MAX_COPY_BYTES)."""
     copies = max(1, min(layers, MAX_COPY_BYTES // (2 * n * k)))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-               for _ in range(copies)]
+    weights = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)
+    ]
     return torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), weights
 
 
@@ -79,9 +85,11 @@ def pdl_launches() -> Iterator[None]:
 def bench_shape(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
     x, weights = operands(n, k, rows, layers)
     copies = len(weights)
-    out = {"copies": copies,
-           "cublas_us": graph_us(lambda i: F.linear(x, weights[i]), copies),
-           "triton_us": graph_us(lambda i: skinny_matmul(x, weights[i]), copies)}
+    out = {
+        "copies": copies,
+        "cublas_us": graph_us(lambda i: F.linear(x, weights[i]), copies),
+        "triton_us": graph_us(lambda i: skinny_matmul(x, weights[i]), copies),
+    }
     with pdl_launches():
         out["triton_pdl_us"] = graph_us(lambda i: skinny_matmul(x, weights[i]), copies)
     return out
@@ -90,9 +98,12 @@ def bench_shape(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
 # name -> the changes to `matmul_config(N, K)` (MatmulConfig fields) tried by `--configs`
 CONFIG_CHOICES: dict[str, dict[str, int]] = {
     "default": {},
-    "split 1": {"split_k": 1}, "split 2": {"split_k": 2}, "split 4": {"split_k": 4},
+    "split 1": {"split_k": 1},
+    "split 2": {"split_k": 2},
+    "split 4": {"split_k": 4},
     "split 8": {"split_k": 8},
-    "16 cols": {"block_n": 16}, "16 cols, split 2": {"block_n": 16, "split_k": 2},
+    "16 cols": {"block_n": 16},
+    "16 cols, split 2": {"block_n": 16, "split_k": 2},
     "64 cols, split 4": {"block_n": 64, "split_k": 4},
     "split 4, 8 warps": {"split_k": 4, "num_warps": 8},
     "split 4, K 256": {"split_k": 4, "block_k": 256, "num_stages": 3},
@@ -115,8 +126,9 @@ def sweep_configs(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
         for name in CONFIG_CHOICES:
             cfg = config_choice(n, k, name)
             try:
-                out[name] = graph_us(lambda i, c=cfg: skinny_matmul(x, weights[i], config=c),
-                                     len(weights))
+                out[name] = graph_us(
+                    lambda i, c=cfg: skinny_matmul(x, weights[i], config=c), len(weights)
+                )
             except ValueError:  # over the split-K workspace
                 continue
     return out
@@ -134,22 +146,37 @@ def main_configs(models: list[str], rows: list[int], json_path: Path | None) -> 
                 times = sweep_configs(n, k, m, cfg["num_hidden_layers"])
                 torch.cuda.empty_cache()
                 best = min(times, key=times.get)
-                results.append({"model": model, "proj": name, "n": n, "k": k, "rows": m,
-                                "us": times, "best": best})
-                print(f"{model:14} {name:8} M={m:<3d} best {best:18s} {times[best]:8.2f} us | "
-                      + " | ".join(f"{c} {t:.2f}" for c, t in times.items()), flush=True)
+                results.append(
+                    {
+                        "model": model,
+                        "proj": name,
+                        "n": n,
+                        "k": k,
+                        "rows": m,
+                        "us": times,
+                        "best": best,
+                    }
+                )
+                print(
+                    f"{model:14} {name:8} M={m:<3d} best {best:18s} {times[best]:8.2f} us | "
+                    + " | ".join(f"{c} {t:.2f}" for c, t in times.items()),
+                    flush=True,
+                )
     if json_path:
-        json_path.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "rows": results}, indent=1))
+        json_path.write_text(
+            json.dumps({"device": torch.cuda.get_device_name(), "rows": results}, indent=1)
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
-    parser.add_argument("--configs", action="store_true",
-                        help="sweep the skinny kernel's launch choices instead")
+    parser.add_argument(
+        "--configs", action="store_true", help="sweep the skinny kernel's launch choices instead"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     reserve_workspace(torch.device("cuda"))
@@ -157,23 +184,42 @@ def main() -> None:
         main_configs(args.models, args.rows, args.json)
         return
     rows = []
-    print(f"{'model':14} {'proj':8} {'N':>7} {'K':>6} {'M':>3} {'cuBLAS us':>10} "
-          f"{'triton us':>10} {'+PDL us':>8} {'cuBLAS GB/s':>12} {'triton GB/s':>12}")
+    print(
+        f"{'model':14} {'proj':8} {'N':>7} {'K':>6} {'M':>3} {'cuBLAS us':>10} "
+        f"{'triton us':>10} {'+PDL us':>8} {'cuBLAS GB/s':>12} {'triton GB/s':>12}"
+    )
     for model in args.models:
         cfg = json.loads((CONFIGS / f"{model}.json").read_text())
         for name, (n, k) in projections(cfg).items():
             for m in args.rows:
-                r = {"model": model, "proj": name, "n": n, "k": k, "rows": m,
-                     **bench_shape(n, k, m, cfg["num_hidden_layers"])}
+                r = {
+                    "model": model,
+                    "proj": name,
+                    "n": n,
+                    "k": k,
+                    "rows": m,
+                    **bench_shape(n, k, m, cfg["num_hidden_layers"]),
+                }
                 torch.cuda.empty_cache()  # the shape's weights and graphs are gone
                 gbs = {key: 2 * n * k / (r[f"{key}_us"] * 1e3) for key in ("cublas", "triton")}
                 rows.append(r)
-                print(f"{model:14} {name:8} {n:7d} {k:6d} {m:3d} {r['cublas_us']:10.2f} "
-                      f"{r['triton_us']:10.2f} {r['triton_pdl_us']:8.2f} "
-                      f"{gbs['cublas']:12.0f} {gbs['triton']:12.0f}")
-    summary = [{"model": r["model"], "proj": r["proj"], "rows": r["rows"],
-                "cublas_us": round(r["cublas_us"], 2), "triton_us": round(r["triton_us"], 2),
-                "triton_pdl_us": round(r["triton_pdl_us"], 2)} for r in rows if r["rows"] == 1]
+                print(
+                    f"{model:14} {name:8} {n:7d} {k:6d} {m:3d} {r['cublas_us']:10.2f} "
+                    f"{r['triton_us']:10.2f} {r['triton_pdl_us']:8.2f} "
+                    f"{gbs['cublas']:12.0f} {gbs['triton']:12.0f}"
+                )
+    summary = [
+        {
+            "model": r["model"],
+            "proj": r["proj"],
+            "rows": r["rows"],
+            "cublas_us": round(r["cublas_us"], 2),
+            "triton_us": round(r["triton_us"], 2),
+            "triton_pdl_us": round(r["triton_pdl_us"], 2),
+        }
+        for r in rows
+        if r["rows"] == 1
+    ]
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
 

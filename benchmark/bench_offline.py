@@ -54,13 +54,16 @@ class Workload:
     output_lens: list[int]
 
 
-def make_workload(num_seqs: int, min_len: int, max_len: int, seed: int,
-                  vocab_size: int) -> Workload:
+def make_workload(
+    num_seqs: int, min_len: int, max_len: int, seed: int, vocab_size: int
+) -> Workload:
     """nano-vllm's random workload; the same for every mode (it depends only on the arguments)."""
     rng = random.Random(seed)
     high = min(MAX_TOKEN_ID, vocab_size - 1)
-    prompts = [[rng.randint(0, high) for _ in range(rng.randint(min_len, max_len))]
-               for _ in range(num_seqs)]
+    prompts = [
+        [rng.randint(0, high) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(num_seqs)
+    ]
     return Workload(prompts, [rng.randint(min_len, max_len) for _ in range(num_seqs)])
 
 
@@ -71,9 +74,15 @@ def cuda_graph_mode(mode: str) -> str:
 
 def build_engine(args: argparse.Namespace, mode: str, overlap: bool = True) -> Engine:
     """An Engine whose context holds the longest prompt plus the longest output."""
-    return Engine(model_path=str(args.model_path), load_format=args.load_format,
-                  device=args.device, seed=args.seed, context_length=2 * args.max_len,
-                  cuda_graph_mode=cuda_graph_mode(mode), disable_overlap_schedule=not overlap)
+    return Engine(
+        model_path=str(args.model_path),
+        load_format=args.load_format,
+        device=args.device,
+        seed=args.seed,
+        context_length=2 * args.max_len,
+        cuda_graph_mode=cuda_graph_mode(mode),
+        disable_overlap_schedule=not overlap,
+    )
 
 
 def _sync(engine: Engine) -> None:
@@ -87,38 +96,57 @@ def _params(output_len: int) -> dict[str, Any]:
 
 def run_mode(engine: Engine, mode: str, workload: Workload) -> dict[str, Any]:
     """Warm up, then time the whole workload in one generate call; one summary row."""
-    engine.generate(input_ids=workload.prompts[:WARMUP_SEQS],
-                    sampling_params=_params(WARMUP_TOKENS))
+    engine.generate(
+        input_ids=workload.prompts[:WARMUP_SEQS], sampling_params=_params(WARMUP_TOKENS)
+    )
     engine.runner.forward_stats = ForwardStats()  # count the timed run's forwards only
     _sync(engine)
     start = time.perf_counter()
-    outputs = engine.generate(input_ids=workload.prompts,
-                              sampling_params=[_params(n) for n in workload.output_lens])
+    outputs = engine.generate(
+        input_ids=workload.prompts, sampling_params=[_params(n) for n in workload.output_lens]
+    )
     _sync(engine)
     seconds = time.perf_counter() - start
     return result_row(
-        mode, engine.runner.cuda_graphs.summary(), len(workload.prompts),
+        mode,
+        engine.runner.cuda_graphs.summary(),
+        len(workload.prompts),
         input_tokens=sum(len(p) for p in workload.prompts),
         output_tokens=sum(len(o["output_ids"]) for o in outputs),
-        requested_output_tokens=sum(workload.output_lens), seconds=seconds,
+        requested_output_tokens=sum(workload.output_lens),
+        seconds=seconds,
         forwards=dataclasses.asdict(engine.runner.forward_stats)["phases"],
         overlap=engine.scheduler.overlap,
     )
 
 
-def result_row(mode: str, resolved: str, num_seqs: int, input_tokens: int, output_tokens: int,
-               requested_output_tokens: int, seconds: float,
-               forwards: dict[str, dict[str, int]], overlap: bool = True) -> dict[str, Any]:
+def result_row(
+    mode: str,
+    resolved: str,
+    num_seqs: int,
+    input_tokens: int,
+    output_tokens: int,
+    requested_output_tokens: int,
+    seconds: float,
+    forwards: dict[str, dict[str, int]],
+    overlap: bool = True,
+) -> dict[str, Any]:
     """One mode's summary row. `resolved` is the engine's per-phase config as JSON; `forwards`
     counts the timed run's graph / eager forward passes per phase; `overlap`: whether the
     scheduler overlapped decode steps."""
     phases = json.loads(resolved)
     return {
-        "name": f"offline {mode}" + ("" if overlap else " no-overlap"), "mode": mode,
-        "decode": phases["decode"], "overlap": overlap,
-        "prefill": phases["prefill"], "num_seqs": num_seqs, "input_tokens": input_tokens,
-        "output_tokens": output_tokens, "requested_output_tokens": requested_output_tokens,
-        "seconds": round(seconds, 3), "output_throughput": round(output_tokens / seconds, 2),
+        "name": f"offline {mode}" + ("" if overlap else " no-overlap"),
+        "mode": mode,
+        "decode": phases["decode"],
+        "overlap": overlap,
+        "prefill": phases["prefill"],
+        "num_seqs": num_seqs,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "requested_output_tokens": requested_output_tokens,
+        "seconds": round(seconds, 3),
+        "output_throughput": round(output_tokens / seconds, 2),
         "total_throughput": round((input_tokens + output_tokens) / seconds, 2),
         "forwards": forwards,
     }
@@ -126,8 +154,11 @@ def result_row(mode: str, resolved: str, num_seqs: int, input_tokens: int, outpu
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """One line per mode; "graph decode steps" counts those replayed from a CUDA graph."""
-    lines = ["| decode | prefill | overlap | seqs | output tokens | seconds | output tok/s "
-             "| total tok/s | graph decode steps |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| decode | prefill | overlap | seqs | output tokens | seconds | output tok/s "
+        "| total tok/s | graph decode steps |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         decode = r["forwards"]["decode"]
         overlap = "on" if r.get("overlap", True) else "off"
@@ -135,15 +166,17 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['decode']} | {r['prefill']} | {overlap} | {r['num_seqs']} | "
             f"{r['output_tokens']} | "
             f"{r['seconds']:.2f} | {r['output_throughput']:.0f} | {r['total_throughput']:.0f} | "
-            f"{decode['graph']}/{decode['graph'] + decode['eager']} |")
+            f"{decode['graph']}/{decode['graph'] + decode['eager']} |"
+        )
     return "\n".join(lines)
 
 
 def bench_mode(args: argparse.Namespace, mode: str, overlap: bool = True) -> dict[str, Any]:
     """Build the mode's Engine, run the workload; the Engine is garbage once this returns."""
     engine = build_engine(args, mode, overlap)
-    workload = make_workload(args.num_seqs, args.min_len, args.max_len, args.seed,
-                             engine.runner.config.vocab_size)
+    workload = make_workload(
+        args.num_seqs, args.min_len, args.max_len, args.seed, engine.runner.config.vocab_size
+    )
     return run_mode(engine, mode, workload)
 
 
@@ -155,20 +188,32 @@ def free_memory() -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", type=Path, default=QWEN3_CONFIG)
     parser.add_argument("--load-format", default="dummy", help="default: %(default)s")
     parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100,
-                        help="shortest prompt and output (tokens)")
-    parser.add_argument("--max-len", type=int, default=1024,
-                        help="longest prompt and output (tokens)")
+    parser.add_argument(
+        "--min-len", type=int, default=100, help="shortest prompt and output (tokens)"
+    )
+    parser.add_argument(
+        "--max-len", type=int, default=1024, help="longest prompt and output (tokens)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="the workload's and the weights'")
-    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
-                        help="decode-mode names or --cuda-graph-mode JSON objects")
-    parser.add_argument("--overlap", nargs="+", choices=("on", "off"), default=["on"],
-                        help="the scheduler's overlap schedule; several: every mode with each")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(DEFAULT_MODES),
+        help="decode-mode names or --cuda-graph-mode JSON objects",
+    )
+    parser.add_argument(
+        "--overlap",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="the scheduler's overlap schedule; several: every mode with each",
+    )
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -180,8 +225,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def write_json(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    config = {**vars(args), "model_path": str(args.model_path), "json": str(args.json),
-              "temperature": TEMPERATURE}
+    config = {
+        **vars(args),
+        "model_path": str(args.model_path),
+        "json": str(args.json),
+        "temperature": TEMPERATURE,
+    }
     args.json.write_text(json.dumps({"config": config, "summary": rows}, indent=2))
 
 
@@ -196,8 +245,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             label = f"{mode} (overlap {overlap})"
             print(f"{label}: {rows[-1]['output_throughput']:.0f} output tok/s", flush=True)
             if rows[-1]["output_tokens"] != rows[-1]["requested_output_tokens"]:
-                print(f"warning: {label} generated {rows[-1]['output_tokens']} tokens, "
-                      f"{rows[-1]['requested_output_tokens']} were requested")
+                print(
+                    f"warning: {label} generated {rows[-1]['output_tokens']} tokens, "
+                    f"{rows[-1]['requested_output_tokens']} were requested"
+                )
             if args.json:
                 write_json(args, rows)
             free_memory()

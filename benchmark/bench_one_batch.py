@@ -76,16 +76,26 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / (ms / 1e3) / 1e9
 
 
-def build_runner(model: str, modes: str, max_bs: int, context: int,
-                 extra: dict | None = None) -> ModelRunner:
+def build_runner(
+    model: str, modes: str, max_bs: int, context: int, extra: dict | None = None
+) -> ModelRunner:
     """Default decode shapes (up to 256) and prefill buckets (up to 2048): what capture time and
     memory are reported for."""
-    return ModelRunner(ServerArgs(
-        model_path=str(CONFIGS / f"{model}.json"), load_format="dummy", device="cuda",
-        dtype="bfloat16", max_running_requests=256, context_length=max(context, 2048) + 64,
-        max_total_tokens=max_bs * (context + 64) + 4096, cuda_graph_mode=modes,
-        chunked_prefill_size=2048, mem_fraction_static=0.85, **(extra or {}),
-    ))
+    return ModelRunner(
+        ServerArgs(
+            model_path=str(CONFIGS / f"{model}.json"),
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            max_running_requests=256,
+            context_length=max(context, 2048) + 64,
+            max_total_tokens=max_bs * (context + 64) + 4096,
+            cuda_graph_mode=modes,
+            chunked_prefill_size=2048,
+            mem_fraction_static=0.85,
+            **(extra or {}),
+        )
+    )
 
 
 @torch.inference_mode()
@@ -95,8 +105,10 @@ def eager_forward(runner: ModelRunner, batch) -> torch.Tensor:
 
 
 def _reqs(n: int, length: int) -> list[Req]:
-    return [Req(i, [(i * 31 + j) % 1000 + 10 for j in range(length)], SamplingParams(), 0, 8)
-            for i in range(n)]
+    return [
+        Req(i, [(i * 31 + j) % 1000 + 10 for j in range(length)], SamplingParams(), 0, 8)
+        for i in range(n)
+    ]
 
 
 def time_prefill(runner: ModelRunner, n: int, length: int, eager: bool) -> dict[str, float]:
@@ -121,8 +133,10 @@ def time_decode(runner: ModelRunner, bs: int, context: int, eager: bool) -> dict
     batch = prepare_decode(reqs, runner)
     graphs = runner.graph_runners["decode"]
     assert graphs.can_run(batch)
-    out = {"graph_ms": cuda_time_ms(lambda: graphs.replay(batch)),
-           "back_to_back_ms": cuda_time_ms(lambda: graphs.replay(batch), repeat=10, calls=10)}
+    out = {
+        "graph_ms": cuda_time_ms(lambda: graphs.replay(batch)),
+        "back_to_back_ms": cuda_time_ms(lambda: graphs.replay(batch), repeat=10, calls=10),
+    }
     if eager:
         out["eager_ms"] = cuda_time_ms(lambda: eager_forward(runner, batch))
     for r in reqs:
@@ -143,9 +157,15 @@ def capture_row(model: str, runner: ModelRunner, phase: str) -> dict:
     return {"model": model, "phase": phase, **runner.cuda_graph_stats()[phase]}
 
 
-def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,
-                bandwidth: float, extra: dict | None = None,
-                kernels: str = "fused") -> tuple[list[dict], list[dict]]:
+def bench_model(
+    model: str,
+    runs: list[str],
+    bs_list: list[int],
+    context: int,
+    bandwidth: float,
+    extra: dict | None = None,
+    kernels: str = "fused",
+) -> tuple[list[dict], list[dict]]:
     """Each run is a `--cuda-graph-mode` JSON; eager times come from the first runner. Rows and
     captures name `extra` as their "variant" and `kernels` (fused, or native: every runner built
     and timed in `native_only()`) as their "kernels"."""
@@ -161,8 +181,9 @@ def bench_model(model: str, runs: list[str], bs_list: list[int], context: int,
     return rows, captures
 
 
-def _bench_runs(model: str, runs: list[str], bs_list: list[int], context: int,
-                bandwidth: float, extra: dict) -> tuple[list[dict], list[dict]]:
+def _bench_runs(
+    model: str, runs: list[str], bs_list: list[int], context: int, bandwidth: float, extra: dict
+) -> tuple[list[dict], list[dict]]:
     rows, captures, eager = [], [], {}
     for modes in runs:
         runner = build_runner(model, modes, max(bs_list), context, extra)
@@ -175,17 +196,32 @@ def _bench_runs(model: str, runs: list[str], bs_list: list[int], context: int,
                 step = f"prefill {n}x{length}"
                 t = time_prefill(runner, n, length, eager=step not in eager)
                 eager.setdefault(step, t.get("eager_ms"))
-                rows.append({"model": model, "step": step, "mode": config["prefill"],
-                             "eager_ms": eager[step], "graph_ms": t["graph_ms"], "floor_ms": None})
+                rows.append(
+                    {
+                        "model": model,
+                        "step": step,
+                        "mode": config["prefill"],
+                        "eager_ms": eager[step],
+                        "graph_ms": t["graph_ms"],
+                        "floor_ms": None,
+                    }
+                )
         if config.get("decode", "disabled") != "disabled":
             for bs in bs_list:
                 step = f"decode bs{bs}"
                 t = time_decode(runner, bs, context, eager=step not in eager)
                 eager.setdefault(step, t.get("eager_ms"))
-                rows.append({"model": model, "step": step, "mode": config["decode"],
-                             "eager_ms": eager[step], "graph_ms": t["graph_ms"],
-                             "back_to_back_ms": t["back_to_back_ms"],
-                             "floor_ms": decode_bytes(runner, bs, context) / (bandwidth * 1e6)})
+                rows.append(
+                    {
+                        "model": model,
+                        "step": step,
+                        "mode": config["decode"],
+                        "eager_ms": eager[step],
+                        "graph_ms": t["graph_ms"],
+                        "back_to_back_ms": t["back_to_back_ms"],
+                        "floor_ms": decode_bytes(runner, bs, context) / (bandwidth * 1e6),
+                    }
+                )
         del runner
         gc.collect()
         torch.cuda.empty_cache()
@@ -196,20 +232,35 @@ def _bench_runs(model: str, runs: list[str], bs_list: list[int], context: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     parser.add_argument("--bs", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=512, help="cached tokens per request")
-    parser.add_argument("--runs", nargs="+", default=RUNS,
-                        help="--cuda-graph-mode JSON of each runner (default: all three modes)")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=RUNS,
+        help="--cuda-graph-mode JSON of each runner (default: all three modes)",
+    )
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--server-args", type=json.loads, nargs="+", default=[{}],
-                        help="JSON object of further ServerArgs fields for every runner; "
-                             "several: every run once per object")
-    parser.add_argument("--kernels", nargs="+", choices=("fused", "native"), default=["fused"],
-                        help="the layers' fused Triton kernels, or their torch code "
-                             "(native_only); several: every run once per choice")
+    parser.add_argument(
+        "--server-args",
+        type=json.loads,
+        nargs="+",
+        default=[{}],
+        help="JSON object of further ServerArgs fields for every runner; "
+        "several: every run once per object",
+    )
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=("fused", "native"),
+        default=["fused"],
+        help="the layers' fused Triton kernels, or their torch code "
+        "(native_only); several: every run once per choice",
+    )
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth_gbs()
@@ -217,38 +268,64 @@ def main() -> None:
     for model in args.models:
         for kernels in args.kernels:
             for extra in args.server_args:
-                model_rows, model_captures = bench_model(model, args.runs, args.bs, args.context,
-                                                         bandwidth, extra, kernels)
+                model_rows, model_captures = bench_model(
+                    model, args.runs, args.bs, args.context, bandwidth, extra, kernels
+                )
                 rows += model_rows
                 captures += model_captures
 
     print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens")
-    print(f"{'model':14} {'step':18} {'mode':13} {'eager ms':>9} {'graph ms':>9} "
-          f"{'speedup':>8} {'back-to-back ms':>16} {'floor ms':>9} {'kernels':7}  variant")
+    print(
+        f"{'model':14} {'step':18} {'mode':13} {'eager ms':>9} {'graph ms':>9} "
+        f"{'speedup':>8} {'back-to-back ms':>16} {'floor ms':>9} {'kernels':7}  variant"
+    )
     for r in rows:
         floor = f"{r['floor_ms']:9.3f}" if r["floor_ms"] is not None else f"{'':9}"
         b2b = f"{r['back_to_back_ms']:16.3f}" if "back_to_back_ms" in r else f"{'':16}"
-        print(f"{r['model']:14} {r['step']:18} {r['mode']:13} {r['eager_ms']:9.3f} "
-              f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {b2b} {floor} {r['kernels']:7}  "
-              f"{r['variant']}")
+        print(
+            f"{r['model']:14} {r['step']:18} {r['mode']:13} {r['eager_ms']:9.3f} "
+            f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {b2b} {floor} {r['kernels']:7}  "
+            f"{r['variant']}"
+        )
     for c in captures:
         compile_s = f" after {c['compile_s']} s compiling" if c["compile_s"] is not None else ""
-        print(f"{c['model']}: {c['phase']} {c['mode']}: {c['shapes']} shapes captured in "
-              f"{c['capture_s']} s{compile_s}, {c['graph_mib']} MiB  {c['kernels']} {c['variant']}")
-    summary = [{"model": r["model"], "step": r["step"], "mode": r["mode"], "variant": r["variant"],
-                "kernels": r["kernels"],
-                "graph_ms": round(r["graph_ms"], 3), "speedup": round(r["speedup"], 2),
-                **({"back_to_back_ms": round(r["back_to_back_ms"], 3)}
-                   if "back_to_back_ms" in r else {}),
-                **({"over_floor": round(r["graph_ms"] / r["floor_ms"], 2)}
-                   if r["floor_ms"] else {})}
-               for r in rows if r["step"] in ("decode bs1", "prefill 1x128")] + captures
+        print(
+            f"{c['model']}: {c['phase']} {c['mode']}: {c['shapes']} shapes captured in "
+            f"{c['capture_s']} s{compile_s}, {c['graph_mib']} MiB  {c['kernels']} {c['variant']}"
+        )
+    summary = [
+        {
+            "model": r["model"],
+            "step": r["step"],
+            "mode": r["mode"],
+            "variant": r["variant"],
+            "kernels": r["kernels"],
+            "graph_ms": round(r["graph_ms"], 3),
+            "speedup": round(r["speedup"], 2),
+            **(
+                {"back_to_back_ms": round(r["back_to_back_ms"], 3)}
+                if "back_to_back_ms" in r
+                else {}
+            ),
+            **({"over_floor": round(r["graph_ms"] / r["floor_ms"], 2)} if r["floor_ms"] else {}),
+        }
+        for r in rows
+        if r["step"] in ("decode bs1", "prefill 1x128")
+    ] + captures
     if args.json:
-        args.json.write_text(json.dumps({"copy_bandwidth_gbs": bandwidth,
-                                         "server_args": args.server_args,
-                                         "kernels": args.kernels,
-                                         "rows": rows,
-                                         "captures": captures, "summary": summary}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "copy_bandwidth_gbs": bandwidth,
+                    "server_args": args.server_args,
+                    "kernels": args.kernels,
+                    "rows": rows,
+                    "captures": captures,
+                    "summary": summary,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -50,9 +50,15 @@ def kernel_table(replay, replays: int) -> tuple[list[dict], float]:
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
             times[event.name].append(event.device_time)
-    rows = [{"kernel": name[:90], "per_step": len(ts) / replays,
-             "each_us": sum(ts) / len(ts), "total_us": sum(ts) / replays}
-            for name, ts in times.items()]
+    rows = [
+        {
+            "kernel": name[:90],
+            "per_step": len(ts) / replays,
+            "each_us": sum(ts) / len(ts),
+            "total_us": sum(ts) / replays,
+        }
+        for name, ts in times.items()
+    ]
     rows.sort(key=lambda r: -r["total_us"])
     return rows, sum(r["total_us"] for r in rows)
 
@@ -78,37 +84,60 @@ def profile_variant(model: str, args: argparse.Namespace, extra: dict) -> dict:
     launches = sum(r["per_step"] for r in rows)
     gap_us = step_ms * 1e3 - kernel_us
     print(f"\n{model} decode bs{args.bs} ctx{args.context} {args.mode} {json.dumps(extra)}")
-    print(f"step {step_ms * 1e3:.1f} us = kernels {kernel_us:.1f} us ({launches:.0f} launches) "
-          f"+ gaps {gap_us:.1f} us ({gap_us / max(launches, 1):.2f} us per launch)")
+    print(
+        f"step {step_ms * 1e3:.1f} us = kernels {kernel_us:.1f} us ({launches:.0f} launches) "
+        f"+ gaps {gap_us:.1f} us ({gap_us / max(launches, 1):.2f} us per launch)"
+    )
     print(f"{'kernel':60} {'per step':>8} {'each us':>8} {'share':>6}")
     for r in rows:
-        print(f"{r['kernel'][:60]:60} {r['per_step']:8.1f} {r['each_us']:8.2f} "
-              f"{100 * r['total_us'] / kernel_us:5.1f}%")
-    return {"model": model, "step": f"decode bs{args.bs}", "mode": args.mode,
-            "variant": json.dumps(extra), "step_us": round(step_ms * 1e3, 1),
-            "kernel_us": round(kernel_us, 1), "launches": launches, "gap_us": round(gap_us, 1),
-            "kernels": rows}
+        print(
+            f"{r['kernel'][:60]:60} {r['per_step']:8.1f} {r['each_us']:8.2f} "
+            f"{100 * r['total_us'] / kernel_us:5.1f}%"
+        )
+    return {
+        "model": model,
+        "step": f"decode bs{args.bs}",
+        "mode": args.mode,
+        "variant": json.dumps(extra),
+        "step_us": round(step_ms * 1e3, 1),
+        "kernel_us": round(kernel_us, 1),
+        "launches": launches,
+        "gap_us": round(gap_us, 1),
+        "kernels": rows,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
     parser.add_argument("--bs", type=int, default=1)
     parser.add_argument("--context", type=int, default=512, help="cached tokens per request")
-    parser.add_argument("--mode", default='{"decode": "full", "prefill": "disabled"}',
-                        help="--cuda-graph-mode JSON of the runner")
-    parser.add_argument("--server-args", type=json.loads, nargs="+", default=[{}],
-                        help="JSON objects of further ServerArgs fields: one profile each")
+    parser.add_argument(
+        "--mode",
+        default='{"decode": "full", "prefill": "disabled"}',
+        help="--cuda-graph-mode JSON of the runner",
+    )
+    parser.add_argument(
+        "--server-args",
+        type=json.loads,
+        nargs="+",
+        default=[{}],
+        help="JSON objects of further ServerArgs fields: one profile each",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    profiles = [profile_variant(model, args, extra)
-                for model in args.models for extra in args.server_args]
+    profiles = [
+        profile_variant(model, args, extra) for model in args.models for extra in args.server_args
+    ]
     print(f"\n{'model':14} {'step us':>8} {'kernel us':>9} {'launches':>8}  variant")
     for p in profiles:
-        print(f"{p['model']:14} {p['step_us']:8.1f} {p['kernel_us']:9.1f} {p['launches']:8.0f}  "
-              f"{p['variant']}")
+        print(
+            f"{p['model']:14} {p['step_us']:8.1f} {p['kernel_us']:9.1f} {p['launches']:8.0f}  "
+            f"{p['variant']}"
+        )
     if args.json:
         summary = [{k: v for k, v in p.items() if k != "kernels"} for p in profiles]
         args.json.write_text(json.dumps({"summary": summary, "profiles": profiles}, indent=2))

@@ -80,26 +80,34 @@ def dataset_specs(args: argparse.Namespace, rng: random.Random) -> list[RequestS
     else:
         raw = Path(args.dataset).read_text(encoding="utf-8")
     stripped = raw.lstrip()
-    rows = json.loads(raw) if stripped.startswith("[") else [
-        json.loads(line) for line in raw.splitlines() if line.strip()]
+    rows = (
+        json.loads(raw)
+        if stripped.startswith("[")
+        else [json.loads(line) for line in raw.splitlines() if line.strip()]
+    )
     fields = [args.dataset_field] if args.dataset_field else list(DATASET_FIELDS)
-    prompts = [next((row[f] for f in fields if isinstance(row.get(f), str)), None)
-               for row in rows]
+    prompts = [next((row[f] for f in fields if isinstance(row.get(f), str)), None) for row in rows]
     prompts = [p for p in prompts if p]
     if not prompts:
         raise SystemExit(f"no rows of {args.dataset} have a text field among {fields}")
     rng.shuffle(prompts)
-    return [RequestSpec(prompts[i % len(prompts)], args.dataset_output_len, None)
-            for i in range(args.num_prompts)]
+    return [
+        RequestSpec(prompts[i % len(prompts)], args.dataset_output_len, None)
+        for i in range(args.num_prompts)
+    ]
 
 
 # ---- one request --------------------------------------------------------------------------------
 
 
 def payload(args: argparse.Namespace, model: str, spec: RequestSpec) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": spec.output_len, "stream": True,
-                            "stream_options": {"include_usage": True},
-                            "temperature": args.temperature}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": spec.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": args.temperature,
+    }
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -116,8 +124,9 @@ def chunk_text(event: dict[str, Any]) -> str:
     return text
 
 
-async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-               spec: RequestSpec) -> RequestResult:
+async def send(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], spec: RequestSpec
+) -> RequestResult:
     """Stream one request; TTFT is the first chunk with text, ITL the gaps between such chunks."""
     res = RequestResult(ok=False, input_len=spec.input_len)
     start = last = time.perf_counter()
@@ -130,7 +139,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     res.error = str(event["error"])
                     return res
@@ -156,8 +165,14 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any],
 # ---- a run --------------------------------------------------------------------------------------
 
 
-async def run(args: argparse.Namespace, model: str, specs: list[RequestSpec], rate: float,
-              concurrency: int | None, rng: random.Random) -> tuple[list[RequestResult], float]:
+async def run(
+    args: argparse.Namespace,
+    model: str,
+    specs: list[RequestSpec],
+    rate: float,
+    concurrency: int | None,
+    rng: random.Random,
+) -> tuple[list[RequestResult], float]:
     """Send every spec (Poisson arrivals at `rate`, at most `concurrency` in flight when set);
     return the results and the wall time."""
     path = "chat/completions" if args.endpoint == "chat" else "completions"
@@ -168,8 +183,11 @@ async def run(args: argparse.Namespace, model: str, specs: list[RequestSpec], ra
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         for spec in specs[: args.warmup]:
             await send(client, url, payload(args, model, spec), spec)
-        bar = tqdm(total=len(specs), desc=f"rate {rate}, max concurrency {concurrency}",
-                   disable=args.disable_tqdm)
+        bar = tqdm(
+            total=len(specs),
+            desc=f"rate {rate}, max concurrency {concurrency}",
+            disable=args.disable_tqdm,
+        )
 
         async def one(spec: RequestSpec) -> RequestResult:
             async with gate:
@@ -197,21 +215,36 @@ def _stats(name: str, values_s: list[float]) -> dict[str, float | None]:
     return out
 
 
-def summarize(args: argparse.Namespace, model: str, rate: float, concurrency: int | None,
-              results: list[RequestResult], duration: float) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace,
+    model: str,
+    rate: float,
+    concurrency: int | None,
+    results: list[RequestResult],
+    duration: float,
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     inputs = sum(r.input_len or 0 for r in ok)
     outputs = sum(r.output_len for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok
-            if r.ttft is not None and r.output_len > 1]
+    tpot = [
+        (r.latency - r.ttft) / (r.output_len - 1)
+        for r in ok
+        if r.ttft is not None and r.output_len > 1
+    ]
     shown_rate = rate if math.isfinite(rate) else "inf"
     row = {
         "name": f"serving rate={shown_rate} max_concurrency={concurrency}",
-        "model": model, "endpoint": args.endpoint, "dataset": args.dataset,
+        "model": model,
+        "endpoint": args.endpoint,
+        "dataset": args.dataset,
         "request_rate": shown_rate,
         "max_concurrency": concurrency,
-        "num_prompts": len(results), "completed": len(ok), "failed": len(results) - len(ok),
-        "duration_s": duration, "total_input_tokens": inputs, "total_output_tokens": outputs,
+        "num_prompts": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": inputs,
+        "total_output_tokens": outputs,
         "request_throughput": len(ok) / duration,
         "input_token_throughput": inputs / duration,
         "output_token_throughput": outputs / duration,
@@ -241,8 +274,9 @@ async def resolve_model(args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--model", default=None, help="default: the first of GET /v1/models")
@@ -254,12 +288,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--random-input-len", type=int, default=512)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.5)
-    parser.add_argument("--random-token-range", type=int, nargs=2, default=(100, 20000),
-                        help="token ids of random prompts are drawn from [LOW, HIGH)")
-    parser.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
-                        help="requests per second (Poisson); inf = all at once")
-    parser.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
-                        help="requests in flight at most (several: a run for each)")
+    parser.add_argument(
+        "--random-token-range",
+        type=int,
+        nargs=2,
+        default=(100, 20000),
+        help="token ids of random prompts are drawn from [LOW, HIGH)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[math.inf],
+        help="requests per second (Poisson); inf = all at once",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="requests in flight at most (several: a run for each)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each run")
@@ -287,13 +336,19 @@ def main(argv: list[str] | None = None) -> None:
         if errors:
             print(f"{len(errors)} requests failed; the first: {errors[0]}")
         summary.append(row)
-        requests += [{"request_rate": row["request_rate"], "max_concurrency": concurrency,
-                      **asdict(r)} for r in results]
+        requests += [
+            {"request_rate": row["request_rate"], "max_concurrency": concurrency, **asdict(r)}
+            for r in results
+        ]
     if args.json:
-        config = {**vars(args), "json": str(args.json),
-                  "request_rate": [str(r) for r in args.request_rate]}
-        args.json.write_text(json.dumps({"config": config, "summary": summary,
-                                         "requests": requests}, indent=1))
+        config = {
+            **vars(args),
+            "json": str(args.json),
+            "request_rate": [str(r) for r in args.request_rate],
+        }
+        args.json.write_text(
+            json.dumps({"config": config, "summary": summary, "requests": requests}, indent=1)
+        )
 
 
 if __name__ == "__main__":

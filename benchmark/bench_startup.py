@@ -75,8 +75,16 @@ def time_to_first_token(server_args: list[str], log: Path) -> tuple[float, float
     spawn's epoch time); the server is stopped afterwards. Raises RuntimeError (with the log's
     tail) if it dies."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "replaylm.launch_server", "--host", "127.0.0.1",
-           "--port", str(port), *server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "replaylm.launch_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *server_args,
+    ]
     url = f"http://127.0.0.1:{port}/generate"
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     with log.open("w") as out:
@@ -85,30 +93,37 @@ def time_to_first_token(server_args: list[str], log: Path) -> tuple[float, float
         try:
             while time.perf_counter() - start < TIMEOUT_S:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}:\n"
-                                       f"{log.read_text()[-3000:]}")
+                    raise RuntimeError(
+                        f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                    )
                 try:
                     if httpx.post(url, json=body, timeout=TIMEOUT_S).status_code == 200:
                         return time.perf_counter() - start, spawned
                 except httpx.TransportError:
                     pass
                 time.sleep(0.1)
-            raise RuntimeError(f"no first token after {TIMEOUT_S:.0f} s:\n"
-                               f"{log.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"no first token after {TIMEOUT_S:.0f} s:\n{log.read_text()[-3000:]}"
+            )
         finally:
             proc.terminate()
             proc.wait(timeout=60)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=str(CONFIGS / "qwen3-0.6b.json"))
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--modes", nargs="+", default=MODES)
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="keep each server's log here (default: a temporary directory)")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="keep each server's log here (default: a temporary directory)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -119,34 +134,69 @@ def main() -> None:
         cache = Path(tempfile.mkdtemp(prefix="compile_cache_"))
         starts = ["cold", "warm"] if "tc_piecewise" in modes else ["cold"]
         for start in starts:
-            server_args = ["--model-path", args.model_path, "--load-format", args.load_format,
-                           "--device", args.device, "--cuda-graph-mode", modes,
-                           "--compile-cache-dir", str(cache)]
+            server_args = [
+                "--model-path",
+                args.model_path,
+                "--load-format",
+                args.load_format,
+                "--device",
+                args.device,
+                "--cuda-graph-mode",
+                modes,
+                "--compile-cache-dir",
+                str(cache),
+            ]
             log = log_dir / f"server_{i}_{start}.log"
             seconds, spawned = time_to_first_token(server_args, log)
-            rows.append({"modes": json.loads(modes), "start": start, "seconds": seconds,
-                         "phases": phases(log.read_text(), spawned)})
+            rows.append(
+                {
+                    "modes": json.loads(modes),
+                    "start": start,
+                    "seconds": seconds,
+                    "phases": phases(log.read_text(), spawned),
+                }
+            )
             print(f"{modes} {start}: {seconds:.1f} s", flush=True)
 
-    tc_cold = next((r["seconds"] for r in rows if r["start"] == "cold"
-                    and "tc_piecewise" in r["modes"].values()), None)
+    tc_cold = next(
+        (
+            r["seconds"]
+            for r in rows
+            if r["start"] == "cold" and "tc_piecewise" in r["modes"].values()
+        ),
+        None,
+    )
     print(f"\n{'decode':14} {'prefill':14} {'start':6} {'seconds':>8} {'of tc cold':>11}")
     for r in rows:
         share = f"{r['seconds'] / tc_cold:10.0%}" if tc_cold else f"{'':>10}"
         r["of_tc_piecewise_cold"] = r["seconds"] / tc_cold if tc_cold else None
-        print(f"{r['modes']['decode']:14} {r['modes']['prefill']:14} {r['start']:6} "
-              f"{r['seconds']:8.1f} {share}")
+        print(
+            f"{r['modes']['decode']:14} {r['modes']['prefill']:14} {r['start']:6} "
+            f"{r['seconds']:8.1f} {share}"
+        )
     print(f"\nseconds from the spawn to each milestone: {', '.join(PHASES)}, first token")
     for r in rows:
-        marks = "  ".join(f"{name} {r['phases'][name]:5.1f}" if name in r["phases"]
-                          else f"{name}   -  " for name in PHASES)
-        print(f"{r['modes']['decode']:14} {r['modes']['prefill']:14} {r['start']:6} {marks}  "
-              f"first token {r['seconds']:5.1f}")
+        marks = "  ".join(
+            f"{name} {r['phases'][name]:5.1f}" if name in r["phases"] else f"{name}   -  "
+            for name in PHASES
+        )
+        print(
+            f"{r['modes']['decode']:14} {r['modes']['prefill']:14} {r['start']:6} {marks}  "
+            f"first token {r['seconds']:5.1f}"
+        )
     if args.json:
-        summary = [{"decode": r["modes"]["decode"], "prefill": r["modes"]["prefill"],
-                    "start": r["start"], "seconds": round(r["seconds"], 1)} for r in rows]
-        args.json.write_text(json.dumps({"model_path": args.model_path, "rows": rows,
-                                         "summary": summary}, indent=2))
+        summary = [
+            {
+                "decode": r["modes"]["decode"],
+                "prefill": r["modes"]["prefill"],
+                "start": r["start"],
+                "seconds": round(r["seconds"], 1),
+            }
+            for r in rows
+        ]
+        args.json.write_text(
+            json.dumps({"model_path": args.model_path, "rows": rows, "summary": summary}, indent=2)
+        )
 
 
 if __name__ == "__main__":

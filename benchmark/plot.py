@@ -44,7 +44,9 @@ Whiskers = dict[str, list[tuple[float, float]]]  # series name -> (below, above)
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
 NANO_VLLM_REFERENCE = {  # nano-vllm's README: Qwen3-0.6B, 256 seqs, RTX 4070 Laptop (8 GB)
-    "nano-vllm (RTX 4070 Laptop)": 1434, "vLLM (RTX 4070 Laptop)": 1362}
+    "nano-vllm (RTX 4070 Laptop)": 1434,
+    "vLLM (RTX 4070 Laptop)": 1362,
+}
 
 
 def load(paths: list[Path]) -> list[Doc]:
@@ -58,8 +60,9 @@ def load(paths: list[Path]) -> list[Doc]:
     return docs
 
 
-def grouped_bars(ax: Axes, groups: list[str], series: Series, ylabel: str,
-                 whiskers: Whiskers | None = None) -> list[BarContainer]:
+def grouped_bars(
+    ax: Axes, groups: list[str], series: Series, ylabel: str, whiskers: Whiskers | None = None
+) -> list[BarContainer]:
     """One cluster of bars per group, one bar per series (returned in order); a legend when
     there are several."""
     width = 0.8 / len(series)
@@ -69,11 +72,22 @@ def grouped_bars(ax: Axes, groups: list[str], series: Series, ylabel: str,
         yerr = None
         if whiskers and name in whiskers:
             yerr = [[w[0] for w in whiskers[name]], [w[1] for w in whiskers[name]]]
-        bars.append(ax.bar([g + offset for g in range(len(groups))],
-                           [math.nan if v is None else v for v in values], width, label=name,
-                           yerr=yerr, capsize=3))
-    ax.set_xticks(range(len(groups)), groups, rotation=30 if len(groups) > 4 else 0,
-                  ha="right" if len(groups) > 4 else "center")
+        bars.append(
+            ax.bar(
+                [g + offset for g in range(len(groups))],
+                [math.nan if v is None else v for v in values],
+                width,
+                label=name,
+                yerr=yerr,
+                capsize=3,
+            )
+        )
+    ax.set_xticks(
+        range(len(groups)),
+        groups,
+        rotation=30 if len(groups) > 4 else 0,
+        ha="right" if len(groups) > 4 else "center",
+    )
     ax.set_ylabel(ylabel)
     if len(series) > 1:
         ax.legend(fontsize="small")
@@ -90,7 +104,7 @@ def _mode_label(row: dict[str, Any]) -> str:
 
 
 def _variant_label(row: dict[str, Any]) -> str:
-    """" [key=value, ...]" of a bench_one_batch row's ServerArgs variant and its kernels where
+    """ " [key=value, ...]" of a bench_one_batch row's ServerArgs variant and its kernels where
     native; "" for neither."""
     fields = json.loads(row.get("variant") or "{}")
     if row.get("kernels") == "native":
@@ -116,8 +130,10 @@ def plot_one_batch(docs: list[Doc], out: Path) -> list[Path]:
             series: Series = {}
             for stem, r in mine:
                 variant = _variant_label(r)
-                for name, ms in ((f"eager{variant}", r["eager_ms"]),
-                                 (f"{r['mode']}{variant}", r["graph_ms"])):
+                for name, ms in (
+                    (f"eager{variant}", r["eager_ms"]),
+                    (f"{r['mode']}{variant}", r["graph_ms"]),
+                ):
                     values = series.setdefault(_name(stem, name, docs), [None] * len(steps))
                     values[steps.index(r["step"])] = ms
             if steps:
@@ -146,8 +162,10 @@ def _serving_run(row: dict[str, Any]) -> tuple[Any, int | None]:
 
 def serving_runs(docs: list[Doc]) -> list[tuple[Any, int | None]]:
     """Every (rate, max concurrency) run in the docs, by rate then concurrency (uncapped last)."""
-    return sorted({_serving_run(r) for _, doc in docs for r in doc["summary"]},
-                  key=lambda run: (_rate(run[0]), run[1] or math.inf))
+    return sorted(
+        {_serving_run(r) for _, doc in docs for r in doc["summary"]},
+        key=lambda run: (_rate(run[0]), run[1] or math.inf),
+    )
 
 
 def _serving_label(run: tuple[Any, int | None]) -> str:
@@ -164,9 +182,11 @@ def plot_serving(docs: list[Doc], out: Path) -> list[Path]:
     groups = [_serving_label(run) for run in runs]
     fig = Figure(figsize=(max(13.0, 1.4 * len(runs) * 3), 4.5), layout="constrained")
     fig.suptitle("serving: per request rate and concurrency")
-    panels = (("output_token_throughput", None, "output tok/s"),
-              ("p50_ttft_ms", "p99_ttft_ms", "TTFT ms (p50, to p99)"),
-              ("p50_itl_ms", "p99_itl_ms", "inter-token latency ms (p50, to p99)"))
+    panels = (
+        ("output_token_throughput", None, "output tok/s"),
+        ("p50_ttft_ms", "p99_ttft_ms", "TTFT ms (p50, to p99)"),
+        ("p50_itl_ms", "p99_itl_ms", "inter-token latency ms (p50, to p99)"),
+    )
     for ax, (key, upper, ylabel) in zip(fig.subplots(1, 3), panels, strict=True):
         series: Series = {}
         whiskers: Whiskers = {}
@@ -180,8 +200,9 @@ def plot_serving(docs: list[Doc], out: Path) -> list[Path]:
     return [_save(fig, out / "serving.png")]
 
 
-def _mode_bars(docs: list[Doc], key: str, series_of: Callable[[dict[str, Any]], str],
-               ylabel: str) -> tuple[Any, Figure]:
+def _mode_bars(
+    docs: list[Doc], key: str, series_of: Callable[[dict[str, Any]], str], ylabel: str
+) -> tuple[Any, Figure]:
     """One bar group per mode (decode / prefill) of the docs' summary rows: `row[key]` in the
     series `series_of(row)`. Returns (axes, figure)."""
     rows = [(stem, r) for stem, doc in docs for r in doc["summary"]]
@@ -198,9 +219,12 @@ def _mode_bars(docs: list[Doc], key: str, series_of: Callable[[dict[str, Any]], 
 
 def plot_offline(docs: list[Doc], out: Path) -> list[Path]:
     """Output tok/s per mode; nano-vllm's and vLLM's numbers drawn when the workload is theirs."""
-    ax, fig = _mode_bars(docs, "output_throughput",
-                         lambda r: "output tok/s" + ("" if r.get("overlap", True)
-                                                     else ", no overlap"), "output tok/s")
+    ax, fig = _mode_bars(
+        docs,
+        "output_throughput",
+        lambda r: "output tok/s" + ("" if r.get("overlap", True) else ", no overlap"),
+        "output tok/s",
+    )
     if any(Path(doc["config"]["model_path"]).name == "qwen3-0.6b.json" for _, doc in docs):
         for (name, value), style in zip(NANO_VLLM_REFERENCE.items(), ("--", ":"), strict=True):
             ax.axhline(value, color="gray", linestyle=style, label=name)
@@ -230,34 +254,52 @@ def plot_accuracy(docs: list[Doc], out: Path) -> list[Path]:
         lo, hi = mine[0]["reference_ci95"]
         ax.axhspan(lo, hi, color="gray", alpha=0.2, label="eager 95% interval")
         (bars,) = grouped_bars(
-            ax, [r["mode"] for r in mine], {"accuracy": [r["accuracy"] for r in mine]},
-            "accuracy", {"accuracy": [(r["accuracy"] - r["ci95"][0], r["ci95"][1] - r["accuracy"])
-                                      for r in mine]})
-        ax.bar_label(bars, [f"{r['identical']:.0%} same" for r in mine], fontsize="x-small",
-                     label_type="center", rotation=90)
+            ax,
+            [r["mode"] for r in mine],
+            {"accuracy": [r["accuracy"] for r in mine]},
+            "accuracy",
+            {
+                "accuracy": [
+                    (r["accuracy"] - r["ci95"][0], r["ci95"][1] - r["accuracy"]) for r in mine
+                ]
+            },
+        )
+        ax.bar_label(
+            bars,
+            [f"{r['identical']:.0%} same" for r in mine],
+            fontsize="x-small",
+            label_type="center",
+            rotation=90,
+        )
         ax.set_title(f"{name} ({mine[0]['num_examples']} questions)")
         ax.legend(fontsize="small")
     return [_save(fig, out / "accuracy.png")]
 
 
 PLOTTERS: dict[str, Callable[[list[Doc], Path], list[Path]]] = {
-    "one_batch": plot_one_batch, "serving": plot_serving, "offline": plot_offline,
-    "startup": plot_startup, "accuracy": plot_accuracy,
+    "one_batch": plot_one_batch,
+    "serving": plot_serving,
+    "offline": plot_offline,
+    "startup": plot_startup,
+    "accuracy": plot_accuracy,
 }
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
     """Write every plot whose inputs exist; returns the PNG paths written."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     for kind in PLOTTERS:
-        parser.add_argument(f"--{kind.replace('_', '-')}", nargs="+", type=Path, default=[],
-                            metavar="JSON")
+        parser.add_argument(
+            f"--{kind.replace('_', '-')}", nargs="+", type=Path, default=[], metavar="JSON"
+        )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="default: docs/img")
     args = parser.parse_args(argv)
     if not any(getattr(args, kind) for kind in PLOTTERS):
-        parser.error("give at least one input (--one-batch, --serving, --offline, --startup, "
-                     "--accuracy)")
+        parser.error(
+            "give at least one input (--one-batch, --serving, --offline, --startup, --accuracy)"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     for kind, plotter in PLOTTERS.items():

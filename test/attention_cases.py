@@ -35,9 +35,17 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_case(
-    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], num_heads: int,
-    num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, seed: int,
-    backend: AttentionBackend | None = None, spare_slots: int = 64,
+    mode: ForwardMode,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    backend: AttentionBackend | None = None,
+    spare_slots: int = 64,
 ) -> Case:
     """Request i has `prefix_lens[i]` cached tokens and `extend_lens[i]` new ones."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -55,39 +63,65 @@ def make_case(
     rows = torch.randperm(bs + 5, generator=gen, device=device)[:bs].tolist()
     slots = 1 + torch.randperm(total + spare_slots, generator=gen, device=device)[:total]
     lengths = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    table.write(torch.cat([r * table.row_width + torch.arange(n, device=device)
-                           for r, n in zip(rows, lengths, strict=True)]), slots.to(torch.int32))
+    table.write(
+        torch.cat(
+            [
+                r * table.row_width + torch.arange(n, device=device)
+                for r, n in zip(rows, lengths, strict=True)
+            ]
+        ),
+        slots.to(torch.int32),
+    )
     new_slots, offset = [], 0
     for p, e in zip(prefix_lens, extend_lens, strict=True):
         new_slots.append(slots[offset + p : offset + p + e])
         offset += p + e
     batch = ForwardBatch.create(
-        mode, [[1] * e for e in extend_lens], prefix_lens, rows, torch.cat(new_slots).tolist(),
-        table, pool, backend or TorchNativeAttnBackend(),
+        mode,
+        [[1] * e for e in extend_lens],
+        prefix_lens,
+        rows,
+        torch.cat(new_slots).tolist(),
+        table,
+        pool,
+        backend or TorchNativeAttnBackend(),
     )
     t = sum(extend_lens)
     layer = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, layer_id=0)
-    return Case(batch, layer, randn(t, num_heads, head_dim), randn(t, num_kv_heads, head_dim),
-                randn(t, num_kv_heads, head_dim))
+    return Case(
+        batch,
+        layer,
+        randn(t, num_heads, head_dim),
+        randn(t, num_kv_heads, head_dim),
+        randn(t, num_kv_heads, head_dim),
+    )
 
 
 def reference(case: Case) -> torch.Tensor:
     """torch_native's output in float32, over a float32 copy of the pool (new K/V stored)."""
     b = case.batch
-    pool = KVPool(b.kv_pool.size, 1, b.kv_pool.num_kv_heads, b.kv_pool.head_dim, torch.float32,
-                  case.q.device)
+    pool = KVPool(
+        b.kv_pool.size, 1, b.kv_pool.num_kv_heads, b.kv_pool.head_dim, torch.float32, case.q.device
+    )
     pool.k_buffers[0].copy_(b.kv_pool.k_buffers[0])
     pool.v_buffers[0].copy_(b.kv_pool.v_buffers[0])
     native = TorchNativeAttnBackend()
     ref_batch = dataclasses.replace(b, kv_pool=pool, attn_backend=native)
     native.init_forward_metadata(ref_batch)
     q = case.q.float()
-    return native.forward(q, case.k.float(), case.v.float(), case.layer, ref_batch,
-                          torch.empty_like(q))
+    return native.forward(
+        q, case.k.float(), case.v.float(), case.layer, ref_batch, torch.empty_like(q)
+    )
 
 
-def store_and_attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
+def store_and_attend(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: Attention,
+    batch: ForwardBatch,
+) -> torch.Tensor:
     """What the attention layer does per step: store K/V, then attend into a fresh output."""
     backend.store_kv(k, v, layer, batch)
     return backend.forward(q, k, v, layer, batch, torch.empty_like(q))

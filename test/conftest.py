@@ -56,5 +56,8 @@ def tiny_qwen3_runner(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny_qwen3")
     write_tiny_checkpoint("qwen3", folder)
-    return ModelRunner(ServerArgs(model_path=str(folder), device="cpu", max_total_tokens=512,
-                                  max_running_requests=8))
+    return ModelRunner(
+        ServerArgs(
+            model_path=str(folder), device="cpu", max_total_tokens=512, max_running_requests=8
+        )
+    )

@@ -23,19 +23,34 @@ Close = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def make_runner(folder: str, device: str, dtype: str) -> ModelRunner:
-    return ModelRunner(ServerArgs(
-        model_path=folder, device=device, dtype=dtype, max_total_tokens=1024,
-        max_running_requests=8,
-    ))
+    return ModelRunner(
+        ServerArgs(
+            model_path=folder,
+            device=device,
+            dtype=dtype,
+            max_total_tokens=1024,
+            max_running_requests=8,
+        )
+    )
 
 
 def dummy_runner(config: str | Path, device: str, dtype: str, **args: Any) -> ModelRunner:
     """A ModelRunner on random weights (`--load-format dummy`) for the HF config file `config`;
     `args` are further ServerArgs fields."""
-    return ModelRunner(ServerArgs(**{
-        "model_path": str(config), "load_format": "dummy", "device": device, "dtype": dtype,
-        "max_total_tokens": 2048, "max_running_requests": 8, "context_length": 1024, **args,
-    }))
+    return ModelRunner(
+        ServerArgs(
+            **{
+                "model_path": str(config),
+                "load_format": "dummy",
+                "device": device,
+                "dtype": dtype,
+                "max_total_tokens": 2048,
+                "max_running_requests": 8,
+                "context_length": 1024,
+                **args,
+            }
+        )
+    )
 
 
 def scripted_logits(
@@ -43,8 +58,10 @@ def scripted_logits(
 ) -> list[torch.Tensor]:
     """Logits (float32 copies) of a ragged prefill of fixed prompts, then `decode_steps` decode
     steps of fixed tokens; the KV is freed after."""
-    reqs = [Req(i, list(range(100 + i, 100 + i + n)), SamplingParams(), 0, decode_steps + 1)
-            for i, n in enumerate(prompt_lens)]
+    reqs = [
+        Req(i, list(range(100 + i, 100 + i + n)), SamplingParams(), 0, decode_steps + 1)
+        for i, n in enumerate(prompt_lens)
+    ]
     out = [runner.forward(prepare_extend(reqs, runner)).float().clone()]
     for step in range(decode_steps):
         for req in reqs:
@@ -109,8 +126,9 @@ def chunked_prefill_over_prefix(hf_model, runner: ModelRunner, close: Close) -> 
         release(req, runner)
 
 
-def divergence_gaps(runner: ModelRunner, prompts: list[list[int]], got: list[list[int]],
-                    want: list[list[int]]) -> dict[int, float]:
+def divergence_gaps(
+    runner: ModelRunner, prompts: list[list[int]], got: list[list[int]], want: list[list[int]]
+) -> dict[int, float]:
     """For each prompt whose generation `got` differs from the reference `want`: the top-2 logit
     gap of `runner` (the reference's runner) at the first token where they part."""
     gaps = {}

@@ -44,8 +44,10 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                pytest.fail(f"server exited with code {self.proc.returncode} during startup:\n"
-                            f"{self.stderr_tail()}")
+                pytest.fail(
+                    f"server exited with code {self.proc.returncode} during startup:\n"
+                    f"{self.stderr_tail()}"
+                )
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return
@@ -70,10 +72,26 @@ def start_server(*args: str, device: str = "cpu") -> ServerProcess:
     healthy."""
     port = free_port()
     stderr = tempfile.TemporaryFile("w+", prefix="replaylm-server-")  # noqa: SIM115 (closed by stop)
-    cmd = [sys.executable, "-m", "replaylm.launch_server", "--host", "127.0.0.1",
-           "--port", str(port), "--device", device, "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "replaylm.launch_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--log-level",
+        "warning",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     server = ServerProcess(proc, port, stderr)
     try:
         server.wait_healthy()

@@ -19,16 +19,32 @@ from transformers import (
 )
 
 _COMMON = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    bos_token_id=1, eos_token_id=2,
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 TINY_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     # Llama 3.1-style rope scaling, untied LM head
-    "llama3": (LlamaConfig, dict(rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}, rope_theta=50000.0)),
+    "llama3": (
+        LlamaConfig,
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=50000.0,
+        ),
+    ),
     # SmolLM-style: tied embeddings, plain rope, MHA
     "llama_tied": (LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=4)),
     "qwen2": (Qwen2Config, dict(rope_theta=1e6)),

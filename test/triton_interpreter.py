@@ -15,8 +15,9 @@ def require_triton_interpreter() -> None:
     no CUDA GPU; with one, the compiled kernels are tested under test/gpu)."""
     pytest.importorskip("triton", reason="triton is not installed")
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("a CUDA GPU is present: the kernels run compiled (test/gpu)",
-                    allow_module_level=True)
+        pytest.skip(
+            "a CUDA GPU is present: the kernels run compiled (test/gpu)", allow_module_level=True
+        )
 
 
 @contextlib.contextmanager

@@ -171,19 +171,26 @@ def _parse_legacy(args: GraphArgs, parsed: _Parsed) -> None:
             "use --prefill-cuda-graph-mode instead"
         )
     legacy: list[tuple[str, bool, dict[str, str]]] = [
-        ("--disable-cuda-graph", args.disable_cuda_graph,
-         {"decode": "disabled", "prefill": "disabled"}),
-        ("--disable-piecewise-cuda-graph", args.disable_piecewise_cuda_graph,
-         {"prefill": "disabled"}),
-        ("--enable-breakable-cuda-graph", args.enable_breakable_cuda_graph,
-         {"prefill": "breakable"}),
+        (
+            "--disable-cuda-graph",
+            args.disable_cuda_graph,
+            {"decode": "disabled", "prefill": "disabled"},
+        ),
+        (
+            "--disable-piecewise-cuda-graph",
+            args.disable_piecewise_cuda_graph,
+            {"prefill": "disabled"},
+        ),
+        (
+            "--enable-breakable-cuda-graph",
+            args.enable_breakable_cuda_graph,
+            {"prefill": "breakable"},
+        ),
     ]
     for flag, given, modes in legacy:
         if not given:
             continue
-        parsed.warnings.append(
-            f"{flag} is deprecated; use {LEGACY_REPLACEMENTS[flag]}"
-        )
+        parsed.warnings.append(f"{flag} is deprecated; use {LEGACY_REPLACEMENTS[flag]}")
         for phase, mode in modes.items():
             parsed.choices[phase].append(_Choice(mode, flag, 2))
 
@@ -232,7 +239,8 @@ RULES: tuple[CompatibilityRule, ...] = (
     CompatibilityRule(
         "graphs-need-cuda",
         lambda phase, mode, ctx: (
-            mode != "disabled" and ctx["device"] not in GRAPH_DEVICES
+            mode != "disabled"
+            and ctx["device"] not in GRAPH_DEVICES
             and not (ctx["debug"] == "on" and mode in EAGER_DEBUG_MODES)
         ),
         "CUDA graphs need a CUDA device; this server runs on {device} (only "
@@ -255,9 +263,7 @@ def _apply_rules(
     """(mode after the rules, the rule that turned the phase off or None, its reason)."""
     for rule in RULES:
         if rule.applies(phase, mode, ctx):
-            reason = rule.reason.format(
-                hooked=", ".join(sorted(BACKENDS_WITH_GRAPH_HOOKS)), **ctx
-            )
+            reason = rule.reason.format(hooked=", ".join(sorted(BACKENDS_WITH_GRAPH_HOOKS)), **ctx)
             if explicit_flag is not None:
                 raise CudaGraphConfigError(
                     f"{explicit_flag}: {phase} mode {mode!r} is not possible here "

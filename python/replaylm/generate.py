@@ -18,8 +18,11 @@ from replaylm.server_args import ServerArgs
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m replaylm.generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m replaylm.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("prompts", nargs="+", help="one or more prompts, generated as one batch")
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -34,11 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
-    logging.basicConfig(level=server_args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=server_args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     params = {
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "top_p": args.top_p, "top_k": args.top_k, "seed": args.sampling_seed,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.sampling_seed,
     }
     try:
         engine = Engine(**vars(server_args))

@@ -39,12 +39,18 @@ def _usage_error(message: str) -> NoReturn:
 def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
     """(server args, whether to only print the CUDA-graph config). Checks what needs no device
     (and so no torch); `resolve_for_device` checks the rest."""
-    parser = argparse.ArgumentParser(prog="python -m replaylm.launch_server", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m replaylm.launch_server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ServerArgs.add_cli_args(parser)
-    parser.add_argument("--print-cuda-graph-config", action="store_true",
-                        help="print the resolved per-phase CUDA-graph config as JSON and exit "
-                             "(no model is loaded; use --device to resolve for another device)")
+    parser.add_argument(
+        "--print-cuda-graph-config",
+        action="store_true",
+        help="print the resolved per-phase CUDA-graph config as JSON and exit "
+        "(no model is loaded; use --device to resolve for another device)",
+    )
     ns = parser.parse_args(argv)
     args = ServerArgs.from_cli_args(ns)
     try:
@@ -84,8 +90,12 @@ def log_cuda_graph_config(graphs: CudaGraphConfig) -> None:
         logger.warning("%s", warning)
     for note in graphs.notes:
         logger.info("%s", note)
-    logger.info("CUDA graphs: %s (decode from %s, prefill from %s)", graphs.summary(),
-                graphs.decode.source, graphs.prefill.source)
+    logger.info(
+        "CUDA graphs: %s (decode from %s, prefill from %s)",
+        graphs.summary(),
+        graphs.decode.source,
+        graphs.prefill.source,
+    )
 
 
 class GracefulServer(uvicorn.Server):
@@ -95,8 +105,9 @@ class GracefulServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        previous = {sig: signal.signal(sig, self.handle_exit)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             yield
         finally:
@@ -109,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     this process resolves the device-dependent config (importing torch) and loads the tokenizer
     (importing transformers); each takes seconds."""
     args, print_only = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if print_only:
         graphs = _resolve_or_exit(args)
         for warning in graphs.warnings:
@@ -131,11 +143,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         app = create_app(manager)
-        config = uvicorn.Config(app, host=args.host, port=args.port,
-                                log_level=args.log_level, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )
         server = GracefulServer(config)
-        logger.info("serving %s at http://%s:%d (OpenAI API under /v1)",
-                    manager.served_model_name, args.host, args.port)
+        logger.info(
+            "serving %s at http://%s:%d (OpenAI API under /v1)",
+            manager.served_model_name,
+            args.host,
+            args.port,
+        )
         server.run()
     finally:
         manager.shutdown()

@@ -37,5 +37,12 @@ def ask(base_url: str, spec: EvalSpec, mode: str, parallel: int) -> EvalRun:
 async def _ask(api_url: str, ev: Eval, spec: EvalSpec, parallel: int) -> tuple[list[Record], float]:
     async with OpenAIClient(api_url, None, REQUEST_TIMEOUT_S, parallel) as client:
         model = (await client.model_ids())[0]
-        return await run(ev, ev.examples[:spec.num_examples], client, model, spec.max_tokens,
-                         parallel, progress=False)
+        return await run(
+            ev,
+            ev.examples[: spec.num_examples],
+            client,
+            model,
+            spec.max_tokens,
+            parallel,
+            progress=False,
+        )

@@ -59,12 +59,16 @@ class Comparison:
         lo, hi = self.reference_ci95
         found = []
         if not within(self.accuracy, self.reference_ci95):
-            found.append(f"accuracy {self.accuracy:.3f} outside the reference's 95% interval "
-                         f"{lo:.3f}-{hi:.3f}")
+            found.append(
+                f"accuracy {self.accuracy:.3f} outside the reference's 95% interval "
+                f"{lo:.3f}-{hi:.3f}"
+            )
         if self.identical < MIN_IDENTICAL:
-            found.append(f"{self.identical:.1%} of completions identical to the reference's "
-                         f"(need {MIN_IDENTICAL:.0%}); questions differing: "
-                         f"{list(self.differing[:10])}")
+            found.append(
+                f"{self.identical:.1%} of completions identical to the reference's "
+                f"(need {MIN_IDENTICAL:.0%}); questions differing: "
+                f"{list(self.differing[:10])}"
+            )
         if self.errors:
             found.append(f"{self.errors} failed requests")
         return found
@@ -77,18 +81,28 @@ class Comparison:
         """One line for logs: accuracy beside the reference's, identical share, verdict."""
         lo, hi = self.ci95
         verdict = "ok" if self.passed else "FAILED: " + "; ".join(self.problems)
-        return (f"{self.eval_name} {self.mode}: accuracy {self.accuracy:.3f} ({lo:.3f}-{hi:.3f}), "
-                f"reference {self.reference_accuracy:.3f}, {self.identical:.1%} identical, "
-                f"{verdict}")
+        return (
+            f"{self.eval_name} {self.mode}: accuracy {self.accuracy:.3f} ({lo:.3f}-{hi:.3f}), "
+            f"reference {self.reference_accuracy:.3f}, {self.identical:.1%} identical, "
+            f"{verdict}"
+        )
 
     def row(self) -> dict[str, Any]:
         """The comparison as one JSON summary row."""
-        return {"eval": self.eval_name, "mode": self.mode, "num_examples": self.num_examples,
-                "accuracy": self.accuracy, "ci95": list(self.ci95),
-                "reference_accuracy": self.reference_accuracy,
-                "reference_ci95": list(self.reference_ci95), "identical": self.identical,
-                "differing": list(self.differing), "errors": self.errors, "passed": self.passed,
-                "problems": self.problems}
+        return {
+            "eval": self.eval_name,
+            "mode": self.mode,
+            "num_examples": self.num_examples,
+            "accuracy": self.accuracy,
+            "ci95": list(self.ci95),
+            "reference_accuracy": self.reference_accuracy,
+            "reference_ci95": list(self.reference_ci95),
+            "identical": self.identical,
+            "differing": list(self.differing),
+            "errors": self.errors,
+            "passed": self.passed,
+            "problems": self.problems,
+        }
 
 
 def within(accuracy: float, interval: tuple[float, float]) -> bool:
@@ -104,8 +118,11 @@ def differing(records: list[Record], reference: list[Record]) -> list[int]:
         raise ValueError("the runs asked different questions")
     if not records:
         raise ValueError("the runs asked no questions")
-    return [i for i, (a, b) in enumerate(zip(records, reference, strict=True))
-            if a.completion != b.completion]
+    return [
+        i
+        for i, (a, b) in enumerate(zip(records, reference, strict=True))
+        if a.completion != b.completion
+    ]
 
 
 def compare(run: EvalRun, reference: EvalRun) -> Comparison:
@@ -113,8 +130,11 @@ def compare(run: EvalRun, reference: EvalRun) -> Comparison:
     if run.eval_name != reference.eval_name:
         raise ValueError(f"cannot compare {run.eval_name} with {reference.eval_name}")
     return Comparison(
-        eval_name=run.eval_name, mode=run.mode, num_examples=run.metrics.num_examples,
-        accuracy=run.metrics.accuracy, ci95=run.metrics.accuracy_ci95,
+        eval_name=run.eval_name,
+        mode=run.mode,
+        num_examples=run.metrics.num_examples,
+        accuracy=run.metrics.accuracy,
+        ci95=run.metrics.accuracy_ci95,
         reference_accuracy=reference.metrics.accuracy,
         reference_ci95=reference.metrics.accuracy_ci95,
         differing=tuple(differing(run.records, reference.records)),
@@ -124,7 +144,6 @@ def compare(run: EvalRun, reference: EvalRun) -> Comparison:
 
 def write_summary(path: Path, model: str, comparisons: list[Comparison]) -> None:
     """`{"model", "min_identical", "rows": [Comparison.row(), ...]}` as JSON at `path`."""
-    doc = {"model": model, "min_identical": MIN_IDENTICAL,
-           "rows": [c.row() for c in comparisons]}
+    doc = {"model": model, "min_identical": MIN_IDENTICAL, "rows": [c.row() for c in comparisons]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

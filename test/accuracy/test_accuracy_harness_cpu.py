@@ -19,9 +19,23 @@ CELL = {"decode": "tc_piecewise", "prefill": "breakable"}
 
 def test_a_graph_mode_cell_agrees_with_eager(http_server, server_factory, tmp_path):
     cell = server_factory(
-        "--max-total-tokens", "4096", "--context-length", "2048", "--debug-cuda-graph",
-        "--cuda-graph-mode", json.dumps(CELL), "--tc-piecewise-compiler", "eager",
-        "--decode-cuda-graph-bs", "1", "2", "4", "8", "--prefill-cuda-graph-tokens", "256", "1024",
+        "--max-total-tokens",
+        "4096",
+        "--context-length",
+        "2048",
+        "--debug-cuda-graph",
+        "--cuda-graph-mode",
+        json.dumps(CELL),
+        "--tc-piecewise-compiler",
+        "eager",
+        "--decode-cuda-graph-bs",
+        "1",
+        "2",
+        "4",
+        "8",
+        "--prefill-cuda-graph-tokens",
+        "256",
+        "1024",
     )
     reference = ask(http_server.base_url, SPEC, "eager", parallel=10)
     again = ask(cell.base_url, SPEC, "tc_piecewise/breakable (debug)", parallel=5)
@@ -37,11 +51,14 @@ def test_a_graph_mode_cell_agrees_with_eager(http_server, server_factory, tmp_pa
     write_summary(path, "smollm2-135m-instruct", made)
     rows = json.loads(path.read_text())["rows"]
     assert [(r["mode"], r["identical"], r["passed"]) for r in rows] == [
-        ("eager", 1.0, True), ("tc_piecewise/breakable (debug)", 1.0, True)]
+        ("eager", 1.0, True),
+        ("tc_piecewise/breakable (debug)", 1.0, True),
+    ]
     assert rows[1]["accuracy"] == reference.metrics.accuracy
     metrics = httpx.get(f"{cell.base_url}/metrics", timeout=10).text
     for phase in ("decode", "prefill"):  # the questions really went through the graph path
         series = f'replaylm_forward_batches{{path="graph",phase="{phase}"}} '
-        values = [float(line.split()[-1]) for line in metrics.splitlines()
-                  if line.startswith(series)]
+        values = [
+            float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(series)
+        ]
         assert values and values[0] > 0, phase

@@ -74,14 +74,21 @@ def summary_path() -> Path:
 def ask_cell(cell: tuple[str, str]) -> dict[str, EvalRun]:
     """Start a server in `cell`'s modes, ask it every eval of SPECS, stop it."""
     decode, prefill = cell
-    server = start_server("--model-path", MODEL,
-                          "--cuda-graph-mode", json.dumps({"decode": decode, "prefill": prefill}),
-                          "--max-running-requests", str(PARALLEL),
-                          *(["--deterministic"] if DETERMINISTIC else []), *EXTRA_SERVER_ARGS,
-                          device="cuda")
+    server = start_server(
+        "--model-path",
+        MODEL,
+        "--cuda-graph-mode",
+        json.dumps({"decode": decode, "prefill": prefill}),
+        "--max-running-requests",
+        str(PARALLEL),
+        *(["--deterministic"] if DETERMINISTIC else []),
+        *EXTRA_SERVER_ARGS,
+        device="cuda",
+    )
     try:
-        return {spec.name: ask(server.base_url, spec, f"{decode}/{prefill}", PARALLEL)
-                for spec in SPECS}
+        return {
+            spec.name: ask(server.base_url, spec, f"{decode}/{prefill}", PARALLEL) for spec in SPECS
+        }
     finally:
         server.stop()
 

@@ -58,8 +58,9 @@ def test_accuracy_outside_the_reference_interval_fails():
     assert [p for p in inside.problems if "accuracy" in p] == []
     low = compare(run_of("breakable/disabled", correct=10), REFERENCE)
     assert low.accuracy == 0.2 < lo and not low.passed
-    assert any(p.startswith("accuracy 0.200 outside the reference's 95% interval")
-               for p in low.problems)
+    assert any(
+        p.startswith("accuracy 0.200 outside the reference's 95% interval") for p in low.problems
+    )
     high = compare(run_of("breakable/disabled", correct=40), REFERENCE)
     assert high.accuracy == 0.8 > hi and not high.passed
 

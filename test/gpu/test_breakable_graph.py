@@ -72,8 +72,11 @@ def test_replay_equals_eager_with_fresh_inputs(fn, breaks):
         out = graph.replay()
         ref_buf = start.clone()
         ref = fn(static_x.clone(), w, ref_buf)
-        for got, want in zip(out if isinstance(out, tuple) else (out,),
-                             ref if isinstance(ref, tuple) else (ref,), strict=True):
+        for got, want in zip(
+            out if isinstance(out, tuple) else (out,),
+            ref if isinstance(ref, tuple) else (ref,),
+            strict=True,
+        ):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         if fn is many_breaks:
             torch.testing.assert_close(static_buf, ref_buf, atol=1e-4, rtol=1e-4)

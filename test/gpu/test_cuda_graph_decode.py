@@ -24,13 +24,28 @@ from model_parity import divergence_gaps, rel_error
 
 LIVE_BATCH_SIZES = [1, 3, 7, 8, 13, 64, 100]
 NEAR_TIE = 0.5  # logits: top-2 gap under which bf16 noise may flip greedy
-TOPICS = ["the sea", "a robot", "Paris", "mathematics", "a cat", "winter", "music", "a river",
-          "the moon", "bread", "a library", "trains", "gardens", "volcanoes", "chess", "rain"]
+TOPICS = [
+    "the sea",
+    "a robot",
+    "Paris",
+    "mathematics",
+    "a cat",
+    "winter",
+    "music",
+    "a river",
+    "the moon",
+    "bread",
+    "a library",
+    "trains",
+    "gardens",
+    "volcanoes",
+    "chess",
+    "rain",
+]
 
 
 def _args(**kw) -> ServerArgs:
-    base = dict(device="cuda", dtype="bfloat16", max_total_tokens=60000,
-                max_running_requests=128)
+    base = dict(device="cuda", dtype="bfloat16", max_total_tokens=60000, max_running_requests=128)
     return ServerArgs(**{**base, **kw})
 
 
@@ -47,8 +62,10 @@ def _eager(runner: ModelRunner, batch) -> torch.Tensor:
 @pytest.mark.parametrize("bs", LIVE_BATCH_SIZES)
 def test_replayed_logits_equal_eager(runner, bs):
     gen = torch.Generator().manual_seed(bs)
-    reqs = [Req(i, torch.randint(10, 40000, (int(n),), generator=gen).tolist(), SamplingParams(),
-                0, 16) for i, n in enumerate(torch.randint(1, 300, (bs,), generator=gen))]
+    reqs = [
+        Req(i, torch.randint(10, 40000, (int(n),), generator=gen).tolist(), SamplingParams(), 0, 16)
+        for i, n in enumerate(torch.randint(1, 300, (bs,), generator=gen))
+    ]
     logits = runner.forward(prepare_extend(reqs, runner))
     graph_before = runner.forward_stats.phases["decode"].graph
     for _ in range(4):
@@ -92,17 +109,27 @@ def test_capture_again_after_cleanup_does_not_leak(runner):
 
 
 def _prompts(engine: Engine, n: int) -> list[list[int]]:
-    return [engine.encode_chat([{"role": "user", "content":
-            f"Write {1 + i % 5} sentences about {TOPICS[i % len(TOPICS)]}."}])
-            for i in range(n)]
+    return [
+        engine.encode_chat(
+            [
+                {
+                    "role": "user",
+                    "content": f"Write {1 + i % 5} sentences about {TOPICS[i % len(TOPICS)]}.",
+                }
+            ]
+        )
+        for i in range(n)
+    ]
 
 
 def _run(engine: Engine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
     """Half the requests start at once; the rest join one per step; lengths differ, so requests
     also leave at different steps."""
     sched = engine.scheduler
-    reqs = [Req(i, p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), 0, n)
-            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    reqs = [
+        Req(i, p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), 0, n)
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
     half = len(reqs) // 2
     for req in reqs[:half]:
         sched.add(req)
@@ -125,5 +152,3 @@ def test_greedy_generations_match_eager_through_the_scheduler():
     print(f"{len(gaps)} of 100 generations diverge; top-2 gaps there: {gaps}")
     assert len(gaps) <= 2
     assert all(g <= NEAR_TIE for g in gaps.values())
-
-

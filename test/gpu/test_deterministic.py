@@ -20,8 +20,13 @@ TOPICS = ["cats", "Rome", "the ocean", "stars", "bread", "rivers", "music", "gla
 
 
 def _engine(**kw) -> Engine:
-    args = dict(device="cuda", dtype="bfloat16", max_total_tokens=60000, deterministic=True,
-                max_running_requests=64)
+    args = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_total_tokens=60000,
+        deterministic=True,
+        max_running_requests=64,
+    )
     return Engine(**{**args, **kw})
 
 
@@ -35,8 +40,10 @@ def eager() -> Engine:
 
 @pytest.fixture(scope="module")
 def prompts(eager) -> list[list[int]]:
-    return [eager.encode_chat([{"role": "user", "content": f"Write fact {i} about {t}."}])
-            for i, t in enumerate(TOPICS * 5)]
+    return [
+        eager.encode_chat([{"role": "user", "content": f"Write fact {i} about {t}."}])
+        for i, t in enumerate(TOPICS * 5)
+    ]
 
 
 def _generate(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
@@ -59,12 +66,15 @@ def test_chunked_prefill_generates_what_whole_prefill_generates(prompts, togethe
     assert _generate(chunked, prompts) == together
 
 
-@pytest.mark.parametrize(("decode", "prefill"), [("full", "breakable"),
-                                                 ("breakable", "breakable"),
-                                                 ("tc_piecewise", "tc_piecewise")])
+@pytest.mark.parametrize(
+    ("decode", "prefill"),
+    [("full", "breakable"), ("breakable", "breakable"), ("tc_piecewise", "tc_piecewise")],
+)
 def test_graph_modes_generate_what_eager_generates(prompts, together, decode, prefill):
-    graphed = _engine(cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}),
-                      decode_cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64])
+    graphed = _engine(
+        cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}),
+        decode_cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64],
+    )
     assert _generate(graphed, prompts) == together
     stats = graphed.runner.forward_stats.phases
     assert stats["decode"].graph > 0 and stats["prefill"].graph > 0

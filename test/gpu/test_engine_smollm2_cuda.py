@@ -30,9 +30,13 @@ def engine() -> Engine:
 @pytest.fixture(scope="module")
 def hf_model():
     path = resolve_model_path("smollm2-135m-instruct")
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).cuda().eval()
+    return (
+        AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
+        .cuda()
+        .eval()
+    )
 
 
 def test_chat_answers_paris(engine):
@@ -58,6 +62,8 @@ def test_greedy_tokens_agree_with_transformers(engine, hf_model, prompt):
 def test_batched_equals_alone(engine):
     params = {"max_new_tokens": 16, "ignore_eos": True, **GREEDY}
     together = engine.generate(PROMPTS, params)
-    agree = sum(engine.generate(p, params)["output_ids"] == o["output_ids"]
-                for p, o in zip(PROMPTS, together, strict=True))
+    agree = sum(
+        engine.generate(p, params)["output_ids"] == o["output_ids"]
+        for p, o in zip(PROMPTS, together, strict=True)
+    )
     assert agree >= len(PROMPTS) - 1  # bf16 batch-shape rounding may flip one near-tie

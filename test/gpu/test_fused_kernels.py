@@ -52,9 +52,24 @@ class Shape(NamedTuple):
 
 SHAPES = {
     "qwen3-0.6b": Shape(1024, 16, 8, 128, 3072, 1e-6, 40960, 1e6, None, True),
-    "llama-3.1-8b": Shape(4096, 32, 8, 128, 14336, 1e-5, 131072, 5e5, {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}, False),
+    "llama-3.1-8b": Shape(
+        4096,
+        32,
+        8,
+        128,
+        14336,
+        1e-5,
+        131072,
+        5e5,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        False,
+    ),
 }
 
 
@@ -117,25 +132,41 @@ def test_silu_and_mul(model, tokens, dtype):
 
 def _attention_inputs(shape: Shape, tokens: int, dtype: torch.dtype):
     """(rotary, positions, q, k, norms): q and k column slices of one QKV output."""
-    rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, shape.rope_theta,
-                             shape.rope_scaling).to("cuda")
-    positions = torch.randint(0, shape.max_positions, (tokens,), device="cuda",
-                              generator=torch.Generator(device="cuda").manual_seed(tokens))
-    qkv = _randn(tokens, (shape.heads + 2 * shape.kv_heads) * shape.head_dim, dtype=dtype,
-                 seed=6, scale=2)
-    q, k, _ = qkv.split([shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim,
-                         shape.kv_heads * shape.head_dim], dim=-1)
+    rotary = RotaryEmbedding(
+        shape.head_dim, shape.max_positions, shape.rope_theta, shape.rope_scaling
+    ).to("cuda")
+    positions = torch.randint(
+        0,
+        shape.max_positions,
+        (tokens,),
+        device="cuda",
+        generator=torch.Generator(device="cuda").manual_seed(tokens),
+    )
+    qkv = _randn(
+        tokens, (shape.heads + 2 * shape.kv_heads) * shape.head_dim, dtype=dtype, seed=6, scale=2
+    )
+    q, k, _ = qkv.split(
+        [
+            shape.heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        ],
+        dim=-1,
+    )
     norms = None
     if shape.qk_norm:
-        norms = (_norm(shape.head_dim, shape.eps, dtype, 7), _norm(shape.head_dim, shape.eps,
-                                                                   dtype, 8))
+        norms = (
+            _norm(shape.head_dim, shape.eps, dtype, 7),
+            _norm(shape.head_dim, shape.eps, dtype, 8),
+        )
     return rotary, positions, q, k, norms
 
 
 def _fused(rotary, positions, q, k, norms):
     weights = None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
-    return qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache, rotary.head_dim,
-                        weights)
+    return qk_norm_rope(
+        q, k, positions, rotary.cos_cache, rotary.sin_cache, rotary.head_dim, weights
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,8 +178,9 @@ def test_qk_norm_rope(model, tokens, dtype):
         assert ours.is_contiguous()
         _check(ours, ref, dtype)
     rotary, positions, q, k, _ = inputs  # rope alone (Llama), checked against the module
-    for ours, ref in zip(_fused(rotary, positions, q, k, None), _native(rotary, positions, q, k),
-                         strict=True):
+    for ours, ref in zip(
+        _fused(rotary, positions, q, k, None), _native(rotary, positions, q, k), strict=True
+    ):
         _check(ours, ref, dtype)
 
 
@@ -158,14 +190,21 @@ def test_qk_norm_rope_stores_k_and_v_at_the_slots(model):
     shape, tokens = SHAPES[model], 7
     rotary, positions, q, k, norms = _attention_inputs(shape, tokens, torch.bfloat16)
     v = _randn(tokens, shape.kv_heads * shape.head_dim, dtype=torch.bfloat16, seed=12)
-    k_cache = torch.zeros(64, shape.kv_heads, shape.head_dim, dtype=torch.bfloat16,
-                          device="cuda")
+    k_cache = torch.zeros(64, shape.kv_heads, shape.head_dim, dtype=torch.bfloat16, device="cuda")
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(64, device="cuda")[:tokens]
     weights = None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
     want_q, want_k = _fused(rotary, positions, q, k, norms)
-    got_q, got_k = qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache,
-                                rotary.head_dim, weights, kv_store=(v, k_cache, v_cache, slots))
+    got_q, got_k = qk_norm_rope(
+        q,
+        k,
+        positions,
+        rotary.cos_cache,
+        rotary.sin_cache,
+        rotary.head_dim,
+        weights,
+        kv_store=(v, k_cache, v_cache, slots),
+    )
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(k_cache[slots], want_k.view(tokens, shape.kv_heads, shape.head_dim))
     assert torch.equal(v_cache[slots], v.view(tokens, shape.kv_heads, shape.head_dim))
@@ -181,12 +220,17 @@ def test_cuda_graph_replay_equals_eager(tokens):
         "x": _randn(tokens, shape.hidden, dtype=dtype, seed=10),
         "residual": _randn(tokens, shape.hidden, dtype=dtype, seed=11),
         "gate_up": _randn(tokens, 2 * shape.intermediate, dtype=dtype, seed=12),
-        "positions": positions, "q": q, "k": k,
+        "positions": positions,
+        "q": q,
+        "k": k,
     }
 
     def step() -> list[torch.Tensor]:
-        return [*norm(static["x"], static["residual"]), act(static["gate_up"]),
-                *_fused(rotary, static["positions"], static["q"], static["k"], norms)]
+        return [
+            *norm(static["x"], static["residual"]),
+            act(static["gate_up"]),
+            *_fused(rotary, static["positions"], static["q"], static["k"], norms),
+        ]
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -198,8 +242,11 @@ def test_cuda_graph_replay_equals_eager(tokens):
         outputs = step()
     for seed in (20, 30):
         for i, (name, t) in enumerate(static.items()):
-            fresh = (torch.randint_like(t, 0, shape.max_positions) if name == "positions"
-                     else _randn(*t.shape, dtype=dtype, seed=seed + i))
+            fresh = (
+                torch.randint_like(t, 0, shape.max_positions)
+                if name == "positions"
+                else _randn(*t.shape, dtype=dtype, seed=seed + i)
+            )
             t.copy_(fresh)
         graph.replay()
         for replayed, eager in zip(outputs, step(), strict=True):
@@ -207,8 +254,16 @@ def test_cuda_graph_replay_equals_eager(tokens):
 
 
 # (N, K): Qwen3-0.6B's qkv, o, gate_up, down; SmolLM2-135M's qkv, o, down, LM head
-MATMUL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (960, 576), (576, 576),
-                 (576, 1536), (49152, 576)]
+MATMUL_SHAPES = [
+    (4096, 1024),
+    (1024, 2048),
+    (6144, 1024),
+    (1024, 3072),
+    (960, 576),
+    (576, 576),
+    (576, 1536),
+    (49152, 576),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -272,8 +327,14 @@ def test_skinny_matmul_in_a_cuda_graph_equals_eager():
 @pytest.mark.parametrize("matmul", ["cublas", "triton"])
 @pytest.mark.parametrize(("dtype", "tol"), [("bfloat16", 2e-2), ("float32", 1e-4)])
 def test_dummy_qwen3_logits_triton_vs_native(dtype, tol, matmul):
-    eager = dummy_runner(QWEN3, "cuda", dtype, decode_disable_cuda_graph=True,
-                         prefill_disable_cuda_graph=True, small_batch_matmul=matmul)
+    eager = dummy_runner(
+        QWEN3,
+        "cuda",
+        dtype,
+        decode_disable_cuda_graph=True,
+        prefill_disable_cuda_graph=True,
+        small_batch_matmul=matmul,
+    )
     with native_only():
         want = scripted_logits(eager)
     runs = {"eager": scripted_logits(eager)}

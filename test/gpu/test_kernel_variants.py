@@ -44,11 +44,22 @@ print(json.dumps({{name: sum(len(cache[0]) for cache in k.device_caches.values()
 
 
 def test_decode_capture_compiles_one_variant_per_kernel_role():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "python"), str(ROOT / "test"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", COUNT_VARIANTS], capture_output=True, text=True,
-                          env=env, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "python"), str(ROOT / "test"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", COUNT_VARIANTS], capture_output=True, text=True, env=env, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert counts == {"skinny_matmul": 5, "rms_norm": 2, "qk_norm_rope": 1,
-                      "decode_attention": 1, "merge": 1, "silu_mul": 1}
+    assert counts == {
+        "skinny_matmul": 5,
+        "rms_norm": 2,
+        "qk_norm_rope": 1,
+        "decode_attention": 1,
+        "merge": 1,
+        "silu_mul": 1,
+    }

@@ -19,16 +19,75 @@ from server_process import start_server
 
 DECODE = ("full", "breakable", "tc_piecewise", "disabled")
 PREFILL = ("breakable", "tc_piecewise", "disabled")
-QUESTIONS = [f"In one sentence, what is {t}?" for t in (
-    "gravity", "a prime number", "Paris", "photosynthesis", "a neuron", "democracy", "jazz",
-    "an atom", "the internet", "a volcano", "inflation", "a haiku", "DNA", "a galaxy", "tea",
-    "chess", "a rainbow", "Python", "a glacier", "the moon", "an orchestra", "yeast", "a bridge",
-    "a comet", "a desert", "an opera", "a vaccine", "a compass", "a tide", "a fossil", "a drum",
-    "a satellite", "a rainforest", "an earthquake", "a battery", "a telescope", "a hurricane",
-    "a library", "a mammal", "an island", "a violin", "a magnet", "a cloud", "a recipe",
-    "a pyramid", "a river", "a skeleton", "a thermometer", "a microscope", "an alphabet",
-    "a calendar", "a lighthouse", "an echo", "a seed", "a planet", "a poem", "a robot",
-    "an ocean", "a market", "a castle", "a whale", "a mirror", "a language", "a forest")]
+QUESTIONS = [
+    f"In one sentence, what is {t}?"
+    for t in (
+        "gravity",
+        "a prime number",
+        "Paris",
+        "photosynthesis",
+        "a neuron",
+        "democracy",
+        "jazz",
+        "an atom",
+        "the internet",
+        "a volcano",
+        "inflation",
+        "a haiku",
+        "DNA",
+        "a galaxy",
+        "tea",
+        "chess",
+        "a rainbow",
+        "Python",
+        "a glacier",
+        "the moon",
+        "an orchestra",
+        "yeast",
+        "a bridge",
+        "a comet",
+        "a desert",
+        "an opera",
+        "a vaccine",
+        "a compass",
+        "a tide",
+        "a fossil",
+        "a drum",
+        "a satellite",
+        "a rainforest",
+        "an earthquake",
+        "a battery",
+        "a telescope",
+        "a hurricane",
+        "a library",
+        "a mammal",
+        "an island",
+        "a violin",
+        "a magnet",
+        "a cloud",
+        "a recipe",
+        "a pyramid",
+        "a river",
+        "a skeleton",
+        "a thermometer",
+        "a microscope",
+        "an alphabet",
+        "a calendar",
+        "a lighthouse",
+        "an echo",
+        "a seed",
+        "a planet",
+        "a poem",
+        "a robot",
+        "an ocean",
+        "a market",
+        "a castle",
+        "a whale",
+        "a mirror",
+        "a language",
+        "a forest",
+    )
+]
 NEAR_TIE = 0.5  # top-2 logit gap under which bf16 rounding may flip a greedy choice
 
 
@@ -41,27 +100,42 @@ class Answer:
 
 def _parse(choice: dict) -> Answer:
     steps = choice["logprobs"]["content"]
-    gaps = [top[0]["logprob"] - top[1]["logprob"] if len(top := step["top_logprobs"]) > 1
-            else float("inf") for step in steps]
+    gaps = [
+        top[0]["logprob"] - top[1]["logprob"]
+        if len(top := step["top_logprobs"]) > 1
+        else float("inf")
+        for step in steps
+    ]
     return Answer(choice["message"]["content"], [step["token"] for step in steps], gaps)
 
 
 async def _answers(base_url: str) -> list[Answer]:
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+
         async def one(q: str) -> Answer:
-            r = await client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": q}], "max_tokens": 32,
-                "temperature": 0, "logprobs": True, "top_logprobs": 2})
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": q}],
+                    "max_tokens": 32,
+                    "temperature": 0,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                },
+            )
             r.raise_for_status()
             return _parse(r.json()["choices"][0])
+
         return list(await asyncio.gather(*(one(q) for q in QUESTIONS)))
 
 
 def _parting_gap(got: Answer, want: Answer) -> float:
     """The top-2 gap where two answers' tokens first differ (the reference's, else `got`'s;
     inf when neither has a token there)."""
-    k = next((i for i, (a, b) in enumerate(zip(got.tokens, want.tokens, strict=False)) if a != b),
-             min(len(got.tokens), len(want.tokens)))
+    k = next(
+        (i for i, (a, b) in enumerate(zip(got.tokens, want.tokens, strict=False)) if a != b),
+        min(len(got.tokens), len(want.tokens)),
+    )
     for answer in (want, got):
         if k < len(answer.gaps):
             return answer.gaps[k]
@@ -90,9 +164,17 @@ def answers() -> Callable[[str, str], list[Answer]]:
             mode = json.dumps({"decode": decode, "prefill": prefill})
             # 64 prompts at once: decode shapes up to 32 keep the captures short (larger batches
             # run eagerly until enough requests have finished)
-            server = start_server("--cuda-graph-mode", mode, "--max-running-requests", "64",
-                                  "--decode-cuda-graph-max-bs", "32",
-                                  "--max-total-tokens", "20000", device="cuda")
+            server = start_server(
+                "--cuda-graph-mode",
+                mode,
+                "--max-running-requests",
+                "64",
+                "--decode-cuda-graph-max-bs",
+                "32",
+                "--max-total-tokens",
+                "20000",
+                device="cuda",
+            )
             try:
                 _check_capture_report(server.base_url, decode, prefill)
                 cache[decode, prefill] = asyncio.run(_answers(server.base_url))
@@ -103,17 +185,24 @@ def answers() -> Callable[[str, str], list[Answer]]:
     return get
 
 
-@pytest.mark.parametrize("cell", [(d, p) for d in DECODE for p in PREFILL
-                                  if (d, p) != ("disabled", "disabled")],
-                         ids=lambda cell: f"decode_{cell[0]}-prefill_{cell[1]}")
+@pytest.mark.parametrize(
+    "cell",
+    [(d, p) for d in DECODE for p in PREFILL if (d, p) != ("disabled", "disabled")],
+    ids=lambda cell: f"decode_{cell[0]}-prefill_{cell[1]}",
+)
 def test_cell_matches_eager(answers, cell):
     eager = answers("disabled", "disabled")
     got = answers(*cell)
-    gaps = {i: _parting_gap(a, b) for i, (a, b) in enumerate(zip(got, eager, strict=True))
-            if a.content != b.content}
+    gaps = {
+        i: _parting_gap(a, b)
+        for i, (a, b) in enumerate(zip(got, eager, strict=True))
+        if a.content != b.content
+    }
     same = len(eager) - len(gaps)
-    print(f"{cell}: {same}/{len(eager)} identical to eager; top-2 gaps where they part: "
-          + ", ".join(f"prompt {i} {g:.3f}" for i, g in gaps.items()))
+    print(
+        f"{cell}: {same}/{len(eager)} identical to eager; top-2 gaps where they part: "
+        + ", ".join(f"prompt {i} {g:.3f}" for i, g in gaps.items())
+    )
     assert all(g <= NEAR_TIE for g in gaps.values()), gaps
     if same < 0.98 * len(eager):
         # a server's batches depend on arrival timing, so padded graph shapes and eager batches

@@ -20,20 +20,32 @@ from replaylm.layers.kernels import pdl_launch
 from model_parity import dummy_runner, scripted_logits
 
 QWEN3 = Path(__file__).resolve().parents[2] / "benchmark" / "configs" / "qwen3-0.6b.json"
-MODES = [("disabled", "disabled"), ("full", "breakable"), ("breakable", "breakable"),
-         ("tc_piecewise", "tc_piecewise")]
+MODES = [
+    ("disabled", "disabled"),
+    ("full", "breakable"),
+    ("breakable", "breakable"),
+    ("tc_piecewise", "tc_piecewise"),
+]
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-    reason="needs a GPU of compute capability 9.0+")
+    reason="needs a GPU of compute capability 9.0+",
+)
 
 
-def _logits(enable_pdl: bool, decode: str, prefill: str, matmul: str = "triton"
-            ) -> tuple[list[torch.Tensor], dict]:
+def _logits(
+    enable_pdl: bool, decode: str, prefill: str, matmul: str = "triton"
+) -> tuple[list[torch.Tensor], dict]:
     """A dummy Qwen3-0.6B's scripted logits in these modes, and its graph-served forwards."""
-    runner = dummy_runner(QWEN3, "cuda", "bfloat16", attention_backend="triton",
-                          small_batch_matmul=matmul, enable_pdl=enable_pdl,
-                          cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}))
+    runner = dummy_runner(
+        QWEN3,
+        "cuda",
+        "bfloat16",
+        attention_backend="triton",
+        small_batch_matmul=matmul,
+        enable_pdl=enable_pdl,
+        cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}),
+    )
     assert pdl_launch()["USE_PDL"] is enable_pdl
     logits = scripted_logits(runner, prompt_lens=(5, 300, 33, 1), decode_steps=6)
     graphed = {phase: stats.graph for phase, stats in runner.forward_stats.phases.items()}
@@ -66,10 +78,16 @@ def test_engine_with_pdl_generates_the_same_tokens():
     prompts = [[100 + i + j for j in range(5 + 7 * i)] for i in range(12)]
     outputs = {}
     for pdl in (False, True):
-        engine = Engine(device="cuda", dtype="bfloat16", max_total_tokens=20000,
-                        small_batch_matmul="triton", enable_pdl=pdl)
-        outputs[pdl] = [o["output_ids"] for o in engine.generate(input_ids=prompts,
-                                                                   sampling_params=params)]
+        engine = Engine(
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=20000,
+            small_batch_matmul="triton",
+            enable_pdl=pdl,
+        )
+        outputs[pdl] = [
+            o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)
+        ]
         del engine
         gc.collect()
     assert outputs[True] == outputs[False]

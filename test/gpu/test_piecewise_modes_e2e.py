@@ -29,8 +29,13 @@ NEAR_TIE = 0.5
 
 
 def _args(**kw) -> ServerArgs:
-    base = dict(device="cuda", dtype="bfloat16", max_total_tokens=60000, max_running_requests=128,
-                chunked_prefill_size=1024)
+    base = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_total_tokens=60000,
+        max_running_requests=128,
+        chunked_prefill_size=1024,
+    )
     return ServerArgs(**{**base, **kw})
 
 
@@ -93,8 +98,10 @@ def test_prefill_sweep_every_length_1_to_600(runner):
 
 def test_prefill_mixed_batch_with_shared_prefixes(runner):
     system = _ids(200, 0)
-    reqs = [Req(i, system[: 50 * (i % 4) + 10] + _ids(7 + 9 * i, i + 1), SamplingParams(), 0, 1)
-            for i in range(8)]  # 988 new tokens: within the largest bucket (1024)
+    reqs = [
+        Req(i, system[: 50 * (i % 4) + 10] + _ids(7 + 9 * i, i + 1), SamplingParams(), 0, 1)
+        for i in range(8)
+    ]  # 988 new tokens: within the largest bucket (1024)
     try:
         _check(runner, prepare_extend(reqs, runner), "prefill")
     finally:
@@ -128,9 +135,10 @@ def test_decode_under_breakable(runner, bs):
 def test_greedy_generations_match_eager(mode):
     graph = Engine(**vars(_args(cuda_graph_mode=_both(mode), decode_cuda_graph_bs=DECODE_BS)))
     eager = Engine(**vars(_args(disable_cuda_graph=True)))
-    prompts = [graph.encode_chat([{"role": "user", "content": f"Tell me fact number {i} about "
-                                   f"{topic}."}])
-               for i, topic in enumerate(["cats", "Rome", "the ocean", "stars"] * 12)]
+    prompts = [
+        graph.encode_chat([{"role": "user", "content": f"Tell me fact number {i} about {topic}."}])
+        for i, topic in enumerate(["cats", "Rome", "the ocean", "stars"] * 12)
+    ]
     params = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
     got = [o["output_ids"] for o in graph.generate(input_ids=prompts, sampling_params=params)]
     want = [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=params)]

@@ -57,8 +57,17 @@ DECODE_CASES = {  # name: (context lengths, heads, kv heads, head dim, dtype)
 @pytest.mark.parametrize("name", DECODE_CASES)
 def test_decode_matches_torch_native(name):
     ctx, heads, kv_heads, dim, dtype = DECODE_CASES[name]
-    case = make_case(ForwardMode.DECODE, [c - 1 for c in ctx], [1] * len(ctx), heads, kv_heads,
-                     dim, dtype, "cuda", seed=len(name))
+    case = make_case(
+        ForwardMode.DECODE,
+        [c - 1 for c in ctx],
+        [1] * len(ctx),
+        heads,
+        kv_heads,
+        dim,
+        dtype,
+        "cuda",
+        seed=len(name),
+    )
     b = case.batch
     b.kv_pool.store(0, b.out_cache_loc, case.k, case.v)
     ref = reference(case)
@@ -71,10 +80,20 @@ def test_decode_matches_torch_native(name):
         outs = []
         for separate in [False] * 20 + [True] * 5:
             out = torch.full_like(case.q, float("nan"))
-            decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
-                             b.req_to_token_pool.req_to_token, b.req_pool_indices, b.seq_lens,
-                             out, case.layer.scaling, splits, min_split_len=min_len,
-                             workspace=ws, separate_merge=separate)
+            decode_attention(
+                case.q,
+                b.kv_pool.k_buffers[0],
+                b.kv_pool.v_buffers[0],
+                b.req_to_token_pool.req_to_token,
+                b.req_pool_indices,
+                b.seq_lens,
+                out,
+                case.layer.scaling,
+                splits,
+                min_split_len=min_len,
+                workspace=ws,
+                separate_merge=separate,
+            )
             outs.append(out)
         _check(outs[0], ref, dtype)
         assert all(torch.equal(o, outs[0]) for o in outs[1:])
@@ -96,15 +115,28 @@ EXTEND_CASES = {  # name: (prefix lengths, new lengths, heads, kv heads, head di
 @pytest.mark.parametrize("name", EXTEND_CASES)
 def test_extend_matches_torch_native(name, aligned):
     prefix, new, heads, kv_heads, dim, dtype = EXTEND_CASES[name]
-    case = make_case(ForwardMode.EXTEND, prefix, new, heads, kv_heads, dim, dtype, "cuda",
-                     seed=len(name))
+    case = make_case(
+        ForwardMode.EXTEND, prefix, new, heads, kv_heads, dim, dtype, "cuda", seed=len(name)
+    )
     b = case.batch
     b.kv_pool.store(0, b.out_cache_loc, case.k, case.v)
     out = torch.full_like(case.q, float("nan"))
-    extend_attention(case.q, case.k, case.v, out, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
-                     b.req_to_token_pool.req_to_token, b.req_pool_indices, b.prefix_lens,
-                     b.extend_seq_lens, b.extend_start_loc, max(new), case.layer.scaling,
-                     aligned=aligned)
+    extend_attention(
+        case.q,
+        case.k,
+        case.v,
+        out,
+        b.kv_pool.k_buffers[0],
+        b.kv_pool.v_buffers[0],
+        b.req_to_token_pool.req_to_token,
+        b.req_pool_indices,
+        b.prefix_lens,
+        b.extend_seq_lens,
+        b.extend_start_loc,
+        max(new),
+        case.layer.scaling,
+        aligned=aligned,
+    )
     _check(out, reference(case), dtype)
 
 
@@ -123,8 +155,9 @@ def test_store_kv_equals_index_put(dtype):
 
 def test_backend_forward_stores_then_attends():
     backend = TritonAttnBackend()
-    case = make_case(ForwardMode.EXTEND, [0, 300], [50, 20], 16, 8, 128, BF16, "cuda", seed=11,
-                     backend=backend)
+    case = make_case(
+        ForwardMode.EXTEND, [0, 300], [50, 20], 16, 8, 128, BF16, "cuda", seed=11, backend=backend
+    )
     backend.init_forward_metadata(case.batch)
     out = store_and_attend(backend, case.q, case.k, case.v, case.layer, case.batch)
     _check(out, reference(case), BF16)
@@ -138,8 +171,9 @@ def _replay_batch(case, rng: random.Random, live: int, shape: int):
     table = b.req_to_token_pool
     rows = b.req_pool_indices.tolist()
     rng.shuffle(rows)
-    full = {r: int(s) for r, s in zip(b.req_pool_indices.tolist(), b.seq_lens.tolist(),
-                                      strict=True)}
+    full = {
+        r: int(s) for r, s in zip(b.req_pool_indices.tolist(), b.seq_lens.tolist(), strict=True)
+    }
     rows = rows[:live]
     seq = [rng.randint(1, full[r]) for r in rows]
     loc = [int(table.req_to_token[r, s - 1]) for r, s in zip(rows, seq, strict=True)]
@@ -153,20 +187,31 @@ def _replay_batch(case, rng: random.Random, live: int, shape: int):
 
     seq_t = t(seq)
     return dataclasses.replace(
-        b, batch_size=shape, seq_lens=seq_t, prefix_lens=(seq_t - 1).clamp(min=0),
-        extend_seq_lens=t([1] * shape), extend_start_loc=t(list(range(shape))),
-        req_pool_indices=t(rows), out_cache_loc=t(loc), seq_lens_cpu=seq,
+        b,
+        batch_size=shape,
+        seq_lens=seq_t,
+        prefix_lens=(seq_t - 1).clamp(min=0),
+        extend_seq_lens=t([1] * shape),
+        extend_start_loc=t(list(range(shape))),
+        req_pool_indices=t(rows),
+        out_cache_loc=t(loc),
+        seq_lens_cpu=seq,
         extend_seq_lens_cpu=[1] * shape,
     )
 
 
 def _live(batch, live: int):
     return dataclasses.replace(
-        batch, batch_size=live, seq_lens=batch.seq_lens[:live],
-        prefix_lens=batch.prefix_lens[:live], extend_seq_lens=batch.extend_seq_lens[:live],
+        batch,
+        batch_size=live,
+        seq_lens=batch.seq_lens[:live],
+        prefix_lens=batch.prefix_lens[:live],
+        extend_seq_lens=batch.extend_seq_lens[:live],
         extend_start_loc=batch.extend_start_loc[:live],
-        req_pool_indices=batch.req_pool_indices[:live], out_cache_loc=batch.out_cache_loc[:live],
-        seq_lens_cpu=batch.seq_lens_cpu[:live], extend_seq_lens_cpu=[1] * live,
+        req_pool_indices=batch.req_pool_indices[:live],
+        out_cache_loc=batch.out_cache_loc[:live],
+        seq_lens_cpu=batch.seq_lens_cpu[:live],
+        extend_seq_lens_cpu=[1] * live,
     )
 
 
@@ -175,8 +220,18 @@ def test_decode_graph_replay_equals_eager(shape, live):
     rng = random.Random(shape)
     backend = TritonAttnBackend()
     ctx = _lens(shape, shape, 1, 6000)
-    case = make_case(ForwardMode.DECODE, [c - 1 for c in ctx], [1] * shape, 16, 4, 128, BF16,
-                     "cuda", seed=shape, backend=backend)
+    case = make_case(
+        ForwardMode.DECODE,
+        [c - 1 for c in ctx],
+        [1] * shape,
+        16,
+        4,
+        128,
+        BF16,
+        "cuda",
+        seed=shape,
+        backend=backend,
+    )
     q, k, v = case.q.clone(), case.k.clone(), case.v.clone()  # the graph's static inputs
     # the captured batch: its tensors are refreshed in place before each replay, as a graph
     # runner does (the case's own batch keeps the lengths new batches are drawn from)
@@ -213,8 +268,9 @@ def test_decode_graph_replay_equals_eager(shape, live):
         eager = store_and_attend(backend, q, k, v, case.layer, batch)
         # padding requests all write and read slot 0, racing: only live rows are defined
         assert torch.equal(replayed[:live], eager[:live])
-        live_case = dataclasses.replace(case, batch=_live(batch, live), q=q[:live], k=k[:live],
-                                        v=v[:live])
+        live_case = dataclasses.replace(
+            case, batch=_live(batch, live), q=q[:live], k=k[:live], v=v[:live]
+        )
         _check(replayed[:live], reference(live_case), BF16)
 
 
@@ -225,18 +281,34 @@ def test_aligned_extend_does_not_depend_on_how_the_prompt_is_chunked(first):
     case = make_case(ForwardMode.EXTEND, [0], [600], 16, 8, 128, BF16, "cuda", seed=first)
     b = case.batch
     b.kv_pool.store(0, b.out_cache_loc, case.k, case.v)
-    caches = (b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0], b.req_to_token_pool.req_to_token,
-              b.req_pool_indices)
+    caches = (
+        b.kv_pool.k_buffers[0],
+        b.kv_pool.v_buffers[0],
+        b.req_to_token_pool.req_to_token,
+        b.req_pool_indices,
+    )
 
     def attend(start: int, aligned: bool) -> torch.Tensor:
         q, k, v = case.q[start:], case.k[start:], case.v[start:]
-        lens = [torch.tensor([n], dtype=torch.int32, device="cuda") for n in (start, 600 - start,
-                                                                               0)]
-        return extend_attention(q, k, v, torch.empty_like(q), *caches, *lens, 600 - start,
-                                case.layer.scaling, aligned=aligned)
+        lens = [
+            torch.tensor([n], dtype=torch.int32, device="cuda") for n in (start, 600 - start, 0)
+        ]
+        return extend_attention(
+            q,
+            k,
+            v,
+            torch.empty_like(q),
+            *caches,
+            *lens,
+            600 - start,
+            case.layer.scaling,
+            aligned=aligned,
+        )
 
     whole = attend(0, True)
     assert rel_error(whole, reference(case)) < 1e-2
     assert torch.equal(attend(first, True), whole[first:])
-    print(f"unaligned chunked vs whole bit-equal: "
-          f"{torch.equal(attend(first, False), attend(0, False)[first:])}")
+    print(
+        f"unaligned chunked vs whole bit-equal: "
+        f"{torch.equal(attend(first, False), attend(0, False)[first:])}"
+    )

@@ -31,18 +31,29 @@ TOPICS = ["the sea", "a robot", "Paris", "mathematics", "a cat", "winter", "musi
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
-    return {name: Engine(device="cuda", dtype="bfloat16", max_total_tokens=16384,
-                         max_running_requests=16, decode_cuda_graph_bs=[1, 2, 4, 8, 16],
-                         attention_backend=name)
-            for name in ("triton", "torch_native")}
+    return {
+        name: Engine(
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=16384,
+            max_running_requests=16,
+            decode_cuda_graph_bs=[1, 2, 4, 8, 16],
+            attention_backend=name,
+        )
+        for name in ("triton", "torch_native")
+    }
 
 
 def test_smollm2_greedy_tokens_equal(engines):
     triton, native = engines["triton"], engines["torch_native"]
     assert triton.runner.attn_backend.name == "triton"
     assert native.runner.attn_backend.name == "torch_native"
-    prompts = [triton.encode_chat([{"role": "user", "content":
-               f"Write {1 + i % 4} sentences about {topic}."}]) for i, topic in enumerate(TOPICS)]
+    prompts = [
+        triton.encode_chat(
+            [{"role": "user", "content": f"Write {1 + i % 4} sentences about {topic}."}]
+        )
+        for i, topic in enumerate(TOPICS)
+    ]
     prompts.append(prompts[0] * 12)  # ~500 tokens: several KV splits per request
     params = {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0.0}
     got = [r["output_ids"] for r in triton.generate(input_ids=prompts, sampling_params=params)]
@@ -53,24 +64,36 @@ def test_smollm2_greedy_tokens_equal(engines):
         if a != b:
             k = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
             gaps.append(top2_gap(native.runner, prompt + b[:k]))
-    print(f"{len(prompts) - len(gaps)}/{len(prompts)} generations identical; gaps at "
-          f"divergences: {gaps}")  # H100: 2/9, gaps 0 to 0.25 (bf16 logits tie often)
+    print(
+        f"{len(prompts) - len(gaps)}/{len(prompts)} generations identical; gaps at "
+        f"divergences: {gaps}"
+    )  # H100: 2/9, gaps 0 to 0.25 (bf16 logits tie often)
     assert all(g <= NEAR_TIE for g in gaps)
 
 
 def _qwen3(backend: str) -> ModelRunner:
-    return ModelRunner(ServerArgs(
-        model_path=str(QWEN3), load_format="dummy", device="cuda", dtype="bfloat16",
-        max_total_tokens=8192, max_running_requests=8, context_length=4096,
-        decode_cuda_graph_bs=[1, 2, 4, 8], attention_backend=backend,
-    ))
+    return ModelRunner(
+        ServerArgs(
+            model_path=str(QWEN3),
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=8192,
+            max_running_requests=8,
+            context_length=4096,
+            decode_cuda_graph_bs=[1, 2, 4, 8],
+            attention_backend=backend,
+        )
+    )
 
 
 def _qwen3_logits(runner: ModelRunner) -> list[torch.Tensor]:
     """Ragged prefill (one prompt in two chunks), then 6 decode steps. Each step's logits are
     copied out: a replayed graph returns a view of its static output."""
-    reqs = [Req(i, [(37 * i + 11 * j) % 150000 + 10 for j in range(n)], SamplingParams(), 0, 8)
-            for i, n in enumerate([5, 1800, 333, 1])]
+    reqs = [
+        Req(i, [(37 * i + 11 * j) % 150000 + 10 for j in range(n)], SamplingParams(), 0, 8)
+        for i, n in enumerate([5, 1800, 333, 1])
+    ]
     out = [runner.forward(prepare_extend(reqs, runner, chunk_sizes=[5, 700, 333, 1])).clone()]
     out.append(runner.forward(prepare_extend(reqs[1:2], runner)).clone())  # 1100 on 700 cached
     for step in range(6):

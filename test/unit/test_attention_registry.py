@@ -24,8 +24,15 @@ def test_triton_on_the_cpu_is_a_clear_error(tmp_path):
         resolve_attention_backend("triton", "cpu")
     write_tiny_checkpoint("qwen3", tmp_path)
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        ModelRunner(ServerArgs(model_path=str(tmp_path), device="cpu", attention_backend="triton",
-                               max_total_tokens=64, max_running_requests=2))
+        ModelRunner(
+            ServerArgs(
+                model_path=str(tmp_path),
+                device="cpu",
+                attention_backend="triton",
+                max_total_tokens=64,
+                max_running_requests=2,
+            )
+        )
 
 
 def test_unknown_backend_lists_the_known_ones():

@@ -22,9 +22,18 @@ def test_missing_path(tmp_path):
 
 
 def test_unknown_architecture_is_named_with_supported_list(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["GPT2LMHeadModel"], "vocab_size": 10, "hidden_size": 8,
-        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": 10,
+                "hidden_size": 8,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as e:
         _runner(tmp_path, load_format="dummy")
     assert "LlamaForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value)
@@ -60,12 +69,15 @@ def test_malformed_config_json(tmp_path):
         _runner(tmp_path)
 
 
-@pytest.mark.parametrize(("field", "value", "flag"), [
-    ("max_total_tokens", 0, "--max-total-tokens"),
-    ("mem_fraction_static", 1.5, "--mem-fraction-static"),
-    ("dtype", "int8", "--dtype"),
-    ("load_format", "pickle", "--load-format"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "flag"),
+    [
+        ("max_total_tokens", 0, "--max-total-tokens"),
+        ("mem_fraction_static", 1.5, "--mem-fraction-static"),
+        ("dtype", "int8", "--dtype"),
+        ("load_format", "pickle", "--load-format"),
+    ],
+)
 def test_server_args_validation_names_the_flag(field, value, flag):
     with pytest.raises(ValueError, match=flag):
         ServerArgs(**{field: value}).validate()

@@ -17,8 +17,9 @@ from tiny_checkpoints import write_tiny_checkpoint
 def runner(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpt")
     write_tiny_checkpoint("qwen3", folder)
-    return dummy_runner(folder / "config.json", "cpu", "float32", context_length=64,
-                        max_total_tokens=512)
+    return dummy_runner(
+        folder / "config.json", "cpu", "float32", context_length=64, max_total_tokens=512
+    )
 
 
 def _req(rid: int, n: int) -> Req:
@@ -51,5 +52,7 @@ def test_a_prompt_longer_than_a_row_is_refused_before_anything_is_allocated(runn
     with pytest.raises(ValueError, match="position 65 exceeds the context length 64"):
         prepare_extend(reqs, runner)
     assert all(r.kv_len == 0 and r.req_pool_idx is None for r in reqs)
-    assert (runner.token_allocator.available_size(),
-            runner.req_to_token_pool.available_size()) == free
+    assert (
+        runner.token_allocator.available_size(),
+        runner.req_to_token_pool.available_size(),
+    ) == free

@@ -13,8 +13,23 @@ def test_decode_host_bench_times_every_batch_size_and_releases(tmp_path):
     bench = import_script("benchmark/bench_decode_host.py")
     write_tiny_checkpoint("qwen3", tmp_path / "ckpt")
     out = tmp_path / "host.json"
-    bench.main(["--model-path", str(tmp_path / "ckpt"), "--device", "cpu", "--bs", "1", "3",
-                "--context", "12", "--steps", "4", "--json", str(out)])
+    bench.main(
+        [
+            "--model-path",
+            str(tmp_path / "ckpt"),
+            "--device",
+            "cpu",
+            "--bs",
+            "1",
+            "3",
+            "--context",
+            "12",
+            "--steps",
+            "4",
+            "--json",
+            str(out),
+        ]
+    )
     doc = json.loads(out.read_text())
     assert [r["bs"] for r in doc["summary"]] == [1, 3]
     for row in doc["summary"]:
@@ -27,8 +42,7 @@ def test_decode_host_bench_times_every_batch_size_and_releases(tmp_path):
     runner = bench.build_runner(str(tmp_path / "ckpt"), "cpu", 2, 40)
 
     def free() -> tuple[int, int]:
-        return (runner.token_allocator.available_size(),
-                runner.req_to_token_pool.available_size())
+        return (runner.token_allocator.available_size(), runner.req_to_token_pool.available_size())
 
     before = free()
     bench.time_decode_steps(runner, 2, 12, 3)

@@ -18,9 +18,13 @@ def bench(monkeypatch):
 
 def test_projections_of_llama_8b_are_its_weight_shapes(bench):
     cfg = json.loads((bench.CONFIGS / "llama-3.1-8b.json").read_text())
-    assert bench.projections(cfg) == {"qkv": (6144, 4096), "o": (4096, 4096),
-                                      "gate_up": (28672, 4096), "down": (4096, 14336),
-                                      "lm_head": (128256, 4096)}
+    assert bench.projections(cfg) == {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+        "lm_head": (128256, 4096),
+    }
 
 
 def test_config_choices_change_the_default_launch_by_known_fields(bench):

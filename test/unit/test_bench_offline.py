@@ -17,10 +17,29 @@ def test_offline_bench_generates_and_counts_every_requested_token(tmp_path):
     bench = import_script("benchmark/bench_offline.py")
     vocab = write_tiny_checkpoint("qwen3", tmp_path / "ckpt").config.vocab_size
     out = tmp_path / "offline.json"
-    bench.main(["--model-path", str(tmp_path / "ckpt"), "--device", "cpu",
-                "--num-seqs", str(NUM_SEQS), "--min-len", str(MIN_LEN), "--max-len", str(MAX_LEN),
-                "--seed", str(SEED), "--modes", *MODES, "--overlap", "on", "off",
-                "--json", str(out)])
+    bench.main(
+        [
+            "--model-path",
+            str(tmp_path / "ckpt"),
+            "--device",
+            "cpu",
+            "--num-seqs",
+            str(NUM_SEQS),
+            "--min-len",
+            str(MIN_LEN),
+            "--max-len",
+            str(MAX_LEN),
+            "--seed",
+            str(SEED),
+            "--modes",
+            *MODES,
+            "--overlap",
+            "on",
+            "off",
+            "--json",
+            str(out),
+        ]
+    )
 
     doc = json.loads(out.read_text())
     workload = bench.make_workload(NUM_SEQS, MIN_LEN, MAX_LEN, SEED, vocab)
@@ -28,7 +47,8 @@ def test_offline_bench_generates_and_counts_every_requested_token(tmp_path):
     assert all(MIN_LEN <= n <= MAX_LEN for n in workload.output_lens)
     assert doc["config"]["num_seqs"] == NUM_SEQS and doc["config"]["modes"] == MODES
     assert [(row["mode"], row["overlap"]) for row in doc["summary"]] == [
-        (m, overlap) for m in MODES for overlap in (True, False)]
+        (m, overlap) for m in MODES for overlap in (True, False)
+    ]
     for row in doc["summary"]:
         assert (row["decode"], row["prefill"]) == ("disabled", "disabled")
         assert row["num_seqs"] == NUM_SEQS

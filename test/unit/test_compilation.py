@@ -67,8 +67,11 @@ def test_split_gives_one_compute_piece_more_than_opaque_calls(n):
     assert len(split.compute_pieces) == n + 1
     assert [p.opaque for p in split.pieces] == [False] + [True, False] * n  # in call order
     for piece in split.pieces:  # an opaque piece holds exactly its one call
-        calls = [node.target for node in getattr(split.module, piece.name).graph.nodes
-                 if node.op == "call_function"]
+        calls = [
+            node.target
+            for node in getattr(split.module, piece.name).graph.nodes
+            if node.op == "call_function"
+        ]
         assert (len(calls) == 1 and calls[0] in split_ops) == piece.opaque
     x = torch.randn(3, 8)
     torch.testing.assert_close(split.module(x), toy(x), rtol=0, atol=0)
@@ -93,8 +96,10 @@ def runner(tiny_qwen3_runner) -> ModelRunner:
 
 
 def _reqs(lens: list[int]) -> list[Req]:
-    return [Req(i, [(7 * i + j) % 300 + 3 for j in range(n)], SamplingParams(), 0, 16)
-            for i, n in enumerate(lens)]
+    return [
+        Req(i, [(7 * i + j) % 300 + 3 for j in range(n)], SamplingParams(), 0, 16)
+        for i, n in enumerate(lens)
+    ]
 
 
 def _run(graph_runner, live, shape: int) -> torch.Tensor:
@@ -110,9 +115,11 @@ def _run(graph_runner, live, shape: int) -> torch.Tensor:
 def test_compiled_forward_equals_eager_for_prefill_and_decode(runner, compiler):
     options = TcPiecewiseOptions(compiler)
     prefill = PrefillCudaGraphRunner(
-        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, options), shapes=[16, 32])
+        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, options), shapes=[16, 32]
+    )
     decode = DecodeCudaGraphRunner(
-        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, options), shapes=[1, 4])
+        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, options), shapes=[1, 4]
+    )
     prefill.backend.prepare(prefill)  # compiles
     decode.backend.prepare(decode)  # reuses the model's compiled forward
     compiled = prefill.backend.compiled
@@ -144,14 +151,24 @@ def test_the_pieces_between_attention_calls_compile_once(tmp_path, monkeypatch):
     compiled prefill still equals eager (each store lands in its own layer's cache)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     cfg = json.loads((CONFIGS / "qwen3-0.6b.json").read_text())
-    cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, num_hidden_layers=4, vocab_size=512)
+    cfg.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=4,
+        vocab_size=512,
+    )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    runner = dummy_runner(tmp_path / "config.json", "cpu", "float32", max_total_tokens=256,
-                          context_length=64)
+    runner = dummy_runner(
+        tmp_path / "config.json", "cpu", "float32", max_total_tokens=256, context_length=64
+    )
     prefill = PrefillCudaGraphRunner(
-        runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, TcPiecewiseOptions("inductor")),
-        shapes=[16])
+        runner,
+        TcPiecewiseCudaGraphBackend(runner.attn_backend, TcPiecewiseOptions("inductor")),
+        shapes=[16],
+    )
     prefill.backend.prepare(prefill)
     backend = prefill.backend.compiled.backend
     assert len(backend.split.compute_pieces) == 5 and backend.cache_hits == 2

@@ -29,6 +29,7 @@ def modes(cfg) -> tuple[str, str]:
 
 # ---- defaults -------------------------------------------------------------------------------
 
+
 def test_defaults_on_cuda():
     cfg = resolve()
     assert modes(cfg) == ("full", "breakable")
@@ -42,8 +43,10 @@ def test_defaults_on_cuda():
 def test_breakable_needs_no_attention_graph_hooks():
     cfg = resolve(attention_backend="torch_native")
     assert modes(cfg) == ("disabled", "breakable")  # full decode is ruled out, breakable is not
-    assert modes(resolve(attention_backend="torch_native",
-                         decode_cuda_graph_mode="breakable")) == ("breakable", "breakable")
+    assert modes(resolve(attention_backend="torch_native", decode_cuda_graph_mode="breakable")) == (
+        "breakable",
+        "breakable",
+    )
 
 
 def test_defaults_on_cpu_are_off_and_noted_not_an_error():
@@ -55,37 +58,74 @@ def test_defaults_on_cpu_are_off_and_noted_not_an_error():
 
 # ---- every flag alone -------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("kwargs", "expected", "source"), [
-    ({"cuda_graph_mode": '{"decode": "breakable"}'}, ("breakable", "breakable"), JSON),
-    ({"cuda_graph_mode": '{"prefill": "disabled"}'}, ("full", "disabled"), JSON),
-    ({"cuda_graph_mode": '{"decode": "disabled", "prefill": "tc_piecewise"}'},
-     ("disabled", "tc_piecewise"), JSON),
-    ({"decode_cuda_graph_mode": "tc_piecewise"}, ("tc_piecewise", "breakable"),
-     "--decode-cuda-graph-mode"),
-    ({"prefill_cuda_graph_mode": "breakable"}, ("full", "breakable"),
-     "--prefill-cuda-graph-mode"),
-    ({"decode_disable_cuda_graph": True}, ("disabled", "breakable"),
-     "--decode-disable-cuda-graph"),
-    ({"prefill_disable_cuda_graph": True}, ("full", "disabled"),
-     "--prefill-disable-cuda-graph"),
-])
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected", "source"),
+    [
+        ({"cuda_graph_mode": '{"decode": "breakable"}'}, ("breakable", "breakable"), JSON),
+        ({"cuda_graph_mode": '{"prefill": "disabled"}'}, ("full", "disabled"), JSON),
+        (
+            {"cuda_graph_mode": '{"decode": "disabled", "prefill": "tc_piecewise"}'},
+            ("disabled", "tc_piecewise"),
+            JSON,
+        ),
+        (
+            {"decode_cuda_graph_mode": "tc_piecewise"},
+            ("tc_piecewise", "breakable"),
+            "--decode-cuda-graph-mode",
+        ),
+        (
+            {"prefill_cuda_graph_mode": "breakable"},
+            ("full", "breakable"),
+            "--prefill-cuda-graph-mode",
+        ),
+        (
+            {"decode_disable_cuda_graph": True},
+            ("disabled", "breakable"),
+            "--decode-disable-cuda-graph",
+        ),
+        (
+            {"prefill_disable_cuda_graph": True},
+            ("full", "disabled"),
+            "--prefill-disable-cuda-graph",
+        ),
+    ],
+)
 def test_each_flag_alone(kwargs, expected, source):
     cfg = resolve(**kwargs)
     assert modes(cfg) == expected
-    changed = "decode" if "decode" in source or "decode" in kwargs.get("cuda_graph_mode", "") \
+    changed = (
+        "decode"
+        if "decode" in source or "decode" in kwargs.get("cuda_graph_mode", "")
         else "prefill"
+    )
     assert cfg.phase(changed).source == source
     assert not cfg.warnings
 
 
-@pytest.mark.parametrize(("flag", "kwargs", "expected", "replacement"), [
-    ("--disable-cuda-graph", {"disable_cuda_graph": True}, ("disabled", "disabled"),
-     "--cuda-graph-mode"),
-    ("--disable-piecewise-cuda-graph", {"disable_piecewise_cuda_graph": True},
-     ("full", "disabled"), "--prefill-disable-cuda-graph"),
-    ("--enable-breakable-cuda-graph", {"enable_breakable_cuda_graph": True},
-     ("full", "breakable"), "--prefill-cuda-graph-mode breakable"),
-])
+@pytest.mark.parametrize(
+    ("flag", "kwargs", "expected", "replacement"),
+    [
+        (
+            "--disable-cuda-graph",
+            {"disable_cuda_graph": True},
+            ("disabled", "disabled"),
+            "--cuda-graph-mode",
+        ),
+        (
+            "--disable-piecewise-cuda-graph",
+            {"disable_piecewise_cuda_graph": True},
+            ("full", "disabled"),
+            "--prefill-disable-cuda-graph",
+        ),
+        (
+            "--enable-breakable-cuda-graph",
+            {"enable_breakable_cuda_graph": True},
+            ("full", "breakable"),
+            "--prefill-cuda-graph-mode breakable",
+        ),
+    ],
+)
 def test_each_legacy_flag_works_with_a_deprecation_warning(flag, kwargs, expected, replacement):
     cfg = resolve(**kwargs)
     assert modes(cfg) == expected
@@ -96,26 +136,75 @@ def test_each_legacy_flag_works_with_a_deprecation_warning(flag, kwargs, expecte
 
 # ---- precedence -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("kwargs", "winner", "loser", "phase", "mode"), [
-    ({"cuda_graph_mode": '{"decode": "breakable"}', "decode_cuda_graph_mode": "full"},
-     JSON, "--decode-cuda-graph-mode", "decode", "breakable"),
-    ({"cuda_graph_mode": '{"decode": "full"}', "decode_disable_cuda_graph": True},
-     JSON, "--decode-disable-cuda-graph", "decode", "full"),
-    ({"cuda_graph_mode": '{"prefill": "breakable"}', "prefill_disable_cuda_graph": True},
-     JSON, "--prefill-disable-cuda-graph", "prefill", "breakable"),
-    ({"cuda_graph_mode": '{"decode": "full"}', "disable_cuda_graph": True},
-     JSON, "--disable-cuda-graph", "decode", "full"),
-    ({"cuda_graph_mode": '{"prefill": "disabled"}', "enable_breakable_cuda_graph": True},
-     JSON, "--enable-breakable-cuda-graph", "prefill", "disabled"),
-    ({"prefill_cuda_graph_mode": "tc_piecewise", "enable_breakable_cuda_graph": True},
-     "--prefill-cuda-graph-mode", "--enable-breakable-cuda-graph", "prefill", "tc_piecewise"),
-    ({"prefill_cuda_graph_mode": "breakable", "disable_piecewise_cuda_graph": True},
-     "--prefill-cuda-graph-mode", "--disable-piecewise-cuda-graph", "prefill", "breakable"),
-    ({"decode_cuda_graph_mode": "full", "disable_cuda_graph": True},
-     "--decode-cuda-graph-mode", "--disable-cuda-graph", "decode", "full"),
-    ({"prefill_disable_cuda_graph": True, "enable_breakable_cuda_graph": True},
-     "--prefill-disable-cuda-graph", "--enable-breakable-cuda-graph", "prefill", "disabled"),
-])
+
+@pytest.mark.parametrize(
+    ("kwargs", "winner", "loser", "phase", "mode"),
+    [
+        (
+            {"cuda_graph_mode": '{"decode": "breakable"}', "decode_cuda_graph_mode": "full"},
+            JSON,
+            "--decode-cuda-graph-mode",
+            "decode",
+            "breakable",
+        ),
+        (
+            {"cuda_graph_mode": '{"decode": "full"}', "decode_disable_cuda_graph": True},
+            JSON,
+            "--decode-disable-cuda-graph",
+            "decode",
+            "full",
+        ),
+        (
+            {"cuda_graph_mode": '{"prefill": "breakable"}', "prefill_disable_cuda_graph": True},
+            JSON,
+            "--prefill-disable-cuda-graph",
+            "prefill",
+            "breakable",
+        ),
+        (
+            {"cuda_graph_mode": '{"decode": "full"}', "disable_cuda_graph": True},
+            JSON,
+            "--disable-cuda-graph",
+            "decode",
+            "full",
+        ),
+        (
+            {"cuda_graph_mode": '{"prefill": "disabled"}', "enable_breakable_cuda_graph": True},
+            JSON,
+            "--enable-breakable-cuda-graph",
+            "prefill",
+            "disabled",
+        ),
+        (
+            {"prefill_cuda_graph_mode": "tc_piecewise", "enable_breakable_cuda_graph": True},
+            "--prefill-cuda-graph-mode",
+            "--enable-breakable-cuda-graph",
+            "prefill",
+            "tc_piecewise",
+        ),
+        (
+            {"prefill_cuda_graph_mode": "breakable", "disable_piecewise_cuda_graph": True},
+            "--prefill-cuda-graph-mode",
+            "--disable-piecewise-cuda-graph",
+            "prefill",
+            "breakable",
+        ),
+        (
+            {"decode_cuda_graph_mode": "full", "disable_cuda_graph": True},
+            "--decode-cuda-graph-mode",
+            "--disable-cuda-graph",
+            "decode",
+            "full",
+        ),
+        (
+            {"prefill_disable_cuda_graph": True, "enable_breakable_cuda_graph": True},
+            "--prefill-disable-cuda-graph",
+            "--enable-breakable-cuda-graph",
+            "prefill",
+            "disabled",
+        ),
+    ],
+)
 def test_higher_flag_wins_and_the_override_is_warned(kwargs, winner, loser, phase, mode):
     cfg = resolve(**kwargs)
     assert cfg.phase(phase).mode == mode and cfg.phase(phase).source == winner
@@ -128,16 +217,27 @@ def test_agreeing_flags_are_not_warned_as_overrides():
     assert cfg.decode.mode == "full" and not cfg.warnings
 
 
-@pytest.mark.parametrize(("kwargs", "flags"), [
-    ({"decode_cuda_graph_mode": "full", "decode_disable_cuda_graph": True},
-     ("--decode-cuda-graph-mode", "--decode-disable-cuda-graph")),
-    ({"prefill_cuda_graph_mode": "breakable", "prefill_disable_cuda_graph": True},
-     ("--prefill-cuda-graph-mode", "--prefill-disable-cuda-graph")),
-    ({"disable_piecewise_cuda_graph": True, "enable_breakable_cuda_graph": True},
-     ("--disable-piecewise-cuda-graph", "--enable-breakable-cuda-graph")),
-    ({"disable_cuda_graph": True, "enable_breakable_cuda_graph": True},
-     ("--disable-cuda-graph", "--enable-breakable-cuda-graph")),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "flags"),
+    [
+        (
+            {"decode_cuda_graph_mode": "full", "decode_disable_cuda_graph": True},
+            ("--decode-cuda-graph-mode", "--decode-disable-cuda-graph"),
+        ),
+        (
+            {"prefill_cuda_graph_mode": "breakable", "prefill_disable_cuda_graph": True},
+            ("--prefill-cuda-graph-mode", "--prefill-disable-cuda-graph"),
+        ),
+        (
+            {"disable_piecewise_cuda_graph": True, "enable_breakable_cuda_graph": True},
+            ("--disable-piecewise-cuda-graph", "--enable-breakable-cuda-graph"),
+        ),
+        (
+            {"disable_cuda_graph": True, "enable_breakable_cuda_graph": True},
+            ("--disable-cuda-graph", "--enable-breakable-cuda-graph"),
+        ),
+    ],
+)
 def test_contradicting_flags_of_one_level_are_an_error(kwargs, flags):
     with pytest.raises(CudaGraphConfigError) as err:
         resolve(**kwargs)
@@ -145,6 +245,7 @@ def test_contradicting_flags_of_one_level_are_an_error(kwargs, flags):
 
 
 # ---- compatibility rules ----------------------------------------------------------------------
+
 
 def test_rule_turns_off_a_defaulted_phase_with_its_name_and_reason():
     cfg = resolve(attention_backend="torch_native")
@@ -158,11 +259,14 @@ def test_rule_on_an_explicit_phase_is_an_error():
         resolve(attention_backend="torch_native", decode_cuda_graph_mode="full")
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"decode_cuda_graph_mode": "full"},
-    {"cuda_graph_mode": '{"prefill": "breakable"}'},
-    {"enable_breakable_cuda_graph": True},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"decode_cuda_graph_mode": "full"},
+        {"cuda_graph_mode": '{"prefill": "breakable"}'},
+        {"enable_breakable_cuda_graph": True},
+    ],
+)
 def test_explicit_graph_mode_on_cpu_is_a_clear_error(kwargs):
     with pytest.raises(CudaGraphConfigError, match="graphs-need-cuda.*cpu"):
         resolve("cpu", **kwargs)
@@ -171,7 +275,9 @@ def test_explicit_graph_mode_on_cpu_is_a_clear_error(kwargs):
 def test_debug_switch_lets_the_eager_graph_path_run_on_cpu_but_not_full():
     both = '{"decode": "tc_piecewise", "prefill": "breakable"}'
     assert modes(resolve("cpu", debug_cuda_graph=True, cuda_graph_mode=both)) == (
-        "tc_piecewise", "breakable")
+        "tc_piecewise",
+        "breakable",
+    )
     assert modes(resolve("cpu", debug_cuda_graph=True)) == ("disabled", "disabled")  # defaults
     with pytest.raises(CudaGraphConfigError, match="graphs-need-cuda.*--debug-cuda-graph"):
         resolve("cpu", debug_cuda_graph=True, decode_cuda_graph_mode="full")
@@ -183,27 +289,43 @@ def test_explicitly_disabling_on_cpu_is_fine():
 
 # ---- validation ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("kwargs", "flag", "fragment"), [
-    ({"cuda_graph_mode": '{"decode": "full"'}, JSON, "malformed JSON"),
-    ({"cuda_graph_mode": '["full"]'}, JSON, "expected a JSON object"),
-    ({"cuda_graph_mode": '{"verify": "full"}'}, JSON, "unknown phase 'verify'; valid phases: "
-     "decode, prefill"),
-    ({"cuda_graph_mode": '{"decode": "fast"}'}, JSON, "unknown mode 'fast'; valid modes: full, "
-     "breakable, tc_piecewise, disabled"),
-    ({"cuda_graph_mode": '{"decode": 1}'}, JSON, "unknown mode 1"),
-    ({"decode_cuda_graph_mode": "piecewise"}, "--decode-cuda-graph-mode", "unknown mode"),
-    ({"prefill_cuda_graph_mode": "eager"}, "--prefill-cuda-graph-mode", "unknown mode"),
-    ({"cuda_graph_mode": '{"prefill": "full"}'}, JSON, "use 'breakable' or 'tc_piecewise'"),
-    ({"prefill_cuda_graph_mode": "full"}, "--prefill-cuda-graph-mode", "not supported yet"),
-    ({"decode_cuda_graph_bs": []}, "--decode-cuda-graph-bs", "one or more positive integers"),
-    ({"decode_cuda_graph_bs": [4, 0]}, "--decode-cuda-graph-bs", "positive integers"),
-    ({"decode_cuda_graph_max_bs": 0}, "--decode-cuda-graph-max-bs", "positive integer"),
-    ({"prefill_cuda_graph_tokens": [-8]}, "--prefill-cuda-graph-tokens", "positive integers"),
-    ({"prefill_cuda_graph_max_tokens": -1}, "--prefill-cuda-graph-max-tokens",
-     "positive integer"),
-    ({"decode_cuda_graph_bs": [512], "max_running_requests": 64}, "--decode-cuda-graph-bs",
-     "nothing to capture"),
-])
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag", "fragment"),
+    [
+        ({"cuda_graph_mode": '{"decode": "full"'}, JSON, "malformed JSON"),
+        ({"cuda_graph_mode": '["full"]'}, JSON, "expected a JSON object"),
+        (
+            {"cuda_graph_mode": '{"verify": "full"}'},
+            JSON,
+            "unknown phase 'verify'; valid phases: decode, prefill",
+        ),
+        (
+            {"cuda_graph_mode": '{"decode": "fast"}'},
+            JSON,
+            "unknown mode 'fast'; valid modes: full, breakable, tc_piecewise, disabled",
+        ),
+        ({"cuda_graph_mode": '{"decode": 1}'}, JSON, "unknown mode 1"),
+        ({"decode_cuda_graph_mode": "piecewise"}, "--decode-cuda-graph-mode", "unknown mode"),
+        ({"prefill_cuda_graph_mode": "eager"}, "--prefill-cuda-graph-mode", "unknown mode"),
+        ({"cuda_graph_mode": '{"prefill": "full"}'}, JSON, "use 'breakable' or 'tc_piecewise'"),
+        ({"prefill_cuda_graph_mode": "full"}, "--prefill-cuda-graph-mode", "not supported yet"),
+        ({"decode_cuda_graph_bs": []}, "--decode-cuda-graph-bs", "one or more positive integers"),
+        ({"decode_cuda_graph_bs": [4, 0]}, "--decode-cuda-graph-bs", "positive integers"),
+        ({"decode_cuda_graph_max_bs": 0}, "--decode-cuda-graph-max-bs", "positive integer"),
+        ({"prefill_cuda_graph_tokens": [-8]}, "--prefill-cuda-graph-tokens", "positive integers"),
+        (
+            {"prefill_cuda_graph_max_tokens": -1},
+            "--prefill-cuda-graph-max-tokens",
+            "positive integer",
+        ),
+        (
+            {"decode_cuda_graph_bs": [512], "max_running_requests": 64},
+            "--decode-cuda-graph-bs",
+            "nothing to capture",
+        ),
+    ],
+)
 def test_validation_errors_name_the_flag(kwargs, flag, fragment):
     with pytest.raises(CudaGraphConfigError) as err:
         resolve(**kwargs)
@@ -212,6 +334,7 @@ def test_validation_errors_name_the_flag(kwargs, flag, fragment):
 
 
 # ---- shapes -----------------------------------------------------------------------------------
+
 
 def test_default_batch_sizes_are_clipped_to_max_running_requests():
     assert resolve(max_running_requests=20).decode.shapes == (1, 2, 4, 8, 16, 20)
@@ -222,8 +345,9 @@ def test_explicit_batch_sizes_sorted_deduplicated_and_clipped_with_warnings():
     cfg = resolve(decode_cuda_graph_bs=[8, 1, 8, 3, 300], decode_cuda_graph_max_bs=4)
     assert cfg.decode.shapes == (1, 3, 8)
     assert any("dropped [300]" in w for w in cfg.warnings)
-    assert any("--decode-cuda-graph-bs overrides --decode-cuda-graph-max-bs" in w
-               for w in cfg.warnings)
+    assert any(
+        "--decode-cuda-graph-bs overrides --decode-cuda-graph-max-bs" in w for w in cfg.warnings
+    )
 
 
 def test_prefill_token_buckets_default_up_to_the_chunked_prefill_size():
@@ -240,9 +364,14 @@ def test_shapes_are_validated_even_for_a_disabled_phase():
 
 # ---- launch_server --------------------------------------------------------------------------
 
+
 def _launch(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "replaylm.launch_server", *flags],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "replaylm.launch_server", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_launch_server_bad_mode_exits_2_with_one_line_and_no_traceback():
@@ -254,8 +383,9 @@ def test_launch_server_bad_mode_exits_2_with_one_line_and_no_traceback():
     ]
 
 
-@pytest.mark.parametrize("flags", [("--device", "cpu"),
-                                   ("--device", "cuda", "--attention-backend", "torch_native")])
+@pytest.mark.parametrize(
+    "flags", [("--device", "cpu"), ("--device", "cuda", "--attention-backend", "torch_native")]
+)
 def test_launch_server_deterministic_without_triton_attention_exits_2_before_loading(flags):
     proc = _launch("--deterministic", *flags)
     assert proc.returncode == 2
@@ -266,8 +396,15 @@ def test_launch_server_deterministic_without_triton_attention_exits_2_before_loa
 
 
 def test_launch_server_prints_the_config_for_another_device_without_loading():
-    proc = _launch("--print-cuda-graph-config", "--device", "cuda",
-                   "--cuda-graph-mode", '{"prefill": "breakable"}', "--max-running-requests", "8")
+    proc = _launch(
+        "--print-cuda-graph-config",
+        "--device",
+        "cuda",
+        "--cuda-graph-mode",
+        '{"prefill": "breakable"}',
+        "--max-running-requests",
+        "8",
+    )
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)
     assert printed["decode"] == {"mode": "full", "source": "default", "shapes": [1, 2, 4, 8]}

@@ -25,8 +25,9 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def _generate(checkpoint: str, **kwargs) -> tuple[list[list[int]], Engine]:
-    engine = Engine(model_path=checkpoint, device="cpu", max_total_tokens=2048,
-                    max_running_requests=8, **kwargs)
+    engine = Engine(
+        model_path=checkpoint, device="cpu", max_total_tokens=2048, max_running_requests=8, **kwargs
+    )
     out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     return [o["output_ids"] for o in out], engine
 
@@ -35,9 +36,12 @@ def _generate(checkpoint: str, **kwargs) -> tuple[list[list[int]], Engine]:
 def test_debug_graph_path_generates_what_eager_generates(checkpoint, mode):
     want, _ = _generate(checkpoint)
     got, engine = _generate(
-        checkpoint, debug_cuda_graph=True, tc_piecewise_compiler="eager",
+        checkpoint,
+        debug_cuda_graph=True,
+        tc_piecewise_compiler="eager",
         cuda_graph_mode=json.dumps({"decode": mode, "prefill": mode}),
-        decode_cuda_graph_bs=[1, 2, 4, 8], prefill_cuda_graph_tokens=[64, 256],
+        decode_cuda_graph_bs=[1, 2, 4, 8],
+        prefill_cuda_graph_tokens=[64, 256],
     )
     assert got == want
     stats = engine.runner.forward_stats.phases

@@ -18,10 +18,16 @@ QWEN3_06B_PARAMS = 596_049_920  # the published checkpoint's parameter count (ti
 
 
 def test_dummy_qwen3_06b_builds_runs_and_has_the_real_parameter_count():
-    runner = ModelRunner(ServerArgs(
-        model_path=str(CONFIG), load_format="dummy", device="cpu", max_total_tokens=64,
-        max_running_requests=2, context_length=64,
-    ))
+    runner = ModelRunner(
+        ServerArgs(
+            model_path=str(CONFIG),
+            load_format="dummy",
+            device="cpu",
+            max_total_tokens=64,
+            max_running_requests=2,
+            context_length=64,
+        )
+    )
     n_params = sum(p.numel() for p in runner.model.parameters())
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIG))

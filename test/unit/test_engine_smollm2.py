@@ -97,14 +97,17 @@ def test_kv_is_released_after_generation(engine):
     assert engine.runner.req_to_token_pool.available_size() == 16
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"prompt": ""}, "empty"),
-    ({"input_ids": [1] * 9000}, "prompt has 9000 tokens"),
-    ({"prompt": "a", "input_ids": [1]}, "exactly one"),
-    ({"input_ids": [10**9]}, "input_ids must be ints in"),
-    ({"prompt": "a", "sampling_params": {"temperature": -1}}, "temperature"),
-    ({"prompt": "a", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": ""}, "empty"),
+        ({"input_ids": [1] * 9000}, "prompt has 9000 tokens"),
+        ({"prompt": "a", "input_ids": [1]}, "exactly one"),
+        ({"input_ids": [10**9]}, "input_ids must be ints in"),
+        ({"prompt": "a", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"prompt": "a", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
+    ],
+)
 def test_bad_requests_are_rejected(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine.generate(**kwargs)

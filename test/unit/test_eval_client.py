@@ -56,8 +56,9 @@ class FakeOpenAI(http.server.BaseHTTPRequestHandler):
             self._send(status, {"error": {"message": text, "type": "BadRequestError"}})
             return
         choice = {"index": 0, "finish_reason": "stop"}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else
-                      {"text": text})
+        choice.update(
+            {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        )
         self._send(200, {"choices": [choice], "usage": {"completion_tokens": len(text.split())}})
 
 
@@ -81,9 +82,27 @@ def _write_data(folder: Path) -> Path:
 
 def test_gsm8k_run_records_every_question(fake_server, tmp_path, capsys):
     dump, metrics = tmp_path / "dump.jsonl", tmp_path / "metrics.json"
-    rc = main(["--base-url", fake_server, "--data-path", str(_write_data(tmp_path)),
-               "--num-shots", "1", "--max-tokens", "64", "--parallel", "2", "--api-key", "k",
-               "--dump", str(dump), "--json", str(metrics), "--no-progress"])
+    rc = main(
+        [
+            "--base-url",
+            fake_server,
+            "--data-path",
+            str(_write_data(tmp_path)),
+            "--num-shots",
+            "1",
+            "--max-tokens",
+            "64",
+            "--parallel",
+            "2",
+            "--api-key",
+            "k",
+            "--dump",
+            str(dump),
+            "--json",
+            str(metrics),
+            "--no-progress",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0
     assert "accuracy    0.200 (1/5; 95% CI 0.036-0.624)" in out and "fake-a" in out
@@ -118,8 +137,19 @@ def test_mgsm_uses_chat_and_the_given_model(fake_server, tmp_path, capsys):
     tsv = tmp_path / "mgsm_de.tsv"
     tsv.write_text("Wie viele? q-right\t4\nUnd jetzt? q-wrong\t1.000\n", encoding="utf-8")
     # the fake's replies have no "Antwort:" line, so the answer is the last number
-    rc = main(["--base-url", fake_server, "--eval-name", "mgsm_de", "--data-path", str(tsv),
-               "--model", "fake-b", "--no-progress"])
+    rc = main(
+        [
+            "--base-url",
+            fake_server,
+            "--eval-name",
+            "mgsm_de",
+            "--data-path",
+            str(tsv),
+            "--model",
+            "fake-b",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "mgsm_de" in out and "accuracy    0.500 (1/2;" in out

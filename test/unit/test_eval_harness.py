@@ -21,10 +21,27 @@ def test_gsm8k_against_a_real_server(http_server, tmp_path, capsys):
     # retracts and recomputes long prompts, which on CPU costs minutes
     parallel = max(1, min(NUM_EXAMPLES, info["max_total_tokens"] // TOKENS_PER_REQUEST))
     dump, metrics = tmp_path / "dump.jsonl", tmp_path / "metrics.json"
-    rc = main(["--base-url", f"{http_server.base_url}/v1", "--eval-name", "gsm8k",
-               "--num-examples", str(NUM_EXAMPLES), "--num-shots", "5",
-               "--max-tokens", str(MAX_TOKENS), "--parallel", str(parallel),
-               "--dump", str(dump), "--json", str(metrics), "--no-progress"])
+    rc = main(
+        [
+            "--base-url",
+            f"{http_server.base_url}/v1",
+            "--eval-name",
+            "gsm8k",
+            "--num-examples",
+            str(NUM_EXAMPLES),
+            "--num-shots",
+            "5",
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--parallel",
+            str(parallel),
+            "--dump",
+            str(dump),
+            "--json",
+            str(metrics),
+            "--no-progress",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "accuracy" in out and "smollm2-135m-instruct" in out

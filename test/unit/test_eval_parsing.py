@@ -23,18 +23,21 @@ from replaylm.eval.registry import EVAL_NAMES, load_eval
 D = Decimal
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    (" 48 / 2 = <<48/2=24>>24 clips.\n48 + 24 = 72 clips.\n#### 72\n\n", D(72)),
-    ("She pays $1,234.50 in total.", D("1234.50")),
-    ("The temperature drops to -7 degrees.", D(-7)),
-    ("He lost -$15 overall", D(-15)),
-    ("10 - 3 = 7", D(7)),  # a minus between numbers is an operator
-    ("so 0.125 of the pie", D("0.125")),
-    ("#### 1,450,000", D(1450000)),
-    ("the items were 1,2,3", D(3)),  # not a thousands grouping
-    ("full-width １８ works", D(18)),
-    ("no digits here", None),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (" 48 / 2 = <<48/2=24>>24 clips.\n48 + 24 = 72 clips.\n#### 72\n\n", D(72)),
+        ("She pays $1,234.50 in total.", D("1234.50")),
+        ("The temperature drops to -7 degrees.", D(-7)),
+        ("He lost -$15 overall", D(-15)),
+        ("10 - 3 = 7", D(7)),  # a minus between numbers is an operator
+        ("so 0.125 of the pie", D("0.125")),
+        ("#### 1,450,000", D(1450000)),
+        ("the items were 1,2,3", D(3)),  # not a thousands grouping
+        ("full-width １８ works", D(18)),
+        ("no digits here", None),
+    ],
+)
 def test_gsm8k_answer_is_the_last_number(text, expected):
     assert Gsm8k([], []).parse(text) == expected
     assert last_number(text) == expected
@@ -43,7 +46,10 @@ def test_gsm8k_answer_is_the_last_number(text, expected):
 def test_decimal_comma_numbers():
     assert find_numbers("70.000 und 70 000 und 70,000", decimal_comma=True) == [D(70000)] * 3
     assert find_numbers("2,5 oder 2.5 oder 1.234,5", decimal_comma=True) == [
-        D("2.5"), D("2.5"), D("1234.5")]
+        D("2.5"),
+        D("2.5"),
+        D("1234.5"),
+    ]
     assert find_numbers("0,125", decimal_comma=True) == [D("0.125")]
 
 
@@ -58,25 +64,28 @@ def _mgsm(lang: str) -> Mgsm:
     return Mgsm([], lang)
 
 
-@pytest.mark.parametrize(("lang", "completion", "expected"), [
-    ("en", "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\nAnswer: 18", D(18)),
-    ("en", "9 * 2 = 18\n**Answer:** $18\n\nHope this helps, 2 of us", D(18)),
-    ("en", "Working: 3 + 4 = 7\nanswer:\n\n 7", D(7)),  # any case, number on the next line
-    ("en", "Answer: 5 first\n...more thinking\nAnswer: 6", D(6)),  # the last answer line wins
-    ("en", "It makes 9 * 2 = 18 dollars", D(18)),  # no answer line: the last number
-    ("es", "Total: 1.000 + 250\nRespuesta: 1.250", D(1250)),
-    ("fr", "Réponse : 70 000", D(70000)),
-    ("de", "Also 70.000 - 3 = 69.997\nAntwort: 69.997", D(69997)),
-    ("de", "ANTWORT: 2,5", D("2.5")),
-    ("ru", "Ответ: 12", D(12)),
-    ("zh", "16-3-4=9，9×2=18\n答案：１８", D(18)),
-    ("ja", "卵は9個なので18ドル。\n答え：18ドル", D(18)),
-    ("th", "ดังนั้น\nคำตอบ: 18", D(18)),
-    ("sw", "Jibu: 1,250", D(1250)),
-    ("bn", "উত্তর: ১৮", D(18)),
-    ("te", "సమాధానం: 18", D(18)),
-    ("en", "Answer: none", None),
-])
+@pytest.mark.parametrize(
+    ("lang", "completion", "expected"),
+    [
+        ("en", "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\nAnswer: 18", D(18)),
+        ("en", "9 * 2 = 18\n**Answer:** $18\n\nHope this helps, 2 of us", D(18)),
+        ("en", "Working: 3 + 4 = 7\nanswer:\n\n 7", D(7)),  # any case, number on the next line
+        ("en", "Answer: 5 first\n...more thinking\nAnswer: 6", D(6)),  # the last answer line wins
+        ("en", "It makes 9 * 2 = 18 dollars", D(18)),  # no answer line: the last number
+        ("es", "Total: 1.000 + 250\nRespuesta: 1.250", D(1250)),
+        ("fr", "Réponse : 70 000", D(70000)),
+        ("de", "Also 70.000 - 3 = 69.997\nAntwort: 69.997", D(69997)),
+        ("de", "ANTWORT: 2,5", D("2.5")),
+        ("ru", "Ответ: 12", D(12)),
+        ("zh", "16-3-4=9，9×2=18\n答案：１８", D(18)),
+        ("ja", "卵は9個なので18ドル。\n答え：18ドル", D(18)),
+        ("th", "ดังนั้น\nคำตอบ: 18", D(18)),
+        ("sw", "Jibu: 1,250", D(1250)),
+        ("bn", "উত্তর: ১৮", D(18)),
+        ("te", "సమాధానం: 18", D(18)),
+        ("en", "Answer: none", None),
+    ],
+)
 def test_mgsm_answer_follows_the_language_prefix(lang, completion, expected):
     assert _mgsm(lang).parse(completion) == expected
 
@@ -88,15 +97,18 @@ def test_every_language_asks_for_its_own_answer_prefix():
         assert f"{spec.answer_prefix}:" in spec.instruction, lang
         assert _mgsm(lang).parse(f"a\n{spec.answer_prefix}: 42") == D(42)
     messages = _mgsm("de").prompt(Example("Wie viel ist 2+2?", D(4)))
-    assert messages == [{"role": "user",
-                         "content": LANGUAGES["de"].instruction + "\n\nWie viel ist 2+2?"}]
+    assert messages == [
+        {"role": "user", "content": LANGUAGES["de"].instruction + "\n\nWie viel ist 2+2?"}
+    ]
 
 
 def _write_gsm8k(folder: Path, n_test: int = 3, n_train: int = 8) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for name, n in (("test", n_test), ("train", n_train)):
-        rows = [{"question": f"{name} q{i}?", "answer": f"{name} step {i}.\n#### {i + 1},000"}
-                for i in range(n)]
+        rows = [
+            {"question": f"{name} q{i}?", "answer": f"{name} step {i}.\n#### {i + 1},000"}
+            for i in range(n)
+        ]
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder / "test.jsonl"
 
@@ -109,7 +121,8 @@ def test_gsm8k_prompt_has_the_shots_then_the_question(tmp_path):
     assert ev.prompt(ev.examples[1]) == (
         f"Question: {a.question}\nAnswer: {a.solution}\n\n"
         f"Question: {b.question}\nAnswer: {b.solution}\n\n"
-        "Question: test q1?\nAnswer:")
+        "Question: test q1?\nAnswer:"
+    )
     assert a.solution.endswith(",000") and a.question.startswith("train q")
 
 

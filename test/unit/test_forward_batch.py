@@ -11,8 +11,13 @@ from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 from replaylm.model_executor.packed_inputs import DecodeInputs, send_packed
 
 
-def _create(mode: ForwardMode, new_ids: list[list[int]], prefix: list[int], rows: list[int],
-            table: ReqToTokenPool | None = None):
+def _create(
+    mode: ForwardMode,
+    new_ids: list[list[int]],
+    prefix: list[int],
+    rows: list[int],
+    table: ReqToTokenPool | None = None,
+):
     slots = list(range(100, 100 + sum(len(t) for t in new_ids)))
     table = table or ReqToTokenPool(8, 32, "cpu")
     return ForwardBatch.create(mode, new_ids, prefix, rows, slots, table, None, None)
@@ -61,8 +66,15 @@ def test_decode_fields_share_one_transfer():
     batch = _create(ForwardMode.DECODE, [[42], [43]], [17, 3], [1, 2])
     assert batch.positions.tolist() == [17, 3] == batch.prefix_lens.tolist()
     assert batch.seq_lens.tolist() == [18, 4] and batch.extend_start_loc.tolist() == [0, 1]
-    fields = (batch.input_ids, batch.positions, batch.seq_lens, batch.prefix_lens,
-              batch.extend_seq_lens, batch.extend_start_loc, batch.req_pool_indices)
+    fields = (
+        batch.input_ids,
+        batch.positions,
+        batch.seq_lens,
+        batch.prefix_lens,
+        batch.extend_seq_lens,
+        batch.extend_start_loc,
+        batch.req_pool_indices,
+    )
     assert len({t.untyped_storage().data_ptr() for t in fields}) == 1
 
 
@@ -78,21 +90,37 @@ def test_a_decode_batch_built_in_decode_inputs_is_padded_there():
     inputs' size; the batch views the live part, and the padding row stays all zeros."""
     table = ReqToTokenPool(8, 16, "cpu")
     into = DecodeInputs(4, torch.device("cpu"))
-    batch = ForwardBatch.create(ForwardMode.DECODE, [[42], [43]], [5, 9], [3, 6], [100, 101],
-                                table, None, None, into=into)
+    batch = ForwardBatch.create(
+        ForwardMode.DECODE, [[42], [43]], [5, 9], [3, 6], [100, 101], table, None, None, into=into
+    )
     assert batch.batch_size == 2 and batch.seq_lens_cpu == [6, 10]
     assert into.holds(batch.input_ids) and batch.input_ids is into.live(2)[0]
     assert table.slots(3, 5, 6) == [100] and table.slots(6, 9, 10) == [101]
     assert not table.req_to_token[table.padding_row].any()
-    values = {name: into.field(name).tolist() for name in
-              ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
-               "prefix_lens", "extend_seq_lens", "extend_start_loc")}
+    values = {
+        name: into.field(name).tolist()
+        for name in (
+            "input_ids",
+            "positions",
+            "out_cache_loc",
+            "req_pool_indices",
+            "seq_lens",
+            "prefix_lens",
+            "extend_seq_lens",
+            "extend_start_loc",
+        )
+    }
     pad = table.padding_row
-    assert values == {"input_ids": [42, 43, 0, 0], "positions": [5, 9, 0, 0],
-                      "out_cache_loc": [100, 101, 0, 0], "req_pool_indices": [3, 6, pad, pad],
-                      "seq_lens": [6, 10, 1, 1], "prefix_lens": [5, 9, 0, 0],
-                      "extend_seq_lens": [1] * 4, "extend_start_loc": [0, 1, 2, 3]}
+    assert values == {
+        "input_ids": [42, 43, 0, 0],
+        "positions": [5, 9, 0, 0],
+        "out_cache_loc": [100, 101, 0, 0],
+        "req_pool_indices": [3, 6, pad, pad],
+        "seq_lens": [6, 10, 1, 1],
+        "prefix_lens": [5, 9, 0, 0],
+        "extend_seq_lens": [1] * 4,
+        "extend_start_loc": [0, 1, 2, 3],
+    }
     assert into.slots32.tolist() == [100, 101, 0, 0]
     with pytest.raises(ValueError, match="cannot hold 1 requests in EXTEND mode"):
-        ForwardBatch.create(ForwardMode.EXTEND, [[1]], [0], [0], [7], table, None, None,
-                            into=into)
+        ForwardBatch.create(ForwardMode.EXTEND, [[1]], [0], [0], [7], table, None, None, into=into)

@@ -120,9 +120,16 @@ def test_qk_norm_rope_matches_native(dtype, qk_norm, heads, kv_heads, dim):
     norms = (_norm(dim, dtype, seed=1), _norm(dim, dtype, seed=2)) if qk_norm else None
     positions = torch.tensor([7, 3, 199, 0, 3, 64])  # out of order, repeated
     q, k, _ = _qkv(len(positions), heads, kv_heads, dim, dtype)
-    got = qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache, dim,
-                       norm=(norms[0].weight, norms[1].weight, norms[0].eps) if qk_norm else None,
-                       heads_per_program=2)
+    got = qk_norm_rope(
+        q,
+        k,
+        positions,
+        rotary.cos_cache,
+        rotary.sin_cache,
+        dim,
+        norm=(norms[0].weight, norms[1].weight, norms[0].eps) if qk_norm else None,
+        heads_per_program=2,
+    )
     for ours, ref in zip(got, native_norm_rope(rotary, positions, q, k, norms), strict=True):
         assert ours.is_contiguous() and ours.shape == ref.shape
         torch.testing.assert_close(ours, ref, **TOL[dtype])
@@ -142,8 +149,17 @@ def test_qk_norm_rope_stores_k_and_v_at_the_slots(dtype, heads, kv_heads, dim):
     k_cache = torch.zeros(16, kv_heads, dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     want_q, want_k = qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache, dim, norm)
-    got_q, got_k = qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache, dim, norm,
-                                heads_per_program=2, kv_store=(v, k_cache, v_cache, slots))
+    got_q, got_k = qk_norm_rope(
+        q,
+        k,
+        positions,
+        rotary.cos_cache,
+        rotary.sin_cache,
+        dim,
+        norm,
+        heads_per_program=2,
+        kv_store=(v, k_cache, v_cache, slots),
+    )
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(k_cache[slots], want_k.view(-1, kv_heads, dim))
     assert torch.equal(v_cache[slots], v.reshape(-1, kv_heads, dim))
@@ -160,18 +176,27 @@ def test_qk_norm_rope_rejects_an_odd_head_dim():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "n", "k", "bias", "config"), [
-    (1, 96, 576, False, None),  # split-K 4 with an empty last slice (576 = 4.5 blocks)
-    (13, 512, 1024, True, None),
-    (16, 300, 700, False, None),
-    (3, 64, 1536, False, None),  # K in 6 slices of one 256-wide block each
-    (5, 70, 130, True, None),  # one slice (K < 4 blocks)
-    (7, 90, 200, True, MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4,
-                                    num_stages=2)),
-    (150, 96, 200, True, INVARIANT_CONFIG),  # 3 row tiles of 64 (--deterministic)
-])
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "bias", "config"),
+    [
+        (1, 96, 576, False, None),  # split-K 4 with an empty last slice (576 = 4.5 blocks)
+        (13, 512, 1024, True, None),
+        (16, 300, 700, False, None),
+        (3, 64, 1536, False, None),  # K in 6 slices of one 256-wide block each
+        (5, 70, 130, True, None),  # one slice (K < 4 blocks)
+        (
+            7,
+            90,
+            200,
+            True,
+            MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4, num_stages=2),
+        ),
+        (150, 96, 200, True, INVARIANT_CONFIG),  # 3 row tiles of 64 (--deterministic)
+    ],
+)
 def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
-        dtype, rows, n, k, bias, config):
+    dtype, rows, n, k, bias, config
+):
     x = _strided(_randn(rows, k, dtype=dtype, seed=rows))
     w = _randn(n, k, dtype=dtype, seed=n) / k**0.5
     b = _randn(n, dtype=dtype, seed=1) if bias else None
@@ -180,23 +205,33 @@ def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), **TOL[dtype])
     for i in (0, rows - 1):  # a row alone is computed as inside the batch (bit-equal on the GPU:
         # test/gpu/test_fused_kernels.py; numpy's dots in the interpreter may round differently)
-        torch.testing.assert_close(skinny_matmul(x[i : i + 1], w, b, config), got[i : i + 1],
-                                   **TOL[dtype])
+        torch.testing.assert_close(
+            skinny_matmul(x[i : i + 1], w, b, config), got[i : i + 1], **TOL[dtype]
+        )
     from replaylm.layers.kernels.skinny_matmul import _workspace
 
     assert int(_workspace(x.device)[1].count_nonzero()) == 0  # every counter back to zero
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "inter", "k", "bias", "config"), [
-    (1, 40, 576, False, None),  # split-K 4: the merging slice applies SiluAndMul
-    (13, 300, 200, True, None),  # one slice; a part-filled last tile of columns
-    (16, 48, 1024, False, MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4,
-                                       num_stages=2)),
-    (70, 40, 96, False, INVARIANT_CONFIG),  # --deterministic's launch, 2 row tiles
-])
-def test_gated_skinny_matmul_equals_the_matmul_then_silu_and_mul(dtype, rows, inter, k, bias,
-                                                                 config):
+@pytest.mark.parametrize(
+    ("rows", "inter", "k", "bias", "config"),
+    [
+        (1, 40, 576, False, None),  # split-K 4: the merging slice applies SiluAndMul
+        (13, 300, 200, True, None),  # one slice; a part-filled last tile of columns
+        (
+            16,
+            48,
+            1024,
+            False,
+            MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4, num_stages=2),
+        ),
+        (70, 40, 96, False, INVARIANT_CONFIG),  # --deterministic's launch, 2 row tiles
+    ],
+)
+def test_gated_skinny_matmul_equals_the_matmul_then_silu_and_mul(
+    dtype, rows, inter, k, bias, config
+):
     """`gated_silu`: one launch computing SiluAndMul of `x @ [gate; up]^T`, the same numbers as
     the two launches (bit-equal: the epilogue rounds the product as the separate kernel reads
     it)."""
@@ -231,10 +266,15 @@ def test_split_k_takes_any_tile_count_whose_partials_fit_the_workspace():
     """The split-K workspace is bounded by its partials (8 MiB) and counters (4096 tiles), not
     by a tile count: Llama-3.1-8B's gate_up in 4 slices (896 tiles) fits."""
     config = MatmulConfig(block_n=16, block_k=32, split_k=2, num_warps=4, num_stages=2)
-    x, w = _randn(3, 64, dtype=torch.float32, seed=3), _randn(16 * 300, 64, dtype=torch.float32,
-                                                               seed=4)
-    torch.testing.assert_close(skinny_matmul(x, w, config=config),  # 300 tiles (was at most 256)
-                               torch.nn.functional.linear(x, w), **TOL[torch.float32])
+    x, w = (
+        _randn(3, 64, dtype=torch.float32, seed=3),
+        _randn(16 * 300, 64, dtype=torch.float32, seed=4),
+    )
+    torch.testing.assert_close(
+        skinny_matmul(x, w, config=config),  # 300 tiles (was at most 256)
+        torch.nn.functional.linear(x, w),
+        **TOL[torch.float32],
+    )
     wide = MatmulConfig(block_n=64, block_k=32, split_k=16, num_warps=4, num_stages=2)
     with pytest.raises(ValueError, match="exceeds the workspace"):  # 200 x 16 x 16 x 64 floats
         skinny_matmul(x, _randn(64 * 200, 64, dtype=torch.float32, seed=5), config=wide)
@@ -247,8 +287,9 @@ def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_onl
     assert matmul_config(1024, 576).split_k == 4  # 4.5 blocks of K
     assert matmul_config(1024, 256).split_k == 1  # too few K blocks to split
     # 1024 < K <= 2048: one 256-wide block per slice (Qwen3-0.6B's o projection)
-    assert matmul_config(1024, 2048) == MatmulConfig(block_n=32, block_k=256, split_k=8,
-                                                     num_warps=4, num_stages=3)
+    assert matmul_config(1024, 2048) == MatmulConfig(
+        block_n=32, block_k=256, split_k=8, num_warps=4, num_stages=3
+    )
     assert (matmul_config(576, 1536).block_k, matmul_config(576, 1536).split_k) == (256, 6)
     with pytest.raises(ValueError, match="split-K takes at most 16 rows, got 17"):
         skinny_matmul(torch.ones(17, 1024), torch.ones(64, 1024))
@@ -293,14 +334,23 @@ def kernel_calls(monkeypatch) -> dict[str, int]:
         def wrapper(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return fn(*args, **kwargs)
+
         return wrapper
 
-    for module, name in [(norm_mod, "rms_norm"), (rope_mod, "qk_norm_rope"),
-                         (silu_mod, "silu_and_mul")]:
+    for module, name in [
+        (norm_mod, "rms_norm"),
+        (rope_mod, "qk_norm_rope"),
+        (silu_mod, "silu_and_mul"),
+    ]:
         monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
     gated = counted("gated_silu", skinny_matmul)
-    monkeypatch.setattr(skinny_mod, "skinny_matmul", lambda *args, gated_silu=False, **kwargs: (
-        gated if gated_silu else skinny_matmul)(*args, gated_silu=gated_silu, **kwargs))
+    monkeypatch.setattr(
+        skinny_mod,
+        "skinny_matmul",
+        lambda *args, gated_silu=False, **kwargs: (gated if gated_silu else skinny_matmul)(
+            *args, gated_silu=gated_silu, **kwargs
+        ),
+    )
     return calls
 
 
@@ -331,12 +381,16 @@ def test_lm_head_writes_logits_into_the_given_buffer(kernel_calls, matmul):
     buffer = torch.full((4, 64), float("nan"))
     got = linear(x, w, None, matmul, out_dtype=torch.float32, out=buffer[:2])
     assert got.data_ptr() == buffer.data_ptr()
-    torch.testing.assert_close(buffer[:2], linear(x, w, None, matmul, out_dtype=torch.float32),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        buffer[:2], linear(x, w, None, matmul, out_dtype=torch.float32), rtol=0, atol=0
+    )
     assert torch.isnan(buffer[2:]).all()
     if matmul == "triton":
-        for bad in (torch.empty(2, 64, dtype=torch.float16), torch.empty(2, 63),
-                    torch.empty(64, 2).t()):
+        for bad in (
+            torch.empty(2, 64, dtype=torch.float16),
+            torch.empty(2, 63),
+            torch.empty(64, 2).t(),
+        ):
             with pytest.raises(ValueError, match="out must be a contiguous"):
                 linear(x, w, None, matmul, out_dtype=torch.float32, out=bad)
     with pytest.raises(ValueError, match="shape"):  # never broadcast into a bigger buffer
@@ -359,11 +413,19 @@ def _tiny_runner(tmp_path: Path, config: str, **args) -> ModelRunner:
     """A 2-layer model of the config's architecture, shrunk, on dummy float32 weights (CPU);
     `args`: further ServerArgs fields."""
     cfg = json.loads((CONFIGS / config).read_text())
-    cfg.update(hidden_size=96, intermediate_size=160, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=1024)
+    cfg.update(
+        hidden_size=96,
+        intermediate_size=160,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=2,
+        vocab_size=1024,
+    )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return dummy_runner(tmp_path / "config.json", "cpu", "float32", max_total_tokens=256,
-                        context_length=64, **args)
+    return dummy_runner(
+        tmp_path / "config.json", "cpu", "float32", max_total_tokens=256, context_length=64, **args
+    )
 
 
 @pytest.mark.parametrize("config", ["qwen3-0.6b.json", "llama-3.1-8b.json"])
@@ -388,16 +450,18 @@ _STORE_KV = TritonAttnBackend.store_kv
 
 
 @pytest.mark.parametrize("config", ["qwen3-0.6b.json", "llama-3.1-8b.json"])
-def test_the_rope_kernel_stores_kv_for_the_triton_attention_backend(kernel_calls, tmp_path,
-                                                                     monkeypatch, config):
+def test_the_rope_kernel_stores_kv_for_the_triton_attention_backend(
+    kernel_calls, tmp_path, monkeypatch, config
+):
     """With the Triton attention backend, the rope kernel stores each layer's K/V itself (no
     store_kv call); logits equal the native route's, which stores through store_kv."""
     from replaylm.layers.attention import selection
 
     monkeypatch.setattr(selection, "GPU_ONLY_BACKENDS", ())  # triton attention, interpreted
     stores = []
-    monkeypatch.setattr(TritonAttnBackend, "store_kv",
-                        lambda self, *a: stores.append(1) or _STORE_KV(self, *a))
+    monkeypatch.setattr(
+        TritonAttnBackend, "store_kv", lambda self, *a: stores.append(1) or _STORE_KV(self, *a)
+    )
     runner = _tiny_runner(tmp_path, config, attention_backend="triton")
     with native_only():
         want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
@@ -409,16 +473,19 @@ def test_the_rope_kernel_stores_kv_for_the_triton_attention_backend(kernel_calls
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_small_batch_matmul_triton_takes_the_skinny_kernel_up_to_16_rows(kernel_calls, tmp_path,
-                                                                          monkeypatch):
+def test_small_batch_matmul_triton_takes_the_skinny_kernel_up_to_16_rows(
+    kernel_calls, tmp_path, monkeypatch
+):
     """With `--small-batch-matmul triton`, every matmul of at most 16 rows (the decode step, the
     prefill's logits) runs the skinny kernel, larger ones F.linear; logits match cuBLAS's."""
     from replaylm.layers.kernels import skinny_matmul as skinny_mod
 
     calls = []
-    monkeypatch.setattr(skinny_mod, "skinny_matmul",
-                        lambda x, *a, **kw: calls.append(x.numel() // x.shape[-1])
-                        or skinny_matmul(x, *a, **kw))
+    monkeypatch.setattr(
+        skinny_mod,
+        "skinny_matmul",
+        lambda x, *a, **kw: calls.append(x.numel() // x.shape[-1]) or skinny_matmul(x, *a, **kw),
+    )
     runner = _tiny_runner(tmp_path, "llama-3.1-8b.json", small_batch_matmul="cublas")
     want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
     assert calls == [] and kernel_calls["silu_and_mul"] == 4  # 2 forwards x 2 layers
@@ -435,7 +502,8 @@ def test_small_batch_matmul_triton_takes_the_skinny_kernel_up_to_16_rows(kernel_
 
 
 def test_small_batch_matmul_auto_takes_the_skinny_kernel_for_small_weights_and_the_lm_head(
-        kernel_calls, tmp_path, monkeypatch):
+    kernel_calls, tmp_path, monkeypatch
+):
     """`auto` (the default): layers whose weight is at most AUTO_SKINNY_MAX_BYTES, and the LM head
     whatever its size, take the skinny kernel (up to 16 rows); larger weights F.linear. With the
     bound set between the tiny Llama's weights (fp32 bytes: o 49,152, down 61,440, qkv 98,304,
@@ -444,9 +512,11 @@ def test_small_batch_matmul_auto_takes_the_skinny_kernel_for_small_weights_and_t
     from replaylm.layers.kernels import skinny_matmul as skinny_mod
 
     calls = []
-    monkeypatch.setattr(skinny_mod, "skinny_matmul",
-                        lambda x, *a, **kw: calls.append(tuple(a[0].shape))
-                        or skinny_matmul(x, *a, **kw))
+    monkeypatch.setattr(
+        skinny_mod,
+        "skinny_matmul",
+        lambda x, *a, **kw: calls.append(tuple(a[0].shape)) or skinny_matmul(x, *a, **kw),
+    )
     runner = _tiny_runner(tmp_path, "llama-3.1-8b.json", small_batch_matmul="cublas")
     want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
     monkeypatch.setattr(linear_mod, "AUTO_SKINNY_MAX_BYTES", 100_000)
@@ -464,7 +534,8 @@ def test_small_batch_matmul_auto_takes_the_skinny_kernel_for_small_weights_and_t
 
 
 def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
-        kernel_calls, tmp_path, monkeypatch):
+    kernel_calls, tmp_path, monkeypatch
+):
     """`--deterministic`: all matmuls (any row count) take the skinny kernel with K unsplit, the
     attention backend is the batch-invariant one; logits match the cuBLAS route's."""
     from replaylm.layers.attention import selection
@@ -472,14 +543,22 @@ def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
 
     monkeypatch.setattr(selection, "GPU_ONLY_BACKENDS", ())  # triton attention, interpreted
     configs = []
-    monkeypatch.setattr(skinny_mod, "skinny_matmul",
-                        lambda x, w, b=None, config=None, **kw: configs.append(
-                            (x.numel() // x.shape[-1], config))
-                        or skinny_matmul(x, w, b, config, **kw))
-    want = scripted_logits(_tiny_runner(tmp_path, "qwen3-0.6b.json", small_batch_matmul="cublas"),
-                           prompt_lens=(5, 30, 1), decode_steps=1)
-    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", deterministic=True,
-                          attention_backend="triton")
+    monkeypatch.setattr(
+        skinny_mod,
+        "skinny_matmul",
+        lambda x, w, b=None, config=None, **kw: (
+            configs.append((x.numel() // x.shape[-1], config))
+            or skinny_matmul(x, w, b, config, **kw)
+        ),
+    )
+    want = scripted_logits(
+        _tiny_runner(tmp_path, "qwen3-0.6b.json", small_batch_matmul="cublas"),
+        prompt_lens=(5, 30, 1),
+        decode_steps=1,
+    )
+    runner = _tiny_runner(
+        tmp_path, "qwen3-0.6b.json", deterministic=True, attention_backend="triton"
+    )
     assert runner.attn_backend.deterministic
     with scalar_loop_bounds():
         got = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
@@ -498,19 +577,28 @@ def _compiled_ops(compiled: CompiledForward) -> set[str]:
     """The ops the compiled forward's compute pieces call (the pieces stay FX graphs with the
     `eager` piece compiler)."""
     split = compiled.backend.split
-    return {str(node.target) for piece in split.compute_pieces
-            for node in getattr(split.module, piece.name).graph.nodes
-            if node.op == "call_function"}
+    return {
+        str(node.target)
+        for piece in split.compute_pieces
+        for node in getattr(split.module, piece.name).graph.nodes
+        if node.op == "call_function"
+    }
 
 
-@pytest.mark.parametrize(("compiler", "kernels", "attention"), [
-    ("eager", "fused", "torch_native"), ("eager", "native", "torch_native"),
-    ("inductor", "fused", "torch_native"), ("eager", "fused", "triton"),
-    ("inductor", "fused", "triton"),
-])
+@pytest.mark.parametrize(
+    ("compiler", "kernels", "attention"),
+    [
+        ("eager", "fused", "torch_native"),
+        ("eager", "native", "torch_native"),
+        ("inductor", "fused", "torch_native"),
+        ("eager", "fused", "triton"),
+        ("inductor", "fused", "triton"),
+    ],
+)
 @torch.inference_mode()
-def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, monkeypatch,
-                                                    compiler, kernels, attention):
+def test_tc_piecewise_keeps_the_fused_kernels_whole(
+    kernel_calls, tmp_path, monkeypatch, compiler, kernels, attention
+):
     """With kernels="fused" the compiled forward calls the fused kernels as custom ops (each
     kernel launched once per layer call) and computes the eager Triton route's numbers exactly
     (Inductor too: it fuses only the glue); the q/k norm + rope op stores K/V as well: in its
@@ -524,12 +612,15 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, monk
     backend_cls = TritonAttnBackend if attention == "triton" else TorchNativeAttnBackend
     backend_store = backend_cls.store_kv
     stores = []
-    monkeypatch.setattr(backend_cls, "store_kv",
-                        lambda self, *a: stores.append(1) or backend_store(self, *a))
+    monkeypatch.setattr(
+        backend_cls, "store_kv", lambda self, *a: stores.append(1) or backend_store(self, *a)
+    )
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", attention_backend=attention)
     set_matmul(runner.model, "triton")  # the skinny matmul stays whole too
-    reqs = [Req(i, list(range(10 + i, 10 + i + n)), SamplingParams(), 0, 4)
-            for i, n in enumerate((5, 3))]
+    reqs = [
+        Req(i, list(range(10 + i, 10 + i + n)), SamplingParams(), 0, 4)
+        for i, n in enumerate((5, 3))
+    ]
     batch = prepare_extend(reqs, runner)
     runner.attn_backend.init_forward_metadata(batch)
     layers = attention_layers(runner.model)
@@ -539,8 +630,12 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, monk
         stores.clear()
         compiled = CompiledForward(runner.model, TcPiecewiseOptions(compiler, kernels))
         got = compiled(batch.input_ids, batch.positions)
-    fused_ops = {"replaylm.rms_norm", "replaylm.add_rms_norm", "replaylm.rope_store_kv",
-                 "replaylm.linear"}
+    fused_ops = {
+        "replaylm.rms_norm",
+        "replaylm.add_rms_norm",
+        "replaylm.rope_store_kv",
+        "replaylm.linear",
+    }
     ops = _compiled_ops(compiled) if compiler == "eager" else None  # Inductor's: no FX graphs
     if kernels == "fused":
         assert ops is None or (fused_ops <= ops and "replaylm.store_kv" not in ops)
@@ -556,8 +651,9 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(kernel_calls, tmp_path, monk
         release(req, runner)
 
 
-def test_pdl_launches_wait_in_every_kernel_and_change_no_number(kernel_calls, tmp_path,
-                                                                monkeypatch):
+def test_pdl_launches_wait_in_every_kernel_and_change_no_number(
+    kernel_calls, tmp_path, monkeypatch
+):
     """With PDL on (`set_pdl`; the capability check is bypassed: the interpreter runs the kernels'
     PDL branch, with the two grid-dependency instructions counted instead of executed), a tiny
     Qwen3 on the triton attention and matmul kernels computes bit-equal logits, and every kernel
@@ -572,12 +668,14 @@ def test_pdl_launches_wait_in_every_kernel_and_change_no_number(kernel_calls, tm
     def counted(name: str):
         def instruction():
             waits[name] += 1
+
         return instruction
 
     for name in waits:
         monkeypatch.setattr(tl_cuda, name, counted(name))
-    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", attention_backend="triton",
-                          small_batch_matmul="triton")
+    runner = _tiny_runner(
+        tmp_path, "qwen3-0.6b.json", attention_backend="triton", small_batch_matmul="triton"
+    )
     with scalar_loop_bounds():
         want = scripted_logits(runner, prompt_lens=(5, 12, 1), decode_steps=1)
         assert waits == {"gdc_wait": 0, "gdc_launch_dependents": 0}
@@ -593,15 +691,20 @@ def test_pdl_launches_wait_in_every_kernel_and_change_no_number(kernel_calls, tm
 
 
 def test_enable_pdl_is_refused_off_hopper(tmp_path):
-    with pytest.raises(ValueError, match=r"--enable-pdl needs a CUDA GPU of compute capability "
-                                         r"9\.0\+, not cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"--enable-pdl needs a CUDA GPU of compute capability "
+        r"9\.0\+, not cpu",
+    ):
         _tiny_runner(tmp_path, "qwen3-0.6b.json", enable_pdl=True)
 
 
 def test_pdl_is_on_by_default_only_where_supported(tmp_path):
     assert kernels.choose_pdl(None, True) == (True, "default: a GPU of compute capability 9.0+")
     assert kernels.choose_pdl(None, False) == (
-        False, "default: needs a CUDA GPU of compute capability 9.0+")
+        False,
+        "default: needs a CUDA GPU of compute capability 9.0+",
+    )
     assert kernels.choose_pdl(True, True) == (True, "--enable-pdl")
     assert kernels.choose_pdl(False, True) == (False, "--no-enable-pdl")
     runner = _tiny_runner(tmp_path, "qwen3-0.6b.json")  # the default on a CPU: off

@@ -67,9 +67,20 @@ def test_config_matches_transformers(gguf_path, hf_reference):
     cfg = read_gguf_config(gguf_path)
     rope_theta = getattr(hf, "rope_theta", None) or hf.rope_parameters["rope_theta"]
     assert cfg["architectures"] == ["LlamaForCausalLM"]
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "rms_norm_eps", "vocab_size", "tie_word_embeddings",
-                "head_dim", "max_position_embeddings", "bos_token_id", "eos_token_id"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "rms_norm_eps",
+        "vocab_size",
+        "tie_word_embeddings",
+        "head_dim",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert cfg[key] == getattr(hf, key), key
     assert cfg["rope_theta"] == rope_theta
     model_config = ModelConfig.from_dict(cfg)
@@ -87,8 +98,9 @@ def test_tokenizer_matches_gguf_vocab(gguf_path, hf_reference):
     assert [vocab[i] for i in ids] == expected
     assert tokenizer.decode(ids) == text
     assert tokenizer.chat_template
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 

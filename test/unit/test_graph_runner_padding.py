@@ -30,8 +30,10 @@ def _plain(runner: ModelRunner) -> BreakableCudaGraphBackend:
 
 
 def _reqs(lens: list[int]) -> list[Req]:
-    return [Req(i, [(5 * i + j) % 300 + 3 for j in range(n)], SamplingParams(), 0, 16)
-            for i, n in enumerate(lens)]
+    return [
+        Req(i, [(5 * i + j) % 300 + 3 for j in range(n)], SamplingParams(), 0, 16)
+        for i, n in enumerate(lens)
+    ]
 
 
 def _kv_snapshot(runner: ModelRunner, skip: torch.Tensor) -> list[torch.Tensor]:
@@ -42,8 +44,7 @@ def _kv_snapshot(runner: ModelRunner, skip: torch.Tensor) -> list[torch.Tensor]:
     return [k[keep].clone() for k in runner.kv_pool.k_buffers]
 
 
-_COPIED = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
-           "prefix_lens")
+_COPIED = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens")
 
 
 def _assert_padded(graph_runner: DecodeCudaGraphRunner, padded, live, shape: int) -> None:
@@ -106,9 +107,16 @@ def test_decode_batch_built_in_the_graphs_inputs_is_replayed_without_a_copy(runn
     assert into is graph_runner.inputs[4] and graph_runner.inputs_for(9) is None
     assert graph_runner.inputs_for(0) is None
     built = ForwardBatch.create(
-        ForwardMode.DECODE, [[r.last_id] for r in reqs], [r.kv_len - 1 for r in reqs],
-        [r.req_pool_idx for r in reqs], eager.out_cache_loc.tolist(), runner.req_to_token_pool,
-        runner.kv_pool, runner.attn_backend, into=into)
+        ForwardMode.DECODE,
+        [[r.last_id] for r in reqs],
+        [r.kv_len - 1 for r in reqs],
+        [r.req_pool_idx for r in reqs],
+        eager.out_cache_loc.tolist(),
+        runner.req_to_token_pool,
+        runner.kv_pool,
+        runner.attn_backend,
+        into=into,
+    )
     assert built.batch_size == 3 and into.holds(built.input_ids)
     assert built.seq_lens_cpu == eager.seq_lens_cpu
     # a marker in the padding request's length: a fill that copied would overwrite it with 1
@@ -123,9 +131,17 @@ def test_decode_batch_built_in_the_graphs_inputs_is_replayed_without_a_copy(runn
     got = graph_runner.finish(graph_runner.forward_fn(padded), built)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="cannot hold 5 requests in DECODE mode"):
-        ForwardBatch.create(ForwardMode.DECODE, [[1]] * 5, [0] * 5, [0] * 5, [1] * 5,
-                            runner.req_to_token_pool, runner.kv_pool, runner.attn_backend,
-                            into=into)
+        ForwardBatch.create(
+            ForwardMode.DECODE,
+            [[1]] * 5,
+            [0] * 5,
+            [0] * 5,
+            [1] * 5,
+            runner.req_to_token_pool,
+            runner.kv_pool,
+            runner.attn_backend,
+            into=into,
+        )
     for r in reqs:
         release(r, runner)
 
@@ -163,8 +179,12 @@ def test_shapes_and_fallback_decisions(runner):
 def test_factory_errors_are_clear(runner):
     assert create_graph_backend("prefill", "breakable", runner.attn_backend).mode == "breakable"
     for phase in ("decode", "prefill"):
-        backend = create_graph_backend(phase, "tc_piecewise", runner.attn_backend,
-                                       tc_options=TcPiecewiseOptions("eager", "native"))
+        backend = create_graph_backend(
+            phase,
+            "tc_piecewise",
+            runner.attn_backend,
+            tc_options=TcPiecewiseOptions("eager", "native"),
+        )
         assert backend.mode == "tc_piecewise"
         assert backend.options == TcPiecewiseOptions("eager", "native")
     with pytest.raises(ValueError, match="kernels must be one of fused, native"):

@@ -28,8 +28,9 @@ CONTEXT_LEN = 2048  # conftest.py starts the server with --context-length 2048
 
 @pytest.fixture(scope="module")
 def client(http_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{http_server.base_url}/v1", api_key="unused",
-                         max_retries=0, timeout=TIMEOUT_S)
+    return openai.OpenAI(
+        base_url=f"{http_server.base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def http(http_server):
 
 def sse_events(response: httpx.Response) -> list[dict]:
     """The JSON events of an SSE response; asserts it ends with `data: [DONE]`."""
-    data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    data = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
 
@@ -59,8 +60,9 @@ def metric(http: httpx.Client, name: str, default: float | None = None) -> float
 
 
 def test_completion_stream_equals_non_stream_with_usage(client):
-    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     full = client.completions.create(**kwargs)
     choice = full.choices[0]
     assert choice.finish_reason == "length" and choice.text.strip()
@@ -68,8 +70,9 @@ def test_completion_stream_equals_non_stream_with_usage(client):
     assert usage.completion_tokens == 12 and usage.prompt_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + 12
 
-    chunks = list(client.completions.create(**kwargs, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert "".join(texts) == choice.text
     assert sum(1 for t in texts if t) > 1  # really streamed, not one blob
@@ -88,8 +91,11 @@ def test_chat_stream_equals_non_stream_with_usage(client):
     assert full.usage.prompt_tokens > 8
     assert full.usage.completion_tokens <= 10
 
-    chunks = list(client.chat.completions.create(**kwargs, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == message.content
@@ -97,27 +103,36 @@ def test_chat_stream_equals_non_stream_with_usage(client):
 
 
 def test_completion_defaults_to_16_tokens_and_model_may_be_omitted(http):
-    body = http.post("/v1/completions", json={"prompt": PROMPT, "temperature": 0,
-                                              "ignore_eos": True}).json()
+    body = http.post(
+        "/v1/completions", json={"prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    ).json()
     assert body["model"] == MODEL and body["object"] == "text_completion"
     assert body["usage"]["completion_tokens"] == 16
 
 
 def test_chat_without_max_tokens_runs_until_eos(client):
     reply = client.chat.completions.create(
-        model=MODEL, temperature=0,
-        messages=[{"role": "user", "content": "Reply with one word: what colour is the sky?"}])
+        model=MODEL,
+        temperature=0,
+        messages=[{"role": "user", "content": "Reply with one word: what colour is the sky?"}],
+    )
     assert reply.choices[0].finish_reason == "stop"  # EOS, not a length cut at 16 tokens
     assert reply.usage.completion_tokens >= 1
 
 
 def test_token_id_prompt_matches_native_generate(client, http):
     ids = list(range(300, 307))
-    completion = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    completion = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert completion.usage.prompt_tokens == 7
-    native = http.post("/generate", json={"input_ids": ids, "sampling_params": {
-        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+    native = http.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()
     assert native["text"] == completion.choices[0].text
     assert len(native["output_ids"]) == 6
     assert native["meta_info"]["prompt_tokens"] == 7
@@ -126,12 +141,22 @@ def test_token_id_prompt_matches_native_generate(client, http):
 
 
 def test_stop_string_is_not_emitted(client):
-    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    base = (
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
     stop = base[4:7]  # some text from the middle of the greedy output
     for stream in (False, True):
-        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
-                                        temperature=0, stop=[stop], stream=stream)
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop], stream=stream
+        )
         chunks = list(out) if stream else [out]
         text = "".join(c.choices[0].text for c in chunks)
         assert text == base[: base.index(stop)]
@@ -142,8 +167,14 @@ def test_stop_string_is_not_emitted(client):
 
 
 def test_completion_logprobs(client):
-    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     choice = client.completions.create(**kwargs).choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
@@ -160,8 +191,9 @@ def test_completion_logprobs(client):
 
 
 def test_chat_logprobs(client):
-    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = full.choices[0].logprobs.content
     assert len(content) == full.usage.completion_tokens
     assert "".join(c.token for c in content) == full.choices[0].message.content
@@ -171,8 +203,7 @@ def test_chat_logprobs(client):
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.bytes == list(entry.token.encode())
-    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5,
-                                           temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0)
     assert plain.choices[0].logprobs is None
 
 
@@ -182,9 +213,11 @@ def test_chat_logprobs(client):
 def _native_body(i: int) -> dict:
     """Request i: prompts of ~6 to ~70 tokens, 2 to 6 new tokens, half of them streamed."""
     words = " ".join(f"item {j}," for j in range(i + 1))
-    return {"text": f"List: {words}", "stream": i % 2 == 1,
-            "sampling_params": {"max_new_tokens": 2 + i % 5, "temperature": 0,
-                                "ignore_eos": True}}
+    return {
+        "text": f"List: {words}",
+        "stream": i % 2 == 1,
+        "sampling_params": {"max_new_tokens": 2 + i % 5, "temperature": 0, "ignore_eos": True},
+    }
 
 
 async def _native_ids(client: httpx.AsyncClient, body: dict) -> list[int]:
@@ -194,7 +227,7 @@ async def _native_ids(client: httpx.AsyncClient, body: dict) -> list[int]:
     async with client.stream("POST", "/generate", json=body) as response:
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
-                ids += json.loads(line[len("data: "):])["output_ids"]
+                ids += json.loads(line[len("data: ") :])["output_ids"]
     return ids
 
 
@@ -219,8 +252,13 @@ def test_16_concurrent_requests_equal_each_alone(http_server):
 def test_client_disconnect_aborts_and_frees_kv(http, http_server, stream):
     aborted = 'replaylm_requests_total{finish_reason="abort"}'
     aborted_before = metric(http, aborted, default=0.0)
-    body = {"prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         with http.stream("POST", "/v1/completions", json=body) as response:
             events = (line for line in response.iter_lines() if line.startswith("data: "))
@@ -231,35 +269,49 @@ def test_client_disconnect_aborts_and_frees_kv(http, http_server, stream):
         # leaving the block closed the connection mid-stream
     else:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-            httpx.post(f"{http_server.base_url}/v1/completions", json=body,
-                       timeout=httpx.Timeout(TIMEOUT_S, read=2.0))
+            httpx.post(
+                f"{http_server.base_url}/v1/completions",
+                json=body,
+                timeout=httpx.Timeout(TIMEOUT_S, read=2.0),
+            )
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (metric(http, aborted, default=0.0) == aborted_before
-                                           or metric(http, "replaylm_kv_used_tokens") > 0):
+    while time.monotonic() < deadline and (
+        metric(http, aborted, default=0.0) == aborted_before
+        or metric(http, "replaylm_kv_used_tokens") > 0
+    ):
         time.sleep(0.05)
     assert metric(http, "replaylm_kv_used_tokens") == 0
     assert metric(http, "replaylm_num_running_requests") == 0
     assert metric(http, aborted) == aborted_before + 1
-    after = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3,
-                                               "temperature": 0, "ignore_eos": True})
+    after = http.post(
+        "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+    )
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
 
 
 def test_metrics_series_count_requests_and_tokens(http):
     response = http.get("/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith(
-        "text/plain")
-    for series in ("replaylm_requests_total", "replaylm_prompt_tokens_total",
-                   "replaylm_generation_tokens_total", "replaylm_num_running_requests",
-                   "replaylm_num_waiting_requests", "replaylm_kv_used_tokens",
-                   "replaylm_kv_usage_ratio", "replaylm_time_to_first_token_seconds_bucket",
-                   "replaylm_inter_token_latency_seconds_bucket"):
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    for series in (
+        "replaylm_requests_total",
+        "replaylm_prompt_tokens_total",
+        "replaylm_generation_tokens_total",
+        "replaylm_num_running_requests",
+        "replaylm_num_waiting_requests",
+        "replaylm_kv_used_tokens",
+        "replaylm_kv_usage_ratio",
+        "replaylm_time_to_first_token_seconds_bucket",
+        "replaylm_inter_token_latency_seconds_bucket",
+    ):
         assert f"\n{series}" in response.text, series
     tokens = metric(http, "replaylm_generation_tokens_total")
     ttft = metric(http, "replaylm_time_to_first_token_seconds_count")
     finished = metric(http, 'replaylm_requests_total{finish_reason="length"}')
-    http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0,
-                                       "ignore_eos": True}).raise_for_status()
+    http.post(
+        "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+    ).raise_for_status()
     assert metric(http, "replaylm_generation_tokens_total") == tokens + 5
     assert metric(http, "replaylm_time_to_first_token_seconds_count") == ttft + 1
     assert metric(http, 'replaylm_requests_total{finish_reason="length"}') == finished + 1
@@ -285,11 +337,32 @@ def test_models_server_info_and_health(client, http):
 def test_bench_serving_runs_against_the_server(http_server, tmp_path):
     out = tmp_path / "bench.json"
     subprocess.run(
-        [sys.executable, str(BENCH_SERVING), "--base-url", http_server.base_url,
-         "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3",
-         "--random-range-ratio", "1", "--warmup", "0", "--max-concurrency", "1", "3",
-         "--disable-tqdm", "--json", str(out)],
-        check=True, timeout=300, capture_output=True)
+        [
+            sys.executable,
+            str(BENCH_SERVING),
+            "--base-url",
+            http_server.base_url,
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "3",
+            "--random-range-ratio",
+            "1",
+            "--warmup",
+            "0",
+            "--max-concurrency",
+            "1",
+            "3",
+            "--disable-tqdm",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     doc = json.loads(out.read_text())
     assert [row["max_concurrency"] for row in doc["summary"]] == [1, 3]
     for row in doc["summary"]:
@@ -311,13 +384,26 @@ def test_bench_serving_runs_against_the_server(http_server, tmp_path):
 def keyed_server(server_factory, tmp_path_factory):
     folder: Path = tmp_path_factory.mktemp("tiny_qwen2")
     write_tiny_checkpoint("qwen2", folder)
-    return server_factory("--model-path", str(folder), "--max-total-tokens", "256",
-                          "--api-key", "sekret", "--served-model-name", "tiny")
+    return server_factory(
+        "--model-path",
+        str(folder),
+        "--max-total-tokens",
+        "256",
+        "--api-key",
+        "sekret",
+        "--served-model-name",
+        "tiny",
+    )
 
 
-PROTECTED = [("GET", "/v1/models"), ("GET", "/get_server_info"), ("GET", "/health_generate"),
-             ("POST", "/generate"), ("POST", "/v1/completions"),
-             ("POST", "/v1/chat/completions")]
+PROTECTED = [
+    ("GET", "/v1/models"),
+    ("GET", "/get_server_info"),
+    ("GET", "/health_generate"),
+    ("POST", "/generate"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+]
 GENERATE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 
 
@@ -339,8 +425,9 @@ def test_api_key_is_required_except_for_health_and_metrics(keyed_server):
 
     good = openai.OpenAI(base_url=f"{keyed_server.base_url}/v1", api_key="sekret", max_retries=0)
     assert [m.id for m in good.models.list().data] == ["tiny"]
-    completion = good.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2,
-                                         temperature=0)
+    completion = good.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0
+    )
     assert completion.usage.completion_tokens == 2
     bad = openai.OpenAI(base_url=f"{keyed_server.base_url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -350,8 +437,11 @@ def test_api_key_is_required_except_for_health_and_metrics(keyed_server):
 def test_dead_scheduler_gives_503_not_a_hang(keyed_server):
     """Runs last in this module: it kills the keyed server's scheduler child process."""
     children = Path(f"/proc/{keyed_server.proc.pid}/task/{keyed_server.proc.pid}/children")
-    scheduler = [int(pid) for pid in children.read_text().split()
-                 if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    scheduler = [
+        int(pid)
+        for pid in children.read_text().split()
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
     assert len(scheduler) == 1
     os.kill(scheduler[0], signal.SIGKILL)
     headers = {"Authorization": "Bearer sekret"}

@@ -46,8 +46,10 @@ def test_request_table_rows_are_reused_and_exhaustion_reported():
     with pytest.raises(OutOfRequestSlotsError):
         pool.alloc(1)
     w = pool.row_width
-    pool.write(torch.tensor([r0 * w, r0 * w + 1, r0 * w + 2, r1 * w]),
-               torch.tensor([5, 6, 7, 4], dtype=torch.int32))
+    pool.write(
+        torch.tensor([r0 * w, r0 * w + 1, r0 * w + 2, r1 * w]),
+        torch.tensor([5, 6, 7, 4], dtype=torch.int32),
+    )
     pool.write(torch.tensor([r0 * w + 3]), torch.tensor([9], dtype=torch.int32))
     assert pool.slots(r0, 0, 4) == [5, 6, 7, 9] and pool.slots(r1, 0, 1) == [4]
     pool.free(r0)

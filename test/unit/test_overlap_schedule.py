@@ -32,8 +32,14 @@ def engine(tmp_path_factory) -> Engine:
 
 
 def _scheduler(engine: Engine, overlap: bool) -> Scheduler:
-    return Scheduler(engine.runner, frozenset(), _text, chunked_prefill_size=16,
-                     max_prefill_tokens=None, overlap=overlap)
+    return Scheduler(
+        engine.runner,
+        frozenset(),
+        _text,
+        chunked_prefill_size=16,
+        max_prefill_tokens=None,
+        overlap=overlap,
+    )
 
 
 def _params(i: int, stops: dict[str, object]) -> SamplingParams:
@@ -41,13 +47,19 @@ def _params(i: int, stops: dict[str, object]) -> SamplingParams:
     return SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True, **sampled, **stops)
 
 
-def _run(engine: Engine, overlap: bool, stops: list[dict[str, object]],
-         abort: tuple[int, int] | None = None) -> tuple[list[Req], list[list[TokenLogprob]]]:
+def _run(
+    engine: Engine,
+    overlap: bool,
+    stops: list[dict[str, object]],
+    abort: tuple[int, int] | None = None,
+) -> tuple[list[Req], list[list[TokenLogprob]]]:
     """Run PROMPTS through a fresh scheduler (request i joining before step ARRIVAL_STEP[i],
     request `abort[0]` aborted before step `abort[1]`); the requests and their logprobs."""
     sched = _scheduler(engine, overlap)
-    reqs = [Req(f"r{i}", p, _params(i, stops[i]), 1000 + i, 6 + 3 * i, top_logprobs=2)
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        Req(f"r{i}", p, _params(i, stops[i]), 1000 + i, 6 + 3 * i, top_logprobs=2)
+        for i, p in enumerate(PROMPTS)
+    ]
     logprobs: dict[str, list[TokenLogprob]] = {r.rid: [] for r in reqs}
     step = 0
     while step <= max(ARRIVAL_STEP) or sched.has_work:
@@ -94,8 +106,9 @@ def test_overlap_equals_reading_each_step_back(engine):
         _assert_same_logprobs(la, lb)
     assert [r.finish_reason.type for r in overlap[2:6:3]] == ["stop", "stop"]
     assert len(overlap[2].output_ids) <= 4 and len(overlap[5].output_ids) <= 4
-    assert all(r.finish_reason == FinishReason("length") for i, r in enumerate(overlap)
-               if i not in (2, 5))
+    assert all(
+        r.finish_reason == FinishReason("length") for i, r in enumerate(overlap) if i not in (2, 5)
+    )
 
 
 def test_an_abort_mid_flight_loses_nothing_else(engine):
@@ -131,10 +144,12 @@ def test_a_decode_step_returns_the_tokens_of_the_step_before(engine):
 def test_retraction_under_a_tiny_kv_cache(engine, overlap):
     folder = engine.server_args.model_path
     params = {"max_new_tokens": 30, "ignore_eos": True, "temperature": 0.0}
-    expected = [engine.generate(input_ids=p, sampling_params=params)["output_ids"]
-                for p in PROMPTS[:5]]
-    tiny = Engine(model_path=folder, device="cpu", max_total_tokens=90,
-                  disable_overlap_schedule=not overlap)
+    expected = [
+        engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in PROMPTS[:5]
+    ]
+    tiny = Engine(
+        model_path=folder, device="cpu", max_total_tokens=90, disable_overlap_schedule=not overlap
+    )
     tiny.scheduler.new_token_ratio = tiny.scheduler.min_new_token_ratio = 0.0
     outs = tiny.generate(input_ids=PROMPTS[:5], sampling_params=params)
     assert [o["output_ids"] for o in outs] == expected

@@ -133,10 +133,12 @@ def test_same_seed_and_step_give_same_token_regardless_of_batch() -> None:
     steps = [i % 5 for i in range(batch)]
     plain = [SamplingParams()] * batch
     together = _sample(logits, plain, seeds, steps)
-    alone = torch.cat([
-        _sample(logits[i : i + 1], plain[:1], seeds[i : i + 1], steps[i : i + 1])
-        for i in range(batch)
-    ])
+    alone = torch.cat(
+        [
+            _sample(logits[i : i + 1], plain[:1], seeds[i : i + 1], steps[i : i + 1])
+            for i in range(batch)
+        ]
+    )
     assert torch.equal(together, alone)
     # Reversed order, with companions that force the sorted (top-k/top-p/min-p) path.
     companions = [SamplingParams(top_k=5), SamplingParams(top_p=0.5, min_p=0.2)]

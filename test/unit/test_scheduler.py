@@ -64,8 +64,13 @@ def test_a_tiny_kv_pool_keeps_outputs(folder, roomy):
 def test_chunked_prefill_equals_unchunked(folder, roomy):
     prompts = _prompts(4)
     expected = _alone(roomy, prompts, 8)
-    chunked = Engine(model_path=folder, device="cpu", max_total_tokens=2000,
-                     chunked_prefill_size=4, max_prefill_tokens=6)
+    chunked = Engine(
+        model_path=folder,
+        device="cpu",
+        max_total_tokens=2000,
+        chunked_prefill_size=4,
+        max_prefill_tokens=6,
+    )
     outs = chunked.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, **GREEDY})
     assert [o["output_ids"] for o in outs] == expected
     _assert_all_free(chunked)
@@ -75,8 +80,10 @@ def test_requests_joining_between_steps_and_abort(roomy):
     prompts = _prompts(3)
     expected = _alone(roomy, prompts, 12)
     sched = roomy.scheduler
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=12, **GREEDY), 0, 12)
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Req(f"r{i}", p, SamplingParams(max_new_tokens=12, **GREEDY), 0, 12)
+        for i, p in enumerate(prompts)
+    ]
     victim = Req("victim", prompts[0], SamplingParams(max_new_tokens=12, **GREEDY), 0, 12)
     sched.add(reqs[0])
     sched.add(victim)

@@ -37,8 +37,10 @@ def test_a_fast_tokenizer_travels_as_json_and_decodes_the_same(tokenizer, tmp_pa
     rng = random.Random(0)
     special = sorted(tokenizer.all_special_ids)
     cases = [tokenizer.encode(TEXT), [special[0], *tokenizer.encode(TEXT), special[-1]]]
-    cases += [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 24))]
-              for _ in range(300)]
+    cases += [
+        [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 24))]
+        for _ in range(300)
+    ]
     for ids in cases:
         assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), ids
 
@@ -50,8 +52,12 @@ def _wordpiece_tokenizer_that_cleans_up_spaces(folder: Path) -> Any:
     backend = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.decoder = decoders.WordPiece(cleanup=False)
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[SEP]",
-                            clean_up_tokenization_spaces=True).save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        eos_token="[SEP]",
+        clean_up_tokenization_spaces=True,
+    ).save_pretrained(folder)
     return load_tokenizer(str(folder))
 
 
@@ -73,10 +79,13 @@ def test_no_tokenizer_means_no_decoder(tmp_path):
 
 
 def test_the_http_process_starts_the_child_before_importing_torch_or_transformers():
-    code = ("import sys, replaylm.launch_server, replaylm.runtime.scheduler_process; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60)
+    code = (
+        "import sys, replaylm.launch_server, replaylm.runtime.scheduler_process; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -84,8 +93,13 @@ def test_a_tokenizer_that_fails_to_load_stops_the_child(tmp_path):
     write_tiny_checkpoint("qwen2", tmp_path)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file")
-    args = ServerArgs(model_path=str(tmp_path), tokenizer_path=str(bad), device="cpu",
-                      max_total_tokens=256, max_running_requests=4)
+    args = ServerArgs(
+        model_path=str(tmp_path),
+        tokenizer_path=str(bad),
+        device="cpu",
+        max_total_tokens=256,
+        max_running_requests=4,
+    )
     with pytest.raises(ValueError, match="is not a GGUF file"):
         TokenizerManager(args)
     assert mp.active_children() == []

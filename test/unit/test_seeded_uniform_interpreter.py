@@ -29,8 +29,12 @@ def test_kernel_noise_is_bit_equal_to_the_torch_code():
 def test_sampler_triton_route_picks_the_torch_routes_tokens(monkeypatch):
     # no top-k/top-p/min-p: a batch with a filter sorts each row and draws the torch route's
     # noise for the sorted ids
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
-              SamplingParams(temperature=1.3), SamplingParams(temperature=0.9)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=0.9),
+    ]
     info = SamplingBatchInfo.from_params(params, [3, 4, 5, 6], VOCAB, "cpu")
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)) * 0.3
     sampler = Sampler()
@@ -38,7 +42,6 @@ def test_sampler_triton_route_picks_the_torch_routes_tokens(monkeypatch):
     for route in ("torch", "triton"):
         if route == "triton":
             monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
-        picks[route] = [sampler(logits, info, torch.full((4,), step)).tolist()
-                        for step in range(6)]
+        picks[route] = [sampler(logits, info, torch.full((4,), step)).tolist() for step in range(6)]
     assert picks["triton"] == picks["torch"]
     assert len({tuple(p[1:3]) for p in picks["torch"]}) > 1  # the noise moves with the step

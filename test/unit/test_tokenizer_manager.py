@@ -20,8 +20,11 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 @pytest.fixture
 def manager(tmp_path):
     write_tiny_checkpoint("qwen2", tmp_path)
-    tm = TokenizerManager(ServerArgs(model_path=str(tmp_path), device="cpu",
-                                     max_total_tokens=256, max_running_requests=4))
+    tm = TokenizerManager(
+        ServerArgs(
+            model_path=str(tmp_path), device="cpu", max_total_tokens=256, max_running_requests=4
+        )
+    )
     yield tm
     tm.shutdown()
 

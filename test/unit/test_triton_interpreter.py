@@ -44,19 +44,39 @@ def _store(case) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "splits"),
-                         [(4, 4, 16, 4), (4, 2, 32, 4), (8, 1, 16, 4), (6, 2, 16, 3)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "splits"),
+    [(4, 4, 16, 4), (4, 2, 32, 4), (8, 1, 16, 4), (6, 2, 16, 3)],
+)
 def test_decode_split_k_matches_reference(dtype, heads, kv_heads, dim, splits):
     """Groups and slice counts that are not powers of two included (the merge pads both)."""
-    case = make_case(ForwardMode.DECODE, [0, 16, 99, 250], [1] * 4, heads, kv_heads, dim, dtype,
-                     "cpu", seed=heads + dim)
+    case = make_case(
+        ForwardMode.DECODE,
+        [0, 16, 99, 250],
+        [1] * 4,
+        heads,
+        kv_heads,
+        dim,
+        dtype,
+        "cpu",
+        seed=heads + dim,
+    )
     _store(case)
     b = case.batch
     out = torch.full_like(case.q, float("nan"))
-    decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
-                     b.req_to_token_pool.req_to_token, b.req_pool_indices, b.seq_lens, out,
-                     case.layer.scaling, num_splits=splits, min_split_len=16,
-                     config=KernelConfig(block_n=16, num_warps=4, num_stages=1))
+    decode_attention(
+        case.q,
+        b.kv_pool.k_buffers[0],
+        b.kv_pool.v_buffers[0],
+        b.req_to_token_pool.req_to_token,
+        b.req_pool_indices,
+        b.seq_lens,
+        out,
+        case.layer.scaling,
+        num_splits=splits,
+        min_split_len=16,
+        config=KernelConfig(block_n=16, num_warps=4, num_stages=1),
+    )
     assert rel_error(out, reference(case)) < TOL[dtype]
 
 
@@ -65,8 +85,17 @@ def test_decode_separate_merge_equals_the_single_launch(heads, kv_heads, splits)
     """The merge kernel (captured graphs) writes the single launch's output bit for bit: one
     slice, several, slices past the end and an empty sequence, over a workspace of NaNs (no
     stale partial may leak into a merge)."""
-    case = make_case(ForwardMode.DECODE, [0, 9, 40, 99, 250], [1] * 5, heads, kv_heads, 16,
-                     torch.float16, "cpu", seed=heads + splits)
+    case = make_case(
+        ForwardMode.DECODE,
+        [0, 9, 40, 99, 250],
+        [1] * 5,
+        heads,
+        kv_heads,
+        16,
+        torch.float16,
+        "cpu",
+        seed=heads + splits,
+    )
     _store(case)
     b = case.batch
     seq_lens = b.seq_lens.clone()
@@ -77,11 +106,21 @@ def test_decode_separate_merge_equals_the_single_launch(heads, kv_heads, splits)
         ws.mid_o.fill_(float("nan"))
         ws.mid_lse.fill_(float("nan"))
         out = torch.full_like(case.q, float("nan"))
-        decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
-                         b.req_to_token_pool.req_to_token, b.req_pool_indices, seq_lens, out,
-                         case.layer.scaling, num_splits=splits, min_split_len=16,
-                         config=KernelConfig(block_n=16, num_warps=4, num_stages=1),
-                         workspace=ws, separate_merge=separate)
+        decode_attention(
+            case.q,
+            b.kv_pool.k_buffers[0],
+            b.kv_pool.v_buffers[0],
+            b.req_to_token_pool.req_to_token,
+            b.req_pool_indices,
+            seq_lens,
+            out,
+            case.layer.scaling,
+            num_splits=splits,
+            min_split_len=16,
+            config=KernelConfig(block_n=16, num_warps=4, num_stages=1),
+            workspace=ws,
+            separate_merge=separate,
+        )
         outs.append(out)
     assert torch.equal(outs[0][0], torch.zeros_like(outs[0][0]))
     assert not torch.isnan(outs[1]).any()
@@ -96,9 +135,17 @@ def test_decode_of_an_empty_sequence_is_zero():
     seq_lens = b.seq_lens.clone()
     seq_lens[1] = 0
     out = torch.full_like(case.q, float("nan"))
-    decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
-                     b.req_to_token_pool.req_to_token, b.req_pool_indices, seq_lens, out,
-                     case.layer.scaling, num_splits=2)
+    decode_attention(
+        case.q,
+        b.kv_pool.k_buffers[0],
+        b.kv_pool.v_buffers[0],
+        b.req_to_token_pool.req_to_token,
+        b.req_pool_indices,
+        seq_lens,
+        out,
+        case.layer.scaling,
+        num_splits=2,
+    )
     assert rel_error(out[0], reference(case)[0]) < 1e-5
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
@@ -106,8 +153,9 @@ def test_decode_of_an_empty_sequence_is_zero():
 def test_decode_workspace_is_reusable_across_launches():
     """The last program of a split request merges and zeroes its arrival counter, so one
     workspace serves launch after launch (every layer of a step), whichever requests split."""
-    case = make_case(ForwardMode.DECODE, [3, 120, 60], [1] * 3, 4, 2, 16, torch.float32, "cpu",
-                     seed=5)
+    case = make_case(
+        ForwardMode.DECODE, [3, 120, 60], [1] * 3, 4, 2, 16, torch.float32, "cpu", seed=5
+    )
     _store(case)
     b = case.batch
     ws = decode_workspace(case.q, 2, num_splits=4)
@@ -115,10 +163,20 @@ def test_decode_workspace_is_reusable_across_launches():
     for lens in ([4, 121, 61], [121, 4, 1], [4, 121, 61]):
         seq_lens = torch.tensor(lens)
         out = torch.full_like(case.q, float("nan"))
-        decode_attention(case.q, b.kv_pool.k_buffers[0], b.kv_pool.v_buffers[0],
-                         b.req_to_token_pool.req_to_token, b.req_pool_indices, seq_lens, out,
-                         case.layer.scaling, num_splits=4, min_split_len=16,
-                         config=KernelConfig(block_n=16, num_warps=4, num_stages=1), workspace=ws)
+        decode_attention(
+            case.q,
+            b.kv_pool.k_buffers[0],
+            b.kv_pool.v_buffers[0],
+            b.req_to_token_pool.req_to_token,
+            b.req_pool_indices,
+            seq_lens,
+            out,
+            case.layer.scaling,
+            num_splits=4,
+            min_split_len=16,
+            config=KernelConfig(block_n=16, num_warps=4, num_stages=1),
+            workspace=ws,
+        )
         assert torch.count_nonzero(ws.arrivals) == 0
         if lens == [4, 121, 61]:
             assert rel_error(out, want) < 1e-5
@@ -128,21 +186,46 @@ def test_decode_workspace_is_reusable_across_launches():
 
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("prefix", "extend", "heads", "kv_heads"), [
-    ([0], [70], 2, 2),
-    ([0, 40, 3], [33, 1, 50], 4, 2),
-    ([90, 0], [17, 64], 8, 2),
-])
+@pytest.mark.parametrize(
+    ("prefix", "extend", "heads", "kv_heads"),
+    [
+        ([0], [70], 2, 2),
+        ([0, 40, 3], [33, 1, 50], 4, 2),
+        ([90, 0], [17, 64], 8, 2),
+    ],
+)
 def test_extend_matches_reference(dtype, prefix, extend, heads, kv_heads, aligned):
-    case = make_case(ForwardMode.EXTEND, prefix, extend, heads, kv_heads, 16, dtype, "cpu",
-                     seed=sum(prefix) + sum(extend))
+    case = make_case(
+        ForwardMode.EXTEND,
+        prefix,
+        extend,
+        heads,
+        kv_heads,
+        16,
+        dtype,
+        "cpu",
+        seed=sum(prefix) + sum(extend),
+    )
     _store(case)
     b = case.batch
     out = torch.full_like(case.q, float("nan"))
-    extend_attention(case.q, case.k, case.v, out, b.kv_pool.k_buffers[0],
-                     b.kv_pool.v_buffers[0], b.req_to_token_pool.req_to_token,
-                     b.req_pool_indices, b.prefix_lens, b.extend_seq_lens, b.extend_start_loc,
-                     max(extend), case.layer.scaling, config=SMALL_TILES, aligned=aligned)
+    extend_attention(
+        case.q,
+        case.k,
+        case.v,
+        out,
+        b.kv_pool.k_buffers[0],
+        b.kv_pool.v_buffers[0],
+        b.req_to_token_pool.req_to_token,
+        b.req_pool_indices,
+        b.prefix_lens,
+        b.extend_seq_lens,
+        b.extend_start_loc,
+        max(extend),
+        case.layer.scaling,
+        config=SMALL_TILES,
+        aligned=aligned,
+    )
     assert rel_error(out, reference(case)) < TOL[dtype]
 
 
@@ -160,8 +243,18 @@ def test_store_kv_writes_only_the_given_slots():
 
 def test_deterministic_backend_splits_decode_whatever_the_batch_size():
     def splits(backend: TritonAttnBackend, bs: int) -> int:
-        case = make_case(ForwardMode.DECODE, [5] * bs, [1] * bs, 4, 2, 16, torch.float32, "cpu",
-                         seed=bs, backend=backend)
+        case = make_case(
+            ForwardMode.DECODE,
+            [5] * bs,
+            [1] * bs,
+            4,
+            2,
+            16,
+            torch.float32,
+            "cpu",
+            seed=bs,
+            backend=backend,
+        )
         backend.init_forward_metadata(case.batch)
         return backend._meta.num_splits
 
@@ -175,8 +268,9 @@ def test_deterministic_backend_splits_decode_whatever_the_batch_size():
 def test_backend_stores_then_attends(mode, deterministic):
     backend = TritonAttnBackend(deterministic)
     extend = [1, 1, 1] if mode is ForwardMode.DECODE else [9, 30, 2]
-    case = make_case(mode, [12, 0, 40], extend, 4, 2, 32, torch.float32, "cpu", seed=7,
-                     backend=backend)
+    case = make_case(
+        mode, [12, 0, 40], extend, 4, 2, 32, torch.float32, "cpu", seed=7, backend=backend
+    )
     backend.init_forward_metadata(case.batch)
     out = store_and_attend(backend, case.q, case.k, case.v, case.layer, case.batch)
     assert rel_error(out, reference(case)) < 1e-5
@@ -188,8 +282,18 @@ def test_graph_metadata_reads_the_captured_batchs_tensors_in_place():
     attention uses. The captured path (slices merged by a kernel of their own) computes eager
     decode's numbers exactly."""
     backend = TritonAttnBackend()
-    case = make_case(ForwardMode.DECODE, [12, 5, 40], [1, 1, 1], 4, 2, 32, torch.float32, "cpu",
-                     seed=7, backend=backend)
+    case = make_case(
+        ForwardMode.DECODE,
+        [12, 5, 40],
+        [1, 1, 1],
+        4,
+        2,
+        32,
+        torch.float32,
+        "cpu",
+        seed=7,
+        backend=backend,
+    )
     live = case.batch
     names = ("req_pool_indices", "seq_lens", "out_cache_loc")
     static = dataclasses.replace(live, **{n: torch.zeros(3, dtype=torch.int64) for n in names})

@@ -44,8 +44,10 @@ class TcPiecewiseOptions:
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:
-            raise ValueError(f"tc_piecewise kernels must be one of {', '.join(KERNEL_CHOICES)}, "
-                             f"not '{self.kernels}'")
+            raise ValueError(
+                f"tc_piecewise kernels must be one of {', '.join(KERNEL_CHOICES)}, "
+                f"not '{self.kernels}'"
+            )
 
 
 _compiled: weakref.WeakKeyDictionary[nn.Module, dict[TcPiecewiseOptions, CompiledForward]] = (
@@ -64,8 +66,9 @@ def split_ops() -> tuple[object, ...]:
 
 def attention_layers(model: nn.Module) -> list[Attention]:
     """The model's attention layers indexed by layer id (what `attention_context` needs)."""
-    layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
-                    key=lambda layer: layer.layer_id)
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda layer: layer.layer_id
+    )
     if [layer.layer_id for layer in layers] != list(range(len(layers))):
         raise ValueError("attention layer ids must be 0..n-1")
     return layers
@@ -107,8 +110,9 @@ class CompiledForward:
         limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         start = time.perf_counter()
         try:
-            with torch._dynamo.config.patch(recompile_limit=limit,
-                                             fail_on_recompile_limit_hit=True):
+            with torch._dynamo.config.patch(
+                recompile_limit=limit, fail_on_recompile_limit_hit=True
+            ):
                 out = self._fn(input_ids, positions)
         except Exception as e:  # any failure: reported with what to do instead
             raise TcPiecewiseCompileError(_explain(e)) from e
@@ -116,11 +120,15 @@ class CompiledForward:
         split = self.backend.split
         logger.info(
             "tc_piecewise: compiled the forward in %.1f s (%s, %s kernels): %d attention calls, "
-            "%d compute pieces%s", self.compile_seconds, self.options.compiler,
+            "%d compute pieces%s",
+            self.compile_seconds,
+            self.options.compiler,
             self.options.kernels,
-            len(split.pieces) - len(split.compute_pieces), len(split.compute_pieces),
+            len(split.pieces) - len(split.compute_pieces),
+            len(split.compute_pieces),
             f", {self.backend.cache_hits} from Inductor's cache"
-            if self.backend.compiler == "inductor" else "",
+            if self.backend.compiler == "inductor"
+            else "",
         )
         return out
 
@@ -128,8 +136,10 @@ class CompiledForward:
 def _explain(error: Exception) -> str:
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     detail = "; ".join(lines[:3]) if lines else type(error).__name__
-    return (f"tc_piecewise: torch.compile could not compile the model ({type(error).__name__}: "
-            f"{detail}). Use the 'breakable' mode for this phase, which needs no compiler.")
+    return (
+        f"tc_piecewise: torch.compile could not compile the model ({type(error).__name__}: "
+        f"{detail}). Use the 'breakable' mode for this phase, which needs no compiler."
+    )
 
 
 def set_compile_cache_dir(path: str) -> None:

@@ -58,8 +58,9 @@ class PiecewiseBackend:
 
     def __init__(self, compiler: str, split_ops: Collection[object]) -> None:
         if compiler not in COMPILERS:
-            raise ValueError(f"unknown tc_piecewise compiler {compiler!r}; choose from "
-                             f"{', '.join(COMPILERS)}")
+            raise ValueError(
+                f"unknown tc_piecewise compiler {compiler!r}; choose from {', '.join(COMPILERS)}"
+            )
         self.compiler = compiler
         self.split_ops = split_ops
         self.split: SplitGraph | None = None
@@ -85,8 +86,9 @@ class PiecewiseBackend:
 
         split = self.split
         compute = {p.name for p in split.compute_pieces}
-        progress = tqdm(total=len(compute), desc="compiling tc_piecewise pieces (inductor)",
-                        unit="piece")
+        progress = tqdm(
+            total=len(compute), desc="compiling tc_piecewise pieces (inductor)", unit="piece"
+        )
         hits_before = counters["inductor"]["fxgraph_cache_hit"]
 
         class Compiler(fx.Interpreter):
@@ -102,7 +104,9 @@ class PiecewiseBackend:
 
         fake_mode = detect_fake_mode(example_inputs)
         with progress, fake_mode:
-            fake_inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
-                           for t in example_inputs]
+            fake_inputs = [
+                fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                for t in example_inputs
+            ]
             Compiler(split.module).run(*fake_inputs)
         self.cache_hits = counters["inductor"]["fxgraph_cache_hit"] - hits_before

@@ -54,7 +54,7 @@ def split_at_ops(gm: fx.GraphModule, split_ops: Collection[object]) -> SplitGrap
     module = split_module(gm, None, lambda node: partition[node], keep_original_order=True)
     pieces = [
         Piece(node.target, int(node.target.rsplit("_", 1)[1]) in opaque_ids)
-        for node in module.graph.nodes if node.op == "call_module"
+        for node in module.graph.nodes
+        if node.op == "call_module"
     ]
     return SplitGraph(module, pieces)
-

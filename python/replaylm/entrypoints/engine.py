@@ -1,8 +1,8 @@
 """Offline Engine: load a model once, then generate for batches of prompts in-process.
 
-    engine = Engine(model_path="smollm2-135m-instruct")
-    out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
-    out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
+engine = Engine(model_path="smollm2-135m-instruct")
+out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ class Engine:
         self._next_rid = 0
         self._decode = text_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.scheduler = Scheduler(
-            self.runner, self.eos_token_ids, self._decode,
-            self.server_args.chunked_prefill_size, self.server_args.max_prefill_tokens,
+            self.runner,
+            self.eos_token_ids,
+            self._decode,
+            self.server_args.chunked_prefill_size,
+            self.server_args.max_prefill_tokens,
             overlap=not self.server_args.disable_overlap_schedule,
         )
 

@@ -67,14 +67,16 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 class APIError(Exception):
     """An error answered with `status` and an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status)
@@ -165,8 +167,9 @@ def _require_api_key(api_key: str | None) -> Callable[[Request], Awaitable[None]
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "missing API key: send `Authorization: Bearer <key>`",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
+            )
         if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(401, "incorrect API key", code="invalid_api_key")
 
@@ -189,8 +192,7 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
-async def _sse(payloads: AsyncGenerator[BaseModel | dict[str, Any], None]
-               ) -> AsyncIterator[str]:
+async def _sse(payloads: AsyncGenerator[BaseModel | dict[str, Any], None]) -> AsyncIterator[str]:
     """`data: <json>` events, then `data: [DONE]`; a scheduler failure mid-stream is sent as an
     error event (the status line is already out)."""
     try:
@@ -219,8 +221,11 @@ def _finish(reason: FinishReason | None) -> str | None:
 
 
 def _usage(out: GenerateOutput) -> UsageInfo:
-    return UsageInfo(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                     total_tokens=out.prompt_tokens + out.completion_tokens)
+    return UsageInfo(
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        total_tokens=out.prompt_tokens + out.completion_tokens,
+    )
 
 
 @dataclass
@@ -267,8 +272,9 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _prepend(first: GenerateOutput, rest: AsyncGenerator[GenerateOutput, None]
-                   ) -> AsyncGenerator[GenerateOutput, None]:
+async def _prepend(
+    first: GenerateOutput, rest: AsyncGenerator[GenerateOutput, None]
+) -> AsyncGenerator[GenerateOutput, None]:
     try:
         yield first
         async for out in rest:
@@ -292,11 +298,17 @@ class _Serving:
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.tm.served_model_name:
-            raise APIError(404, f"the model `{name}` does not exist; this server serves "
-                           f"`{self.tm.served_model_name}`", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model `{name}` does not exist; this server serves "
+                f"`{self.tm.served_model_name}`",
+                "model",
+                "model_not_found",
+            )
 
-    async def _start(self, request: Request, req: GenerateRequest, prompt_param: str
-                     ) -> AsyncGenerator[GenerateOutput, None]:
+    async def _start(
+        self, request: Request, req: GenerateRequest, prompt_param: str
+    ) -> AsyncGenerator[GenerateOutput, None]:
         """Start generating and wait for the first output, so that bad input raises here,
         before a (streaming) response has begun."""
         gen = self.tm.generate(req)
@@ -321,28 +333,32 @@ class _Serving:
         logprobs = None
         if body.logprobs is not None:
             logprobs = self._completion_logprobs(res.logprobs, body.logprobs, 0)[0]
-        choice = CompletionChoice(text=res.text, logprobs=logprobs,
-                                  finish_reason=_finish(res.last.finish_reason))
-        return _json(CompletionResponse(id=rid, model=model, choices=[choice],
-                                        usage=_usage(res.last)))
+        choice = CompletionChoice(
+            text=res.text, logprobs=logprobs, finish_reason=_finish(res.last.finish_reason)
+        )
+        return _json(
+            CompletionResponse(id=rid, model=model, choices=[choice], usage=_usage(res.last))
+        )
 
-    async def _completion_chunks(self, stream: AsyncIterator[GenerateOutput],
-                                 body: CompletionRequest, rid: str
-                                 ) -> AsyncIterator[CompletionResponse]:
+    async def _completion_chunks(
+        self, stream: AsyncIterator[GenerateOutput], body: CompletionRequest, rid: str
+    ) -> AsyncIterator[CompletionResponse]:
         model, offset, last = self.tm.served_model_name, 0, None
         async for out in stream:
             last, logprobs = out, None
             if body.logprobs is not None and out.logprobs:
                 logprobs, offset = self._completion_logprobs(out.logprobs, body.logprobs, offset)
             if out.text or logprobs or out.finish_reason:
-                choice = CompletionChoice(text=out.text, logprobs=logprobs,
-                                          finish_reason=_finish(out.finish_reason))
+                choice = CompletionChoice(
+                    text=out.text, logprobs=logprobs, finish_reason=_finish(out.finish_reason)
+                )
                 yield CompletionResponse(id=rid, model=model, choices=[choice])
         if body.include_usage and last is not None:
             yield CompletionResponse(id=rid, model=model, choices=[], usage=_usage(last))
 
-    def _completion_logprobs(self, lps: list[TokenLogprob], k: int, offset: int
-                             ) -> tuple[CompletionLogprobs, int]:
+    def _completion_logprobs(
+        self, lps: list[TokenLogprob], k: int, offset: int
+    ) -> tuple[CompletionLogprobs, int]:
         """Legacy-format logprobs; `offset` is where the first token starts in the text."""
         out = CompletionLogprobs()
         for lp in lps:
@@ -370,24 +386,33 @@ class _Serving:
         if body.stream:
             return _EventStream(_sse(self._chat_chunks(stream, body, rid, top_k)))
         res = await _unless_disconnected(request, _Result.collect(stream))
-        choice = ChatChoice(message=ChatMessageOut(content=res.text),
-                            logprobs=self._chat_logprobs(res.logprobs, top_k),
-                            finish_reason=_finish(res.last.finish_reason))
-        return _json(ChatCompletionResponse(id=rid, model=model, choices=[choice],
-                                            usage=_usage(res.last)))
+        choice = ChatChoice(
+            message=ChatMessageOut(content=res.text),
+            logprobs=self._chat_logprobs(res.logprobs, top_k),
+            finish_reason=_finish(res.last.finish_reason),
+        )
+        return _json(
+            ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=_usage(res.last))
+        )
 
-    async def _chat_chunks(self, stream: AsyncIterator[GenerateOutput],
-                           body: ChatCompletionRequest, rid: str, top_k: int | None
-                           ) -> AsyncIterator[ChatCompletionChunk]:
+    async def _chat_chunks(
+        self,
+        stream: AsyncIterator[GenerateOutput],
+        body: ChatCompletionRequest,
+        rid: str,
+        top_k: int | None,
+    ) -> AsyncIterator[ChatCompletionChunk]:
         model, last = self.tm.served_model_name, None
         opening = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
         yield ChatCompletionChunk(id=rid, model=model, choices=[opening])
         async for out in stream:
             last, logprobs = out, self._chat_logprobs(out.logprobs or [], top_k)
             if out.text or (logprobs and logprobs.content) or out.finish_reason:
-                choice = ChatStreamChoice(delta=DeltaMessage(content=out.text),
-                                          logprobs=logprobs,
-                                          finish_reason=_finish(out.finish_reason))
+                choice = ChatStreamChoice(
+                    delta=DeltaMessage(content=out.text),
+                    logprobs=logprobs,
+                    finish_reason=_finish(out.finish_reason),
+                )
                 yield ChatCompletionChunk(id=rid, model=model, choices=[choice])
         if body.include_usage and last is not None:
             yield ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(last))
@@ -400,15 +425,20 @@ class _Serving:
             token = self.token_text(token_id)
             return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
 
-        return ChatLogprobs(content=[
-            ChatTokenLogprob(**entry(lp.token_id, lp.logprob).model_dump(),
-                             top_logprobs=[entry(t, v) for t, v in lp.top[:k]])
-            for lp in lps
-        ])
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    **entry(lp.token_id, lp.logprob).model_dump(),
+                    top_logprobs=[entry(t, v) for t, v in lp.top[:k]],
+                )
+                for lp in lps
+            ]
+        )
 
     async def models(self) -> Response:
-        card = ModelCard(id=self.tm.served_model_name, created=self.created,
-                         max_model_len=self.tm.context_len)
+        card = ModelCard(
+            id=self.tm.served_model_name, created=self.created, max_model_len=self.tm.context_len
+        )
         return _json(ModelList(data=[card]))
 
     # ---- native ------------------------------------------------------------------------------
@@ -437,17 +467,20 @@ class _Serving:
         meta = self._native_meta(req.rid, res.last, res.logprobs if top_k is not None else None)
         return JSONResponse({"text": res.text, "output_ids": res.token_ids, "meta_info": meta})
 
-    async def _native_chunks(self, stream: AsyncIterator[GenerateOutput], rid: str
-                             ) -> AsyncIterator[dict[str, Any]]:
+    async def _native_chunks(
+        self, stream: AsyncIterator[GenerateOutput], rid: str
+    ) -> AsyncIterator[dict[str, Any]]:
         async for out in stream:
             meta = self._native_meta(rid, out, out.logprobs)
             yield {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
 
     @staticmethod
-    def _native_meta(rid: str, out: GenerateOutput, logprobs: list[TokenLogprob] | None
-                     ) -> dict[str, Any]:
+    def _native_meta(
+        rid: str, out: GenerateOutput, logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "id": rid, "prompt_tokens": out.prompt_tokens,
+            "id": rid,
+            "prompt_tokens": out.prompt_tokens,
             "completion_tokens": out.completion_tokens,
             "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
         }

@@ -98,8 +98,9 @@ class CompletionRequest(_SamplingRequest):
         is_ids = isinstance(v, list) and all(type(t) is int for t in v)
         if not isinstance(v, str) and not is_ids:
             if isinstance(v, list) and all(isinstance(p, (str, list)) for p in v):
-                raise ValueError("several prompts in one request are not supported: "
-                                 "send one request per prompt")
+                raise ValueError(
+                    "several prompts in one request are not supported: send one request per prompt"
+                )
             raise ValueError("prompt must be a string or a list of token ids")
         if not v:
             raise ValueError("the prompt is empty")
@@ -276,6 +277,10 @@ class ErrorResponse(BaseModel):
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionRequest, ChatCompletionRequest, NativeGenerateRequest, ChatMessage, TextPart,
+    CompletionRequest,
+    ChatCompletionRequest,
+    NativeGenerateRequest,
+    ChatMessage,
+    TextPart,
     StreamOptions,
 )

@@ -31,15 +31,17 @@ class OpenAIClient:
     """`base_url` ends in the API root (e.g. http://127.0.0.1:30000/v1). At most
     `max_connections` requests are open at once."""
 
-    def __init__(self, base_url: str, api_key: str | None, timeout_s: float,
-                 max_connections: int) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None, timeout_s: float, max_connections: int
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.AsyncClient(
             base_url=self.base_url + "/",
             headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
             timeout=timeout_s,
-            limits=httpx.Limits(max_connections=max_connections,
-                                max_keepalive_connections=max_connections),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
         )
 
     async def __aenter__(self) -> OpenAIClient:
@@ -60,8 +62,9 @@ class OpenAIClient:
         try:
             return [str(m["id"]) for m in resp.json()["data"]]
         except (ValueError, KeyError, TypeError):
-            raise ServerError(f"GET {url} did not return an OpenAI model list: "
-                              f"{resp.text[:200]!r}") from None
+            raise ServerError(
+                f"GET {url} did not return an OpenAI model list: {resp.text[:200]!r}"
+            ) from None
 
     async def create(self, endpoint: Endpoint, body: dict[str, Any]) -> Reply:
         """POST `body` to /completions or /chat/completions (not streamed). A transport error,

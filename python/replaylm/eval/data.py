@@ -79,8 +79,9 @@ def read_tsv(location: str, columns: int) -> list[list[str]]:
             continue
         fields = line.split("\t")
         if len(fields) != columns:
-            raise DataError(f"{location} line {n}: expected {columns} tab-separated fields, "
-                            f"found {len(fields)}")
+            raise DataError(
+                f"{location} line {n}: expected {columns} tab-separated fields, found {len(fields)}"
+            )
         rows.append(fields)
     return rows
 

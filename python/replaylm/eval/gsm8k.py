@@ -74,5 +74,6 @@ def _reference(solution: str, location: str) -> Decimal:
     try:
         return parse_reference(solution.rsplit("####", 1)[1])
     except (IndexError, ValueError):
-        raise DataError(f"{location}: a solution does not end in '#### <number>': "
-                        f"{solution[-80:]!r}") from None
+        raise DataError(
+            f"{location}: a solution does not end in '#### <number>': {solution[-80:]!r}"
+        ) from None

@@ -44,8 +44,14 @@ def summarise(records: list[Record], latency_s: float) -> Metrics:
     invalid = sum(r.verdict == "invalid" for r in records)
     tokens = sum(r.completion_tokens for r in records)
     return Metrics(
-        num_examples=n, correct=correct, accuracy=correct / n,
-        accuracy_ci95=wilson_interval(correct, n), invalid=invalid, invalid_rate=invalid / n,
-        errors=sum(r.error is not None for r in records), latency_s=latency_s,
-        output_tokens=tokens, output_throughput=tokens / latency_s if latency_s > 0 else 0.0,
+        num_examples=n,
+        correct=correct,
+        accuracy=correct / n,
+        accuracy_ci95=wilson_interval(correct, n),
+        invalid=invalid,
+        invalid_rate=invalid / n,
+        errors=sum(r.error is not None for r in records),
+        latency_s=latency_s,
+        output_tokens=tokens,
+        output_throughput=tokens / latency_s if latency_s > 0 else 0.0,
     )

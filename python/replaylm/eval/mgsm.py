@@ -26,48 +26,74 @@ class Language:
 
 LANGUAGES: dict[str, Language] = {
     "en": Language(
-        'Solve this math problem. Give the reasoning steps before giving the final answer on '
+        "Solve this math problem. Give the reasoning steps before giving the final answer on "
         'the last line by itself in the format of "Answer:". Do not add anything other than '
-        'the integer answer after "Answer:".', "Answer"),
+        'the integer answer after "Answer:".',
+        "Answer",
+    ),
     "es": Language(
-        'Resuelve este problema de matemáticas. Explica los pasos de tu razonamiento antes de '
+        "Resuelve este problema de matemáticas. Explica los pasos de tu razonamiento antes de "
         'dar la respuesta final en la última línea, sola, con el formato "Respuesta:". No '
-        'añadas nada más que la respuesta entera después de "Respuesta:".', "Respuesta", True),
+        'añadas nada más que la respuesta entera después de "Respuesta:".',
+        "Respuesta",
+        True,
+    ),
     "fr": Language(
-        'Résous ce problème de mathématiques. Donne les étapes de ton raisonnement avant de '
+        "Résous ce problème de mathématiques. Donne les étapes de ton raisonnement avant de "
         'donner la réponse finale seule sur la dernière ligne, au format "Réponse:". N\'ajoute '
-        'rien d\'autre que la réponse entière après "Réponse:".', "Réponse", True),
+        'rien d\'autre que la réponse entière après "Réponse:".',
+        "Réponse",
+        True,
+    ),
     "de": Language(
-        'Löse diese Matheaufgabe. Gib die Schritte deiner Überlegung an, bevor du die '
+        "Löse diese Matheaufgabe. Gib die Schritte deiner Überlegung an, bevor du die "
         'endgültige Antwort allein in der letzten Zeile im Format "Antwort:" angibst. Schreibe '
-        'nach "Antwort:" nichts außer der ganzzahligen Antwort.', "Antwort", True),
+        'nach "Antwort:" nichts außer der ganzzahligen Antwort.',
+        "Antwort",
+        True,
+    ),
     "ru": Language(
-        'Реши эту математическую задачу. Изложи шаги рассуждения, а затем дай окончательный '
+        "Реши эту математическую задачу. Изложи шаги рассуждения, а затем дай окончательный "
         'ответ отдельно в последней строке в формате "Ответ:". После "Ответ:" не пиши ничего, '
-        'кроме целого числа.', "Ответ", True),
+        "кроме целого числа.",
+        "Ответ",
+        True,
+    ),
     "zh": Language(
         '解决这道数学题。先写出推理步骤，再在最后一行单独给出最终答案，格式为"答案:"。'
-        '"答案:"后面只写整数答案，不要添加任何其他内容。', "答案"),
+        '"答案:"后面只写整数答案，不要添加任何其他内容。',
+        "答案",
+    ),
     "ja": Language(
-        'この数学の問題を解いてください。最終的な答えを出す前に推論の過程を書き、最後の行に'
-        '「答え:」の形式で答えだけを書いてください。「答え:」の後には整数の答え以外は何も'
-        '書かないでください。', "答え"),
+        "この数学の問題を解いてください。最終的な答えを出す前に推論の過程を書き、最後の行に"
+        "「答え:」の形式で答えだけを書いてください。「答え:」の後には整数の答え以外は何も"
+        "書かないでください。",
+        "答え",
+    ),
     "th": Language(
-        'จงแก้โจทย์คณิตศาสตร์ข้อนี้ แสดงขั้นตอนการให้เหตุผลก่อน แล้วจึงให้คำตอบสุดท้ายเพียงอย่างเดียว'
+        "จงแก้โจทย์คณิตศาสตร์ข้อนี้ แสดงขั้นตอนการให้เหตุผลก่อน แล้วจึงให้คำตอบสุดท้ายเพียงอย่างเดียว"
         'ในบรรทัดสุดท้ายในรูปแบบ "คำตอบ:" ห้ามเขียนสิ่งอื่นใดหลัง "คำตอบ:" นอกจากคำตอบที่เป็น'
-        'จำนวนเต็ม', "คำตอบ"),
+        "จำนวนเต็ม",
+        "คำตอบ",
+    ),
     "sw": Language(
-        'Tatua tatizo hili la hesabu. Eleza hatua za hoja zako kabla ya kutoa jibu la mwisho '
+        "Tatua tatizo hili la hesabu. Eleza hatua za hoja zako kabla ya kutoa jibu la mwisho "
         'peke yake kwenye mstari wa mwisho kwa muundo wa "Jibu:". Usiongeze chochote isipokuwa '
-        'jibu la namba kamili baada ya "Jibu:".', "Jibu"),
+        'jibu la namba kamili baada ya "Jibu:".',
+        "Jibu",
+    ),
     "bn": Language(
-        'এই গণিতের সমস্যাটি সমাধান করুন। চূড়ান্ত উত্তর দেওয়ার আগে যুক্তির ধাপগুলো দেখান, তারপর '
+        "এই গণিতের সমস্যাটি সমাধান করুন। চূড়ান্ত উত্তর দেওয়ার আগে যুক্তির ধাপগুলো দেখান, তারপর "
         'শেষ লাইনে আলাদাভাবে "উত্তর:" বিন্যাসে চূড়ান্ত উত্তর দিন। "উত্তর:" এর পরে পূর্ণসংখ্যার '
-        'উত্তর ছাড়া আর কিছু লিখবেন না।', "উত্তর"),
+        "উত্তর ছাড়া আর কিছু লিখবেন না।",
+        "উত্তর",
+    ),
     "te": Language(
-        'ఈ గణిత సమస్యను పరిష్కరించండి. తుది సమాధానం ఇచ్చే ముందు మీ తర్క దశలను వివరించండి, '
+        "ఈ గణిత సమస్యను పరిష్కరించండి. తుది సమాధానం ఇచ్చే ముందు మీ తర్క దశలను వివరించండి, "
         'తర్వాత చివరి పంక్తిలో "సమాధానం:" ఆకృతిలో తుది సమాధానాన్ని మాత్రమే ఇవ్వండి. '
-        '"సమాధానం:" తర్వాత పూర్ణాంక సమాధానం తప్ప మరేమీ చేర్చవద్దు.', "సమాధానం"),
+        '"సమాధానం:" తర్వాత పూర్ణాంక సమాధానం తప్ప మరేమీ చేర్చవద్దు.',
+        "సమాధానం",
+    ),
 }
 
 

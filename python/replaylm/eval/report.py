@@ -18,8 +18,7 @@ def format_table(config: dict[str, Any], m: Metrics) -> str:
         ("eval", config["eval_name"]),
         ("model", config["model"]),
         ("questions", str(m.num_examples)),
-        ("accuracy", f"{m.accuracy:.3f} ({m.correct}/{m.num_examples}; "
-                     f"95% CI {lo:.3f}-{hi:.3f})"),
+        ("accuracy", f"{m.accuracy:.3f} ({m.correct}/{m.num_examples}; 95% CI {lo:.3f}-{hi:.3f})"),
         ("invalid", f"{m.invalid_rate:.3f} ({m.invalid}; {m.errors} request errors)"),
         ("latency", f"{m.latency_s:.1f} s"),
         ("throughput", f"{m.output_throughput:.1f} output tok/s ({m.output_tokens} tokens)"),

@@ -33,8 +33,15 @@ class Record:
     latency_s: float
 
 
-async def run(ev: Eval, examples: list[Example], client: OpenAIClient, model: str,
-              max_tokens: int, parallel: int, progress: bool = True) -> tuple[list[Record], float]:
+async def run(
+    ev: Eval,
+    examples: list[Example],
+    client: OpenAIClient,
+    model: str,
+    max_tokens: int,
+    parallel: int,
+    progress: bool = True,
+) -> tuple[list[Record], float]:
     """(one record per example, in order; the wall-clock seconds the whole run took). Greedy:
     temperature 0. Failed requests are recorded as invalid with their error."""
     gate = asyncio.Semaphore(parallel)
@@ -42,8 +49,12 @@ async def run(ev: Eval, examples: list[Example], client: OpenAIClient, model: st
 
     async def ask(index: int, example: Example) -> Record:
         prompt = ev.prompt(example)
-        body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
-                "prompt" if ev.endpoint == "completions" else "messages": prompt}
+        body = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "prompt" if ev.endpoint == "completions" else "messages": prompt,
+        }
         if ev.stop:
             body["stop"] = ev.stop
         async with gate:
@@ -67,6 +78,16 @@ def grade(index: int, example: Example, prompt: Prompt, reply: Reply, ev: Eval) 
         verdict = "invalid"
     else:
         verdict = "correct" if parsed == example.reference else "incorrect"
-    return Record(index, example.question, prompt, reply.text, reply.finish_reason, parsed,
-                  example.reference, verdict, reply.error, reply.completion_tokens,
-                  reply.latency_s)
+    return Record(
+        index,
+        example.question,
+        prompt,
+        reply.text,
+        reply.finish_reason,
+        parsed,
+        example.reference,
+        verdict,
+        reply.error,
+        reply.completion_tokens,
+        reply.latency_s,
+    )

@@ -24,9 +24,14 @@ MATMULS = ("cublas", "triton", "invariant", "auto")
 AUTO_SKINNY_MAX_BYTES = 64 * 2**20
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           matmul: str, out_dtype: torch.dtype | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    matmul: str,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`x @ weight.T (+ bias)` by the `matmul` kernel (one of MATMULS); the Triton ones only on the
     Triton route (`use_triton_kernels`), `F.linear` elsewhere. `out_dtype`: the result's dtype
     (default x's; the skinny kernel writes it from its float32 sums, saving a conversion).
@@ -35,8 +40,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if _takes_triton_matmul(x, matmul):
         from replaylm.layers.kernels import ops
 
-        return ops.linear(x, weight, bias, all_rows=matmul == "invariant", out_dtype=out_dtype,
-                          out=out)
+        return ops.linear(
+            x, weight, bias, all_rows=matmul == "invariant", out_dtype=out_dtype, out=out
+        )
     return converted(F.linear(x, weight, bias), out_dtype, out)
 
 
@@ -138,6 +144,7 @@ class GateUpLinear(MergedLinear):
         if _takes_triton_matmul(x, self.matmul):
             from replaylm.layers.kernels import ops
 
-            return ops.linear(x, self.weight, self.bias, all_rows=self.matmul == "invariant",
-                              gated_silu=True)
+            return ops.linear(
+                x, self.weight, self.bias, all_rows=self.matmul == "invariant", gated_silu=True
+            )
         return self.act(super().forward(x))

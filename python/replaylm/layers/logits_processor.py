@@ -28,11 +28,13 @@ class LogitsProcessor(MatmulLayer):
     shares (no copy after the matmul)."""
 
     def forward(
-        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: ForwardBatch,
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        batch: ForwardBatch,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not batch.forward_mode.is_decode():
             last = batch.extend_start_loc + batch.extend_seq_lens - 1
             hidden = hidden[last]
-        return linear(hidden, lm_head_weight, None, self.matmul, out_dtype=torch.float32,
-                      out=out)
+        return linear(hidden, lm_head_weight, None, self.matmul, out_dtype=torch.float32, out=out)

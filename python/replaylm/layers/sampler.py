@@ -80,15 +80,25 @@ class SamplingBatchInfo:
         if len(seeds) != len(params):
             raise ValueError(f"got {len(seeds)} seeds for {len(params)} requests")
         sampled = [p for p in params if not p.is_greedy]
-        floats = torch.tensor([[0.0 if p.is_greedy else p.temperature for p in params],
-                               [p.top_p for p in params], [p.min_p for p in params]],
-                              dtype=torch.float32).to(device, non_blocking=True)
-        ints = torch.tensor([[vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
-                              for p in params], seeds],
-                            dtype=torch.int64).to(device, non_blocking=True)
+        floats = torch.tensor(
+            [
+                [0.0 if p.is_greedy else p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+            ],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)
+        ints = torch.tensor(
+            [[vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params], seeds],
+            dtype=torch.int64,
+        ).to(device, non_blocking=True)
         return cls(
-            temperatures=floats[0], top_ps=floats[1], min_ps=floats[2], top_ks=ints[0],
-            seeds=ints[1], all_greedy=not sampled,
+            temperatures=floats[0],
+            top_ps=floats[1],
+            min_ps=floats[2],
+            top_ks=ints[0],
+            seeds=ints[1],
+            all_greedy=not sampled,
             need_top_p_top_k=any(p.top_p < 1 or 0 < p.top_k < vocab_size for p in sampled),
             need_min_p=any(p.min_p > 0 for p in sampled),
         )
@@ -126,8 +136,9 @@ class Sampler(torch.nn.Module):
         return torch.where(greedy, greedy_ids, sampled_ids)
 
 
-def _uniform_in_order(seeds: torch.Tensor, steps: torch.Tensor,
-                      logits: torch.Tensor) -> torch.Tensor:
+def _uniform_in_order(
+    seeds: torch.Tensor, steps: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
     """`seeded_uniform` of every vocabulary id in order: one Triton launch where the kernels run
     (`use_triton_kernels`), the torch code's ~40 launches elsewhere (bit-equal)."""
     if use_triton_kernels(logits):

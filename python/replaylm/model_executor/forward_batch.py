@@ -97,8 +97,10 @@ class ForwardBatch:
         if into is not None:
             pad = into.size - live
             if not forward_mode.is_decode() or pad < 0:
-                raise ValueError(f"decode inputs of {into.size} requests cannot hold "
-                                 f"{live} requests in {forward_mode.name} mode")
+                raise ValueError(
+                    f"decode inputs of {into.size} requests cannot hold "
+                    f"{live} requests in {forward_mode.name} mode"
+                )
             new_token_ids = [*new_token_ids, *[[0]] * pad]
             prefix_lens = [*prefix_lens, *[0] * pad]
             req_pool_indices = [*req_pool_indices, *[req_to_token_pool.padding_row] * pad]
@@ -108,7 +110,8 @@ class ForwardBatch:
         bs, num_tokens = len(ext_cpu), sum(ext_cpu)
         if len(out_cache_loc) != num_tokens:
             raise ValueError(
-                f"out_cache_loc has {len(out_cache_loc)} slots for {num_tokens} tokens")
+                f"out_cache_loc has {len(out_cache_loc)} slots for {num_tokens} tokens"
+            )
         req_to_token_pool.check_fits(max(seq_cpu, default=0))  # a longer one would spill rows
         width = req_to_token_pool.row_width
         # token j of request i sits at position prefix_i + j, table entry row_i * width + that
@@ -118,8 +121,17 @@ class ForwardBatch:
         table_index = [r * width + j for r, p, s in spans for j in range(p, s)]
         starts = list(accumulate(ext_cpu, initial=0))
         starts.pop()
-        wide = (token_ids + positions + list(out_cache_loc) + table_index + req_pool_indices
-                + seq_cpu + prefix_lens + ext_cpu + starts)  # in PACKED_FIELDS' order
+        wide = (
+            token_ids
+            + positions
+            + list(out_cache_loc)
+            + table_index
+            + req_pool_indices
+            + seq_cpu
+            + prefix_lens
+            + ext_cpu
+            + starts
+        )  # in PACKED_FIELDS' order
         if into is None:
             wide_d, narrow = send_packed(req_to_token_pool.device, wide, out_cache_loc)
             fields = wide_d.split_with_sizes([num_tokens] * 4 + [bs] * 5)  # one call
@@ -129,13 +141,25 @@ class ForwardBatch:
         req_to_token_pool.write(fields[3], narrow)
         if into is not None:
             fields = into.live(live)
-        return cls.from_fields(forward_mode, fields, seq_cpu[:live], ext_cpu[:live],
-                               req_to_token_pool, kv_pool, attn_backend)
+        return cls.from_fields(
+            forward_mode,
+            fields,
+            seq_cpu[:live],
+            ext_cpu[:live],
+            req_to_token_pool,
+            kv_pool,
+            attn_backend,
+        )
 
     @classmethod
     def from_fields(
-        cls, forward_mode: ForwardMode, fields: Sequence[torch.Tensor], seq_lens_cpu: list[int],
-        extend_seq_lens_cpu: list[int], req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
+        cls,
+        forward_mode: ForwardMode,
+        fields: Sequence[torch.Tensor],
+        seq_lens_cpu: list[int],
+        extend_seq_lens_cpu: list[int],
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: KVPool,
         attn_backend: AttentionBackend,
     ) -> ForwardBatch:
         """A batch over device tensors in `PACKED_FIELDS` order (the table index is not kept)."""

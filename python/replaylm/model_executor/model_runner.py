@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30
 GRAPH_RUNNERS: dict[str, type[BaseCudaGraphRunner]] = {
-    "decode": DecodeCudaGraphRunner, "prefill": PrefillCudaGraphRunner,
+    "decode": DecodeCudaGraphRunner,
+    "prefill": PrefillCudaGraphRunner,
 }  # default KV budget on CPU when --max-total-tokens is not given
 
 
@@ -56,13 +57,20 @@ class ModelRunner:
         )
         self.matmul = "invariant" if args.deterministic else args.small_batch_matmul
         if args.deterministic and args.small_batch_matmul != "auto":
-            logger.warning("--deterministic overrides --small-batch-matmul %s: every matmul runs "
-                           "the batch-invariant kernel", args.small_batch_matmul)
+            logger.warning(
+                "--deterministic overrides --small-batch-matmul %s: every matmul runs "
+                "the batch-invariant kernel",
+                args.small_batch_matmul,
+            )
         layers = set_matmul(self.model, self.matmul)
         if self.matmul == "auto":
-            logger.info("--small-batch-matmul auto: the skinny triton kernel for %d matmul layers "
-                        "(the LM head and weights up to %d MiB), cuBLAS for %d (larger weights)",
-                        layers["triton"], AUTO_SKINNY_MAX_BYTES // 2**20, layers["cublas"])
+            logger.info(
+                "--small-batch-matmul auto: the skinny triton kernel for %d matmul layers "
+                "(the LM head and weights up to %d MiB), cuBLAS for %d (larger weights)",
+                layers["triton"],
+                AUTO_SKINNY_MAX_BYTES // 2**20,
+                layers["cublas"],
+            )
         self.pdl, why = choose_pdl(args.enable_pdl, pdl_supported(self.device))
         set_pdl(self.pdl)  # before any Triton kernel is launched (or captured)
         logger.info("programmatic dependent launch %s (%s)", "on" if self.pdl else "off", why)
@@ -73,8 +81,13 @@ class ModelRunner:
         self.sampler = Sampler()
         logger.info(
             "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s, "
-            "matmul %s%s%s", self.dtype, self.device, self.max_total_tokens,
-            self.kv_pool.memory_bytes() / 2**30, backend, self.matmul,
+            "matmul %s%s%s",
+            self.dtype,
+            self.device,
+            self.max_total_tokens,
+            self.kv_pool.memory_bytes() / 2**30,
+            backend,
+            self.matmul,
             ", programmatic dependent launch" if self.pdl else "",
             " (--deterministic: batch-invariant kernels)" if args.deterministic else "",
         )
@@ -92,9 +105,13 @@ class ModelRunner:
                 if phase_config.mode == "tc_piecewise" and self.args.compile_cache_dir:
                     set_compile_cache_dir(self.args.compile_cache_dir)
                 backend = create_graph_backend(
-                    phase, phase_config.mode, self.attn_backend, self.args.debug_cuda_graph,
-                    TcPiecewiseOptions(self.args.tc_piecewise_compiler,
-                                       self.args.tc_piecewise_kernels),
+                    phase,
+                    phase_config.mode,
+                    self.attn_backend,
+                    self.args.debug_cuda_graph,
+                    TcPiecewiseOptions(
+                        self.args.tc_piecewise_compiler, self.args.tc_piecewise_kernels
+                    ),
                 )
                 runners[phase] = runner_cls(self, backend, self._fit_shapes(phase, phase_config))
                 runners[phase].capture()
@@ -107,7 +124,8 @@ class ModelRunner:
         for phase, runner in self.graph_runners.items():
             compiled = getattr(runner.backend, "compiled", None)
             stats[phase] = {
-                "mode": runner.backend.mode, "shapes": len(runner.shapes),
+                "mode": runner.backend.mode,
+                "shapes": len(runner.shapes),
                 "capture_s": round(runner.capture_seconds, 2),
                 "graph_mib": round(runner.capture_bytes / 2**20, 1),
                 "compile_s": round(compiled.compile_seconds, 2) if compiled else None,
@@ -120,8 +138,11 @@ class ModelRunner:
         if phase != "prefill" or config.shapes[-1] <= self.context_len:
             return config.shapes
         kept = tuple(s for s in config.shapes if s < self.context_len) + (self.context_len,)
-        logger.info("prefill CUDA-graph buckets cut to the context length %d: %s",
-                    self.context_len, list(kept))
+        logger.info(
+            "prefill CUDA-graph buckets cut to the context length %d: %s",
+            self.context_len,
+            list(kept),
+        )
         return kept
 
     def _kv_budget_tokens(self) -> int:
@@ -146,8 +167,12 @@ class ModelRunner:
         budget = self._kv_budget_tokens()
         self.max_total_tokens = min(budget, self.args.max_total_tokens or budget)
         self.kv_pool = KVPool(
-            self.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
-            cfg.head_dim, self.dtype, self.device,
+            self.max_total_tokens,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
         )
         self.token_allocator = TokenSlotAllocator(self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(

@@ -14,8 +14,17 @@ from collections.abc import Sequence
 import torch
 
 # ForwardBatch.create's packed order: four per-token fields, then five per-request ones
-PACKED_FIELDS = ("input_ids", "positions", "out_cache_loc", "table_index", "req_pool_indices",
-                 "seq_lens", "prefix_lens", "extend_seq_lens", "extend_start_loc")
+PACKED_FIELDS = (
+    "input_ids",
+    "positions",
+    "out_cache_loc",
+    "table_index",
+    "req_pool_indices",
+    "seq_lens",
+    "prefix_lens",
+    "extend_seq_lens",
+    "extend_start_loc",
+)
 
 
 def pack_host(wide: Sequence[int], narrow: Sequence[int]) -> torch.Tensor:
@@ -28,8 +37,9 @@ def pack_host(wide: Sequence[int], narrow: Sequence[int]) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-def send_packed(device: torch.device, wide: Sequence[int], narrow: Sequence[int]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def send_packed(
+    device: torch.device, wide: Sequence[int], narrow: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(`wide` as int64, `narrow` as int32) on `device`, sent in one host-to-device copy; every
     step is one torch call (each costs host time)."""
     on_device = pack_host(wide, narrow).to(device, non_blocking=True)  # pageable: staged now

@@ -81,8 +81,9 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     if vocab is None:
         raise ValueError(f"{path}: no 'token_embd.weight' tensor and no '{arch}.vocab_size' key")
     head_dim = meta(Keys.Attention.KEY_LENGTH) or meta(Keys.Rope.DIMENSION_COUNT)
-    eos_ids = [meta(k) for k in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID,
-                                 Keys.Tokenizer.EOM_ID)]
+    eos_ids = [
+        meta(k) for k in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
+    ]
     eos_ids = list(dict.fromkeys(int(i) for i in eos_ids if i is not None))
     bos = meta(Keys.Tokenizer.BOS_ID)
     return {

@@ -81,8 +81,13 @@ def load_model(
     model.eval()
     logger.info(
         "loaded %s (%s, %s) from %s: %.1fM parameters, %s on %s",
-        config.architecture, fmt, "tied" if config.tie_word_embeddings else "untied", path,
-        sum(p.numel() for p in model.parameters()) / 1e6, dtype, device,
+        config.architecture,
+        fmt,
+        "tied" if config.tie_word_embeddings else "untied",
+        path,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        dtype,
+        device,
     )
     return model
 

@@ -41,8 +41,13 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config has no 'architectures' entry; cannot pick a model class")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
             if key not in cfg:
                 raise ValueError(f"config is missing required key '{key}'")
         heads = int(cfg["num_attention_heads"])

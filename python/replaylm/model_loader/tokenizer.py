@@ -61,8 +61,11 @@ def tokenizer_info(tokenizer: PreTrainedTokenizerBase | None) -> TokenizerInfo:
     if backend is not None:
         ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
         shareable = backend.decode(ids, skip_special_tokens=True) == text_decoder(tokenizer)(ids)
-    return TokenizerInfo(has_tokenizer=True, eos_token_id=tokenizer.eos_token_id,
-                         fast_json=backend.to_str() if shareable else None)
+    return TokenizerInfo(
+        has_tokenizer=True,
+        eos_token_id=tokenizer.eos_token_id,
+        fast_json=backend.to_str() if shareable else None,
+    )
 
 
 def scheduler_decoder(info: TokenizerInfo, path: str) -> Decoder | None:

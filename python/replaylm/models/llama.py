@@ -35,7 +35,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool,
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
         qk_norm: bool,
     ) -> None:
         super().__init__()
@@ -54,22 +58,29 @@ class LlamaAttention(nn.Module):
         return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape[0], -1)
 
     def _fused_norm_rope(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor]:
         """The Triton route: q/k norm (Qwen3) and rope in one kernel, reading q and k in place
         from the QKV output, and the layer's K/V store (in the same kernel where the attention
         backend allows). (q, k, `Attention`'s `kv_stored`: True, or under torch.compile the
         custom op's result)."""
-        norm = None if self.q_norm is None else (
-            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        norm = (
+            None
+            if self.q_norm is None
+            else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        )
         cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
         if torch.compiler.is_compiling():
             q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
-            return torch.ops.replaylm.rope_store_kv(q, k, v, positions, cos, sin, self.head_dim,
-                                                    q_weight, k_weight, eps)
-        q, k = norm_rope_store(q, k, v, positions, cos, sin, self.head_dim, norm, self.attn,
-                               batch)
+            return torch.ops.replaylm.rope_store_kv(
+                q, k, v, positions, cos, sin, self.head_dim, q_weight, k_weight, eps
+            )
+        q, k = norm_rope_store(q, k, v, positions, cos, sin, self.head_dim, norm, self.attn, batch)
         return q, k, True
 
     def forward(
@@ -97,8 +108,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
@@ -106,7 +123,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -124,7 +144,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
@@ -152,8 +174,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, self.uses_qkv_bias(config), self.uses_qk_norm())
         self.lm_head = (
-            None if config.tie_word_embeddings
-            else LMHead(config.hidden_size, config.vocab_size)
+            None if config.tie_word_embeddings else LMHead(config.hidden_size, config.vocab_size)
         )
         self.logits_processor = LogitsProcessor()
 
@@ -181,8 +202,9 @@ class LlamaForCausalLM(nn.Module):
         shapes, so a prefill graph can capture it for a token bucket)."""
         return self.model(input_ids, positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, batch: ForwardBatch, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Next-token logits `[B, V]` (float32) from `forward_hidden`'s output (into `out` when
         given: contiguous, that shape and dtype)."""
         return self.logits_processor(hidden, self.lm_head_weight, batch, out)

@@ -56,8 +56,15 @@ def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
     prefix_lens = [r.kv_len for r in reqs]
     for req, slot in zip(reqs, slots, strict=True):
         req.kv_slots.append(slot)
-    return _create(ForwardMode.DECODE, reqs, [[r.last_id] for r in reqs], prefix_lens, slots,
-                   runner, runner.decode_inputs(len(reqs)))
+    return _create(
+        ForwardMode.DECODE,
+        reqs,
+        [[r.last_id] for r in reqs],
+        prefix_lens,
+        slots,
+        runner,
+        runner.decode_inputs(len(reqs)),
+    )
 
 
 def release(req: Req, runner: ModelRunner) -> None:
@@ -72,12 +79,24 @@ def release(req: Req, runner: ModelRunner) -> None:
 
 
 def _create(
-    mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]], prefix_lens: list[int],
-    slots: list[int], runner: ModelRunner, into: DecodeInputs | None = None,
+    mode: ForwardMode,
+    reqs: list[Req],
+    new_ids: list[list[int]],
+    prefix_lens: list[int],
+    slots: list[int],
+    runner: ModelRunner,
+    into: DecodeInputs | None = None,
 ) -> ForwardBatch:
     """The batch; ForwardBatch.create also records each new token's slot in the request table
     (at its request's row and its position), from the batch's one host-to-device copy."""
     return ForwardBatch.create(
-        mode, new_ids, prefix_lens, [r.req_pool_idx for r in reqs], slots,
-        runner.req_to_token_pool, runner.kv_pool, runner.attn_backend, into,
+        mode,
+        new_ids,
+        prefix_lens,
+        [r.req_pool_idx for r in reqs],
+        slots,
+        runner.req_to_token_pool,
+        runner.kv_pool,
+        runner.attn_backend,
+        into,
     )

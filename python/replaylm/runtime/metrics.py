@@ -25,11 +25,13 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("replaylm_requests", "finished requests", ["finish_reason"],
-                                registry=r)
+        self.requests = Counter(
+            "replaylm_requests", "finished requests", ["finish_reason"], registry=r
+        )
         self.prompt_tokens = Counter("replaylm_prompt_tokens", "prompt tokens", registry=r)
-        self.generation_tokens = Counter("replaylm_generation_tokens", "generated tokens",
-                                         registry=r)
+        self.generation_tokens = Counter(
+            "replaylm_generation_tokens", "generated tokens", registry=r
+        )
         self.running = Gauge("replaylm_num_running_requests", "requests decoding", registry=r)
         self.waiting = Gauge("replaylm_num_waiting_requests", "requests queued", registry=r)
         self.kv_used = Gauge("replaylm_kv_used_tokens", "KV cache slots in use", registry=r)
@@ -37,18 +39,36 @@ class ServerMetrics:
         self.kv_usage = Gauge("replaylm_kv_usage_ratio", "KV slots in use / all", registry=r)
         self.retractions = Gauge("replaylm_retractions", "requests retracted so far", registry=r)
         self.forward_batches = Gauge(
-            "replaylm_forward_batches", "forward passes so far, by phase and by path "
-            "(graph = CUDA-graph replay, eager = fallback or graphs off)", ["phase", "path"],
-            registry=r)
+            "replaylm_forward_batches",
+            "forward passes so far, by phase and by path "
+            "(graph = CUDA-graph replay, eager = fallback or graphs off)",
+            ["phase", "path"],
+            registry=r,
+        )
         self.padding_tokens = Gauge(
-            "replaylm_graph_padding_tokens", "tokens computed only to pad a batch up to a "
-            "captured graph shape, so far", ["phase"], registry=r)
-        self.ttft = Histogram("replaylm_time_to_first_token_seconds", "time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("replaylm_inter_token_latency_seconds", "time between tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("replaylm_e2e_request_latency_seconds", "request latency",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+            "replaylm_graph_padding_tokens",
+            "tokens computed only to pad a batch up to a captured graph shape, so far",
+            ["phase"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "replaylm_time_to_first_token_seconds",
+            "time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "replaylm_inter_token_latency_seconds",
+            "time between tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "replaylm_e2e_request_latency_seconds",
+            "request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def set_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)

@@ -22,8 +22,6 @@ def check_input_ids(ids: list[int], vocab_size: int, context_len: int, kv_tokens
         raise RequestError(f"input_ids must be ints in [0, {vocab_size})", "input_ids")
 
 
-def clamp_max_new_tokens(
-    prompt_len: int, requested: int, context_len: int, kv_tokens: int
-) -> int:
+def clamp_max_new_tokens(prompt_len: int, requested: int, context_len: int, kv_tokens: int) -> int:
     """The output budget: what was asked for, cut to what the context and KV cache can hold."""
     return min(requested, context_len - prompt_len, kv_tokens - prompt_len)

@@ -63,8 +63,9 @@ class _Logprobs:
     top_ids: torch.Tensor  # [W, k] int64
 
     def to_host(self) -> _Logprobs:
-        return _Logprobs(self.wanted, *(_to_host(t) for t in
-                                        (self.chosen, self.top_vals, self.top_ids)))
+        return _Logprobs(
+            self.wanted, *(_to_host(t) for t in (self.chosen, self.top_vals, self.top_ids))
+        )
 
 
 @dataclass
@@ -81,8 +82,7 @@ class _Sampled:
     rows: dict[int, int]
 
     @classmethod
-    def start(cls, reqs: list[Req], next_ids: torch.Tensor,
-              logprobs: _Logprobs | None) -> _Sampled:
+    def start(cls, reqs: list[Req], next_ids: torch.Tensor, logprobs: _Logprobs | None) -> _Sampled:
         """Start the copies to the host behind the step's work on the current stream."""
         host_ids = _to_host(next_ids)
         host_logprobs = logprobs.to_host() if logprobs is not None else None
@@ -90,8 +90,9 @@ class _Sampled:
         if next_ids.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return cls(reqs, next_ids, host_ids, host_logprobs, ready,
-                   {id(r): i for i, r in enumerate(reqs)})
+        return cls(
+            reqs, next_ids, host_ids, host_logprobs, ready, {id(r): i for i, r in enumerate(reqs)}
+        )
 
     def results(self) -> tuple[list[int], list[list[TokenLogprob] | None] | None]:
         """(token per request, logprobs per request or None), waiting for the copies only."""
@@ -106,9 +107,13 @@ class Scheduler:
     for stop strings; None when the model has no tokenizer)."""
 
     def __init__(
-        self, runner: ModelRunner, eos_ids: frozenset[int],
+        self,
+        runner: ModelRunner,
+        eos_ids: frozenset[int],
         decode_text: Callable[[list[int]], str] | None,
-        chunked_prefill_size: int, max_prefill_tokens: int | None, overlap: bool = True,
+        chunked_prefill_size: int,
+        max_prefill_tokens: int | None,
+        overlap: bool = True,
     ) -> None:
         """`max_prefill_tokens` None: a prefill batch holds at most `chunked_prefill_size`.
         `overlap`: launch each decode step before reading the one before back."""
@@ -124,8 +129,12 @@ class Scheduler:
         self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO
         self.overlap = overlap
         self._in_flight: _Sampled | None = None  # a decode step not read back yet
-        logger.info("overlap schedule: %s", "on (each decode step is launched before the one "
-                    "before it is read back)" if overlap else "off (--disable-overlap-schedule)")
+        logger.info(
+            "overlap schedule: %s",
+            "on (each decode step is launched before the one before it is read back)"
+            if overlap
+            else "off (--disable-overlap-schedule)",
+        )
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -156,9 +165,11 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         total = self.runner.max_total_tokens
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
             kv_used_tokens=total - self.runner.token_allocator.available_size(),
-            kv_total_tokens=total, num_retractions=self.num_retractions,
+            kv_total_tokens=total,
+            num_retractions=self.num_retractions,
             forward_stats=self.runner.forward_stats,
         )
 
@@ -192,8 +203,9 @@ class Scheduler:
             outputs = self._read_back()  # its finished requests free slots; retract after
         if not self.running:
             return outputs + self._read_back()
-        self.new_token_ratio = max(self.min_new_token_ratio,
-                                   self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.new_token_ratio = max(
+            self.min_new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
         self._retract_for_decode()
         launched = self._launch_decode()
         outputs += self._read_back()
@@ -207,8 +219,11 @@ class Scheduler:
         flight where there is one (copied on the device); None when every request ends in it."""
         in_flight = self._in_flight
         pending = in_flight.rows if in_flight is not None else {}
-        reqs = [r for r in self.running
-                if id(r) not in pending or len(r.output_ids) + 1 < r.max_new_tokens]
+        reqs = [
+            r
+            for r in self.running
+            if id(r) not in pending or len(r.output_ids) + 1 < r.max_new_tokens
+        ]
         if not reqs:
             return None
         batch = prepare_decode(reqs, self.runner)
@@ -245,8 +260,10 @@ class Scheduler:
             if chunk <= 0 or (needs_row and free_rows == 0):
                 break
             alone = not self.running and not reqs  # always admissible: callers clamp budgets
-            if chunk == todo and not alone and (
-                todo + 1 + self._expected_new_tokens(req) > free_kv
+            if (
+                chunk == todo
+                and not alone
+                and (todo + 1 + self._expected_new_tokens(req) > free_kv)
             ):
                 break  # would finish its prompt with no room to decode: wait
             self.waiting.popleft()
@@ -277,22 +294,27 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)
         logger.info(
             "KV cache full: retracted request %s (%d cached tokens to recompute)",
-            req.rid, req.kv_len,
+            req.rid,
+            req.kv_len,
         )
         release(req, self.runner)
         self.num_retractions += 1
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor,
-                pending: dict[int, int] | None = None) -> _Sampled:
+    def _sample(
+        self, reqs: list[Req], logits: torch.Tensor, pending: dict[int, int] | None = None
+    ) -> _Sampled:
         """Sample each request's next token on the device. `pending`: requests (by id) with a
         token in flight, which counts as generated (each sampling step has its own noise)."""
         info = SamplingBatchInfo.from_params(
-            [r.sampling_params for r in reqs], [r.seed for r in reqs], logits.shape[-1],
+            [r.sampling_params for r in reqs],
+            [r.seed for r in reqs],
+            logits.shape[-1],
             logits.device,
         )
         pending = pending or {}
         steps = torch.tensor([len(r.output_ids) + (id(r) in pending) for r in reqs]).to(
-            logits.device, non_blocking=True)
+            logits.device, non_blocking=True
+        )
         next_ids = self.runner.sample(logits, info, steps)
         return _Sampled.start(reqs, next_ids, _logprobs(reqs, logits, next_ids))
 

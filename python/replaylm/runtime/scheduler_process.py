@@ -55,14 +55,18 @@ class SchedulerProcess:
         """Spawn the child; it starts loading the model at once (send it TokenizerInfo next)."""
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=run_scheduler_process, args=(args, child_conn), daemon=True,
-                           name="replaylm-scheduler")
+        proc = ctx.Process(
+            target=run_scheduler_process,
+            args=(args, child_conn),
+            daemon=True,
+            name="replaylm-scheduler",
+        )
         proc.start()
         child_conn.close()
         return cls(proc, conn)
 
     def exit_reason(self) -> str:
-        """"the scheduler process exited", with its exit code once it has one."""
+        """ "the scheduler process exited", with its exit code once it has one."""
         code = self.proc.exitcode
         return "the scheduler process exited" + (f" (code {code})" if code is not None else "")
 
@@ -81,17 +85,23 @@ class SchedulerProcess:
 def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
     """Process entry point. Ctrl-C goes to the parent, which shuts this process down."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s",
+    )
     try:
         scheduler = _build_scheduler(args, conn)
         if scheduler is None:
             return  # shut down before it was ready
         runner = scheduler.runner
-        conn.send(SchedulerReady(
-            max_total_tokens=runner.max_total_tokens, context_len=runner.context_len,
-            vocab_size=runner.config.vocab_size, cuda_graph_capture=runner.cuda_graph_stats(),
-        ))
+        conn.send(
+            SchedulerReady(
+                max_total_tokens=runner.max_total_tokens,
+                context_len=runner.context_len,
+                vocab_size=runner.config.vocab_size,
+                cuda_graph_capture=runner.cuda_graph_stats(),
+            )
+        )
     except (EOFError, BrokenPipeError):
         return  # the parent gave up before the model was ready
     except Exception:
@@ -120,9 +130,14 @@ def _build_scheduler(args: ServerArgs, conn: Connection) -> Scheduler | None:
     if not isinstance(info, TokenizerInfo):
         raise TypeError(f"expected TokenizerInfo first, got {type(info).__name__}")
     decode = scheduler_decoder(info, args.tokenizer_path or args.model_path)
-    return Scheduler(runner, eos_token_ids(runner, info.eos_token_id), decode,
-                     args.chunked_prefill_size, args.max_prefill_tokens,
-                     overlap=not args.disable_overlap_schedule)
+    return Scheduler(
+        runner,
+        eos_token_ids(runner, info.eos_token_id),
+        decode,
+        args.chunked_prefill_size,
+        args.max_prefill_tokens,
+        overlap=not args.disable_overlap_schedule,
+    )
 
 
 def _loop(scheduler: Scheduler, conn: Connection) -> None:
@@ -135,19 +150,28 @@ def _loop(scheduler: Scheduler, conn: Connection) -> None:
             if isinstance(msg, ShutdownReq):
                 return
             if isinstance(msg, TokenizedGenerateReq):
-                scheduler.add(Req(
-                    msg.rid, msg.input_ids, msg.sampling_params, msg.seed, msg.max_new_tokens,
-                    top_logprobs=msg.top_logprobs,
-                ))
+                scheduler.add(
+                    Req(
+                        msg.rid,
+                        msg.input_ids,
+                        msg.sampling_params,
+                        msg.seed,
+                        msg.max_new_tokens,
+                        top_logprobs=msg.top_logprobs,
+                    )
+                )
             elif isinstance(msg, AbortReq) and (req := scheduler.abort(msg.rid)) is not None:
                 aborted.append(req)
-        outputs = [
-            ReqTokenOut(r.rid, [], None, r.finish_reason, len(r.input_ids)) for r in aborted
-        ]
+        outputs = [ReqTokenOut(r.rid, [], None, r.finish_reason, len(r.input_ids)) for r in aborted]
         if scheduler.has_work:
             outputs += [
-                ReqTokenOut(o.req.rid, o.new_token_ids, o.logprobs, o.req.finish_reason,
-                            len(o.req.input_ids))
+                ReqTokenOut(
+                    o.req.rid,
+                    o.new_token_ids,
+                    o.logprobs,
+                    o.req.finish_reason,
+                    len(o.req.input_ids),
+                )
                 for o in scheduler.step()
             ]
         if outputs or aborted:

@@ -64,7 +64,9 @@ class TokenizerManager:
     """See the module docstring. Construct it, then use `generate` from one asyncio loop."""
 
     def __init__(
-        self, server_args: ServerArgs, cuda_graphs: CudaGraphConfig | None = None,
+        self,
+        server_args: ServerArgs,
+        cuda_graphs: CudaGraphConfig | None = None,
         scheduler: SchedulerProcess | None = None,
     ) -> None:
         """`cuda_graphs`: the resolved CUDA-graph config, reported by `server_info`;
@@ -151,9 +153,11 @@ class TokenizerManager:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         self.metrics.prompt_tokens.inc(len(req.input_ids))
         try:
-            self._send(TokenizedGenerateReq(
-                req.rid, list(req.input_ids), params, seed, max_new, req.top_logprobs
-            ))
+            self._send(
+                TokenizedGenerateReq(
+                    req.rid, list(req.input_ids), params, seed, max_new, req.top_logprobs
+                )
+            )
             while True:
                 item = await state.queue.get()
                 if isinstance(item, Exception):
@@ -279,7 +283,11 @@ class TokenizerManager:
             self.metrics.requests.labels(reason.type).inc()
             self.metrics.e2e.observe(now - state.created)
         return GenerateOutput(
-            rid=out.rid, text=text, token_ids=list(out.new_token_ids), logprobs=out.logprobs,
-            finish_reason=reason, prompt_tokens=out.prompt_tokens,
+            rid=out.rid,
+            text=text,
+            token_ids=list(out.new_token_ids),
+            logprobs=out.logprobs,
+            finish_reason=reason,
+            prompt_tokens=out.prompt_tokens,
             completion_tokens=state.completion_tokens,
         )

@@ -47,8 +47,13 @@ class AttentionBackend(ABC):
         return None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         """Attend (K/V already stored by `store_kv`): writes `out` `[T, H, D]`, returns it."""
         if batch.forward_mode.is_decode():
@@ -57,15 +62,25 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         """Causal attention of the new tokens over prefix + new tokens, into `out`."""
 
     @abstractmethod
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         """One query token per request over its whole sequence, into `out`."""
 

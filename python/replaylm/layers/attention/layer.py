@@ -31,7 +31,11 @@ class Attention(nn.Module):
         self.layer_id = layer_id
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
         kv_stored: bool | torch.Tensor = False,
     ) -> torch.Tensor:
         """Store K/V (unless the caller's kernel stored them at the backend's `kv_store_target`:
@@ -45,8 +49,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = q.new_empty(q.shape)
         if torch.compiler.is_compiling():
-            stored = (kv_stored if isinstance(kv_stored, torch.Tensor)
-                      else torch.ops.replaylm.store_kv(k, v))  # the next layer's: see ops.py
+            stored = (
+                kv_stored
+                if isinstance(kv_stored, torch.Tensor)
+                else torch.ops.replaylm.store_kv(k, v)
+            )  # the next layer's: see ops.py
             torch.ops.replaylm.attention(q, k, v, out, stored, self.layer_id)
         else:
             if kv_stored is False:

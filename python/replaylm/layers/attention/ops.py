@@ -39,7 +39,11 @@ _context = threading.local()
 
 @break_point
 def attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: Attention,
+    batch: ForwardBatch,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Attend through the batch's backend (K/V already stored): `[T, H, D]` q, `[T, Hkv, D]` k
@@ -85,8 +89,10 @@ def start_forward() -> None:
 def _next_store(ctx: _Context) -> Attention:
     """The layer whose K/V the pass stores next (counted as stored)."""
     if ctx.stores >= len(ctx.layers):
-        raise RuntimeError("K/V stored more often than there are layers: a forward pass began "
-                           "without start_forward()")
+        raise RuntimeError(
+            "K/V stored more often than there are layers: a forward pass began "
+            "without start_forward()"
+        )
     layer = ctx.layers[ctx.stores]
     ctx.stores += 1
     return layer
@@ -109,9 +115,16 @@ def _store_kv_fake(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def norm_rope_store(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-    cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None, layer: Attention, batch: ForwardBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    layer: Attention,
+    batch: ForwardBatch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.qk_norm_rope.qk_norm_rope` of `[T, H*D]` q and `[T, Hkv*D]` k (after the per-head
     norms `norm` = (q weight, k weight, eps)), and `layer`'s K/V store: inside the kernel where
@@ -120,8 +133,16 @@ def norm_rope_store(
 
     backend = batch.attn_backend
     target = backend.kv_store_target(layer, batch)
-    q, k = rope.qk_norm_rope(q, k, positions, cos_cache, sin_cache, head_dim, norm,
-                             kv_store=None if target is None else (v, *target))
+    q, k = rope.qk_norm_rope(
+        q,
+        k,
+        positions,
+        cos_cache,
+        sin_cache,
+        head_dim,
+        norm,
+        kv_store=None if target is None else (v, *target),
+    )
     if target is None:
         t = k.shape[0]
         backend.store_kv(k.view(t, -1, head_dim), v.view(t, -1, head_dim), layer, batch)
@@ -130,32 +151,51 @@ def norm_rope_store(
 
 @torch.library.custom_op(ROPE_STORE_KV_OP_NAME, mutates_args=())
 def rope_store_kv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-    cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`norm_rope_store` for the next layer of the pass, like `store_kv` (the norm when
     `q_weight` is given). Returns (q, k, `store_kv`'s dummy for `attention`)."""
     ctx = _current()
     norm = None if q_weight is None else (q_weight, k_weight, eps)
-    q, k = norm_rope_store(q, k, v, positions, cos_cache, sin_cache, head_dim, norm,
-                           _next_store(ctx), ctx.batch)
+    q, k = norm_rope_store(
+        q, k, v, positions, cos_cache, sin_cache, head_dim, norm, _next_store(ctx), ctx.batch
+    )
     return q, k, k.new_empty(0)
 
 
 @rope_store_kv.register_fake
 def _rope_store_kv_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-    cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(0)
 
 
 @torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=("out",))
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    kv_stored: torch.Tensor, layer_id: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    kv_stored: torch.Tensor,
+    layer_id: int,
 ) -> None:
     """`attention_op` for layer `layer_id` of the open `attention_context`, into `out`;
     `kv_stored` is the result of the op that stored the layer's K/V (`store_kv`,
@@ -166,7 +206,11 @@ def attention(
 
 @attention.register_fake
 def _attention_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    kv_stored: torch.Tensor, layer_id: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    kv_stored: torch.Tensor,
+    layer_id: int,
 ) -> None:
     return None

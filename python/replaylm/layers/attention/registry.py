@@ -28,6 +28,7 @@ ATTENTION_BACKENDS: dict[str, Callable[[bool], AttentionBackend]] = {
     "triton": _triton,
 }
 
+
 def create_attention_backend(name: str, deterministic: bool = False) -> AttentionBackend:
     """Instantiate a backend by name; ValueError lists the known ones, or says that the backend
     has no batch-invariant kernels when `deterministic` asks for them."""

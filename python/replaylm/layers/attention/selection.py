@@ -25,5 +25,7 @@ def resolve_attention_backend(name: str, device_type: str) -> str:
 def check_deterministic(backend: str) -> None:
     """ValueError unless the resolved `backend` has batch-invariant kernels (`--deterministic`)."""
     if backend not in DETERMINISTIC_BACKENDS:
-        raise ValueError(f"--deterministic needs the triton attention backend (batch-invariant "
-                         f"kernels, CUDA only); {backend} has none")
+        raise ValueError(
+            f"--deterministic needs the triton attention backend (batch-invariant "
+            f"kernels, CUDA only); {backend} has none"
+        )

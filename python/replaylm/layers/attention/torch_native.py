@@ -66,19 +66,33 @@ class TorchNativeAttnBackend(AttentionBackend):
         v = v_cache[meta.kv_slots].transpose(1, 2).to(q.dtype)
         qp = q[meta.q_index].transpose(1, 2)  # [B, H, Lq, D]
         attn = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=meta.mask, scale=layer.scaling,
+            qp,
+            k,
+            v,
+            attn_mask=meta.mask,
+            scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
         return out.copy_(attn.transpose(1, 2)[meta.q_valid])  # [T, H, D], packed token order
 
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         return self._attend(q, layer, batch, out)
 
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         return self._attend(q, layer, batch, out)

@@ -31,7 +31,9 @@ def use_triton_kernels(x: torch.Tensor) -> bool:
     is not tracing unless inside `kernels_in_compiled_code()`. Reads the device and flags only:
     no host sync."""
     return (
-        x.device.type == KERNEL_DEVICE_TYPE and _HAS_TRITON and not _native_only
+        x.device.type == KERNEL_DEVICE_TYPE
+        and _HAS_TRITON
+        and not _native_only
         and (_kernels_when_compiling or not torch.compiler.is_compiling())
     )
 
@@ -48,8 +50,10 @@ def check_pdl(enabled: bool, device: torch.device) -> None:
     if device.type != "cuda":
         raise ValueError(f"--enable-pdl needs a CUDA GPU of compute capability 9.0+, not {device}")
     major, minor = torch.cuda.get_device_capability(device)
-    raise ValueError(f"--enable-pdl needs compute capability 9.0+ (Hopper); "
-                     f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
+    raise ValueError(
+        f"--enable-pdl needs compute capability 9.0+ (Hopper); "
+        f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
+    )
 
 
 def choose_pdl(asked: bool | None, supported: bool) -> tuple[bool, str]:
@@ -87,8 +91,9 @@ def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def converted(y: torch.Tensor, out_dtype: torch.dtype | None,
-              out: torch.Tensor | None) -> torch.Tensor:
+def converted(
+    y: torch.Tensor, out_dtype: torch.dtype | None, out: torch.Tensor | None
+) -> torch.Tensor:
     """`y` in `out_dtype` (None: as it is), written into `out` when given (one launch either
     way): how a matmul result computed elsewhere (F.linear) meets `linear`'s contract. `out`
     must have `y`'s shape (no broadcasting)."""

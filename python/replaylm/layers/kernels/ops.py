@@ -38,11 +38,14 @@ def _add_rms_norm_op(
 
 
 @_add_rms_norm_op.register_fake
-def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-    return (x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype)),
-            x.new_empty(x.shape, dtype=sum_dtype))
+    return (
+        x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype)),
+        x.new_empty(x.shape, dtype=sum_dtype),
+    )
 
 
 @torch.library.custom_op("replaylm::silu_and_mul", mutates_args=())
@@ -55,31 +58,59 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            all_rows: bool, gated_silu: bool, out_dtype: torch.dtype | None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    all_rows: bool,
+    gated_silu: bool,
+    out_dtype: torch.dtype | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     if all_rows:
-        return _skinny.skinny_matmul(x, weight, bias, _skinny.INVARIANT_CONFIG,
-                                     gated_silu=gated_silu, out_dtype=out_dtype, out=out)
+        return _skinny.skinny_matmul(
+            x,
+            weight,
+            bias,
+            _skinny.INVARIANT_CONFIG,
+            gated_silu=gated_silu,
+            out_dtype=out_dtype,
+            out=out,
+        )
     if x.numel() <= _skinny.MAX_ROWS * x.shape[-1]:
-        return _skinny.skinny_matmul(x, weight, bias, gated_silu=gated_silu, out_dtype=out_dtype,
-                                     out=out)
+        return _skinny.skinny_matmul(
+            x, weight, bias, gated_silu=gated_silu, out_dtype=out_dtype, out=out
+        )
     y = F.linear(x, weight, bias)
     y = _silu_mul.silu_and_mul(y) if gated_silu else y
     return converted(y, out_dtype, out)
 
 
 @torch.library.custom_op("replaylm::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               all_rows: bool, gated_silu: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
+def _linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    all_rows: bool,
+    gated_silu: bool,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
     return _linear(x, weight, bias, all_rows, gated_silu, out_dtype)
 
 
 @_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-      all_rows: bool, gated_silu: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if gated_silu else weight.shape[0]),
-                       dtype=out_dtype or x.dtype)
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    all_rows: bool,
+    gated_silu: bool,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    return x.new_empty(
+        (*x.shape[:-1], weight.shape[0] // 2 if gated_silu else weight.shape[0]),
+        dtype=out_dtype or x.dtype,
+    )
 
 
 def rms_norm(
@@ -100,9 +131,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.replaylm.silu_and_mul(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           all_rows: bool = False, gated_silu: bool = False,
-           out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    all_rows: bool = False,
+    gated_silu: bool = False,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`x @ weight.T (+ bias)`: the skinny kernel (`kernels.skinny_matmul`) for at most
     `MAX_ROWS` rows, else `F.linear`; decided per call at run time, so also under torch.compile,
     where the row count is symbolic (a custom op there). `all_rows`: the kernel for any number of

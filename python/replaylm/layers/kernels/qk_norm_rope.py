@@ -25,9 +25,24 @@ KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 @triton.jit
 def _norm_rope_heads(
-    Src, Dst, W, Cache, first_head, num_heads, stride_ch, cos1, cos2, sin1, sin2, eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
+    Src,
+    Dst,
+    W,
+    Cache,
+    first_head,
+    num_heads,
+    stride_ch,
+    cos1,
+    cos2,
+    sin1,
+    sin2,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """Heads `first_head ..` (BLOCK_H of them, masked at `num_heads`) of one token: `Src` and
     `Dst` point at the token's row, `Cache` (with STORE) at its KV slot, heads `stride_ch`
@@ -58,8 +73,9 @@ def _norm_rope_heads(
 
 
 @triton.jit
-def _copy_heads(Src, Cache, first_head, num_heads, stride_ch, HEAD_DIM: tl.constexpr,
-                BLOCK_H: tl.constexpr):
+def _copy_heads(
+    Src, Cache, first_head, num_heads, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr
+):
     """Heads `first_head ..` of one token's row `Src` into its KV slot `Cache` as they are."""
     heads = first_head + tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, HEAD_DIM)[None, :]
@@ -72,11 +88,34 @@ def _copy_heads(Src, Cache, first_head, num_heads, stride_ch, HEAD_DIM: tl.const
 # fields sit at any 8-byte offset) need not make a variant of its own
 @triton.jit(do_not_specialize_on_alignment=["Pos", "Loc"])
 def _qk_norm_rope_kernel(
-    Q, K, QOut, KOut, QW, KW, Cos, Sin, Pos, V, KCache, VCache, Loc,
-    stride_q, stride_k, stride_v, stride_cos, stride_ct, stride_ch, eps,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
-    STORE: tl.constexpr, USE_PDL: tl.constexpr,
+    Q,
+    K,
+    QOut,
+    KOut,
+    QW,
+    KW,
+    Cos,
+    Sin,
+    Pos,
+    V,
+    KCache,
+    VCache,
+    Loc,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_cos,
+    stride_ct,
+    stride_ch,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid (T, q head blocks + k head blocks): one block of one token's q or k heads (a k
     block, with STORE, also stores its K heads and the same V heads at the token's slot)."""
@@ -95,9 +134,24 @@ def _qk_norm_rope_kernel(
     sin2 = tl.load(Sin + table + HALF, mask=half, other=0.0).to(dtype).to(tl.float32)
     if block < q_blocks:
         _norm_rope_heads(
-            Q + t * stride_q, QOut + t * (NUM_HEADS * HEAD_DIM), QW, Q, block * BLOCK_H,
-            NUM_HEADS, 0, cos1, cos2, sin1, sin2, eps, HEAD_DIM, HALF, BLOCK_HALF, BLOCK_H,
-            HAS_NORM, False,
+            Q + t * stride_q,
+            QOut + t * (NUM_HEADS * HEAD_DIM),
+            QW,
+            Q,
+            block * BLOCK_H,
+            NUM_HEADS,
+            0,
+            cos1,
+            cos2,
+            sin1,
+            sin2,
+            eps,
+            HEAD_DIM,
+            HALF,
+            BLOCK_HALF,
+            BLOCK_H,
+            HAS_NORM,
+            False,
         )
     else:
         first = (block - q_blocks) * BLOCK_H
@@ -105,19 +159,40 @@ def _qk_norm_rope_kernel(
         if STORE:
             slot = tl.load(Loc + t).to(tl.int64) * stride_ct
         _norm_rope_heads(
-            K + t * stride_k, KOut + t * (NUM_KV_HEADS * HEAD_DIM), KW, KCache + slot, first,
-            NUM_KV_HEADS, stride_ch, cos1, cos2, sin1, sin2, eps, HEAD_DIM, HALF, BLOCK_HALF,
-            BLOCK_H, HAS_NORM, STORE,
+            K + t * stride_k,
+            KOut + t * (NUM_KV_HEADS * HEAD_DIM),
+            KW,
+            KCache + slot,
+            first,
+            NUM_KV_HEADS,
+            stride_ch,
+            cos1,
+            cos2,
+            sin1,
+            sin2,
+            eps,
+            HEAD_DIM,
+            HALF,
+            BLOCK_HALF,
+            BLOCK_H,
+            HAS_NORM,
+            STORE,
         )
         if STORE:
-            _copy_heads(V + t * stride_v, VCache + slot, first, NUM_KV_HEADS, stride_ch,
-                        HEAD_DIM, BLOCK_H)
+            _copy_heads(
+                V + t * stride_v, VCache + slot, first, NUM_KV_HEADS, stride_ch, HEAD_DIM, BLOCK_H
+            )
 
 
 def qk_norm_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor, head_dim: int,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, heads_per_program: int = 4,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    heads_per_program: int = 4,
     kv_store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rope (after a per-head RMSNorm when `norm` = (q weight, k weight, eps)) of q `[T, H*D]`
@@ -131,8 +206,11 @@ def qk_norm_rope(
         raise ValueError("q and k must have unit column stride and one dtype")
     if head_dim % 2 or q.shape[1] % head_dim or k.shape[1] % head_dim:
         raise ValueError(f"head dim {head_dim} must be even and divide q's and k's widths")
-    if cos_cache.shape[1] != head_dim or cos_cache.stride(1) != 1 or (
-            cos_cache.stride() != sin_cache.stride()):
+    if (
+        cos_cache.shape[1] != head_dim
+        or cos_cache.stride(1) != 1
+        or (cos_cache.stride() != sin_cache.stride())
+    ):
         raise ValueError("the cos/sin tables must be [positions, head dim], rows alike")
     num_tokens = q.shape[0]
     num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
@@ -144,27 +222,54 @@ def qk_norm_rope(
         _check_kv_store(k, v, k_cache, v_cache, head_dim)
     else:
         v, k_cache, v_cache, slots = k, k, k, positions  # only `slots` is read, not used
-    blocks = triton.cdiv(num_heads, heads_per_program) + triton.cdiv(num_kv_heads,
-                                                                     heads_per_program)
+    blocks = triton.cdiv(num_heads, heads_per_program) + triton.cdiv(
+        num_kv_heads, heads_per_program
+    )
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens, blocks)](
-            q, k, q_out, k_out, q_weight, k_weight, cos_cache, sin_cache, positions,
-            v, k_cache, v_cache, slots,
-            q.stride(0), k.stride(0), v.stride(0), cos_cache.stride(0), k_cache.stride(0),
-            k_cache.stride(1) if kv_store is not None else 0, eps,
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_H=heads_per_program,
-            HAS_NORM=norm is not None, STORE=kv_store is not None, num_warps=4, **pdl_launch(),
+            q,
+            k,
+            q_out,
+            k_out,
+            q_weight,
+            k_weight,
+            cos_cache,
+            sin_cache,
+            positions,
+            v,
+            k_cache,
+            v_cache,
+            slots,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            cos_cache.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1) if kv_store is not None else 0,
+            eps,
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            BLOCK_H=heads_per_program,
+            HAS_NORM=norm is not None,
+            STORE=kv_store is not None,
+            num_warps=4,
+            **pdl_launch(),
         )
     return q_out, k_out
 
 
-def _check_kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, head_dim: int) -> None:
+def _check_kv_store(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int
+) -> None:
     if v.shape != k.shape or v.stride(1) != 1 or v.dtype != k.dtype:
         raise ValueError("v must be shaped like k, with unit column stride and k's dtype")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1 or (
-            k_cache.shape[1:] != (k.shape[1] // head_dim, head_dim)):
+    if (
+        k_cache.stride() != v_cache.stride()
+        or k_cache.stride(2) != 1
+        or (k_cache.shape[1:] != (k.shape[1] // head_dim, head_dim))
+    ):
         raise ValueError("the caches must be [slots, Hkv, D] with unit column stride, alike")
     if triton.next_power_of_2(head_dim) != head_dim:
         raise ValueError(f"storing K/V needs a power-of-two head dim, got {head_dim}")

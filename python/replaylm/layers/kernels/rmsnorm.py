@@ -18,8 +18,19 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 
 @triton.jit(do_not_specialize=["n_rows"])  # one variant for every row count
 def _rms_norm_kernel(
-    X, R, W, Out, ResOut, n_rows, n_cols, stride_x, stride_r, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    X,
+    R,
+    W,
+    Out,
+    ResOut,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_r,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_producers(USE_PDL)
@@ -47,8 +58,7 @@ def rms_norm(
     width = x.shape[-1]
     x2 = as_rows(x, width)
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype),
-                      device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
     res_out = None if residual is None else torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     r2 = x2 if residual is None else as_rows(residual, width)
     n_rows = x2.shape[0]
@@ -56,9 +66,20 @@ def rms_norm(
     block_rows = max(1, 1024 // block_d)  # several short rows (per-head norms) per program
     if n_rows:
         _rms_norm_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x2, r2, weight, out, out if res_out is None else res_out, n_rows, width,
-            x2.stride(0), r2.stride(0), eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
-            num_warps=min(max(block_d * block_rows // 256, 1), 8), **pdl_launch(),
+            x2,
+            r2,
+            weight,
+            out,
+            out if res_out is None else res_out,
+            n_rows,
+            width,
+            x2.stride(0),
+            r2.stride(0),
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
+            num_warps=min(max(block_d * block_rows // 256, 1), 8),
+            **pdl_launch(),
         )
     return out if res_out is None else (out, res_out)

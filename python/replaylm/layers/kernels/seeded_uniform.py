@@ -38,13 +38,20 @@ def _seeded_uniform_kernel(Seeds, Steps, Out, vocab, BLOCK: tl.constexpr, BITS: 
     tl.store(Out + row.to(tl.int64) * vocab + cols, uniform, mask=cols < vocab)
 
 
-def seeded_uniform_vocab(seeds: torch.Tensor, steps: torch.Tensor, vocab: int,
-                         block: int = 2048) -> torch.Tensor:
+def seeded_uniform_vocab(
+    seeds: torch.Tensor, steps: torch.Tensor, vocab: int, block: int = 2048
+) -> torch.Tensor:
     """float32 `[B, vocab]`: the sampler's uniform noise of every vocabulary id in order, for
     int64 `seeds` and `steps` `[B]` (contiguous, on the kernel's device)."""
     out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
     if seeds.shape[0]:
         _seeded_uniform_kernel[(seeds.shape[0], triton.cdiv(vocab, block))](
-            seeds, steps, out, vocab, BLOCK=block, BITS=sampler.UNIFORM_BITS, num_warps=4,
+            seeds,
+            steps,
+            out,
+            vocab,
+            BLOCK=block,
+            BITS=sampler.UNIFORM_BITS,
+            num_warps=4,
         )
     return out

@@ -36,6 +36,12 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(width, block))](
-            x2, out, width, x2.stride(0), BLOCK=block, num_warps=4, **pdl_launch(),
+            x2,
+            out,
+            width,
+            x2.stride(0),
+            BLOCK=block,
+            num_warps=4,
+            **pdl_launch(),
         )
     return out

@@ -51,8 +51,9 @@ class MatmulConfig:
 
 # any row count, one launch for every weight: rows never depend on the others (64-row tiles, so a
 # long prefill reloads each weight M/64 times, not M/16)
-INVARIANT_CONFIG = MatmulConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3,
-                                block_m=64)
+INVARIANT_CONFIG = MatmulConfig(
+    block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3, block_m=64
+)
 
 
 def matmul_config(n: int, k: int) -> MatmulConfig:
@@ -86,8 +87,21 @@ def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _write_tile(Y, B, acc, offs_m, offs_n, pid_n, M, N, stride_ym, HAS_BIAS: tl.constexpr,
-                GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _write_tile(
+    Y,
+    B,
+    acc,
+    offs_m,
+    offs_n,
+    pid_n,
+    M,
+    N,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Store the tile `acc` (+ bias) of W rows `offs_n`; with `GATED`, `silu(gate) * up` over its
     column pairs, rounded as SiluAndMul rounds the separate launch's bf16/fp16 input."""
     if HAS_BIAS:
@@ -100,34 +114,59 @@ def _write_tile(Y, B, acc, offs_m, offs_n, pid_n, M, N, stride_ym, HAS_BIAS: tl.
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         N = N // 2
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask
+    )
 
 
 @triton.jit
 def _weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K: tl.constexpr):
     """Rows `offs_n` of W over the `k_block`-th BLOCK_K columns (zeros past N and K)."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    return tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                   mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+    return tl.load(
+        W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+        mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+        other=0.0,
+    )
 
 
 @triton.jit
-def _dot_tile(X, w, acc, offs_m, k_block, M, K, stride_xm, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _dot_tile(
+    X, w, acc, offs_m, k_block, M, K, stride_xm, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr
+):
     """`acc + X[offs_m, k_block-th BLOCK_K columns] @ w^T`."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    x = tl.load(
+        X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
+        other=0.0,
+    )
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["M"])  # one variant for every row count (fewer JIT compiles)
 def _skinny_matmul_kernel(
-    X, W, B, Y, Partials, Arrivals, M, N, K, stride_xm, stride_wn, stride_ym,
-    BLOCKS_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    GATED: tl.constexpr, USE_PDL: tl.constexpr,
+    X,
+    W,
+    B,
+    Y,
+    Partials,
+    Arrivals,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -147,8 +186,9 @@ def _skinny_matmul_kernel(
             w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
             acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION)
     if SPLIT_K == 1:
-        _write_tile(Y, B, acc, offs_m, offs_n, pid_n, M, N, stride_ym, HAS_BIAS, GATED,
-                    BLOCK_M, BLOCK_N)
+        _write_tile(
+            Y, B, acc, offs_m, offs_n, pid_n, M, N, stride_ym, HAS_BIAS, GATED, BLOCK_M, BLOCK_N
+        )
     else:
         tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         parts = Partials + pid_n * (SPLIT_K * BLOCK_M * BLOCK_N)
@@ -160,8 +200,21 @@ def _skinny_matmul_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in range(0, SPLIT_K):
                 total += tl.load(parts + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-            _write_tile(Y, B, total, offs_m, offs_n, pid_n, M, N, stride_ym, HAS_BIAS, GATED,
-                        BLOCK_M, BLOCK_N)
+            _write_tile(
+                Y,
+                B,
+                total,
+                offs_m,
+                offs_n,
+                pid_n,
+                M,
+                N,
+                stride_ym,
+                HAS_BIAS,
+                GATED,
+                BLOCK_M,
+                BLOCK_N,
+            )
 
 
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -172,8 +225,10 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     (`reserve_workspace` makes that happen before any CUDA-graph capture)."""
     if device not in _workspaces:
         partials = torch.empty(_PARTIAL_FLOATS, dtype=torch.float32, device=device)
-        _workspaces[device] = (partials, torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32,
-                                                     device=device))
+        _workspaces[device] = (
+            partials,
+            torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device),
+        )
     return _workspaces[device]
 
 
@@ -184,9 +239,13 @@ def reserve_workspace(device: torch.device) -> None:
 
 
 def skinny_matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: MatmulConfig | None = None, gated_silu: bool = False,
-    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: MatmulConfig | None = None,
+    gated_silu: bool = False,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous; a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums
@@ -211,23 +270,45 @@ def skinny_matmul(
         raise ValueError(f"a gated launch writes x's dtype {x.dtype}, not {out_dtype}")
     width = n // 2 if gated_silu else n
     shape = (*x.shape[:-1], width)
-    if out is not None and (out.shape != shape or out.dtype != out_dtype
-                            or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {list(shape)}, "
-                         f"not {out.dtype} {list(out.shape)}")
+    if out is not None and (
+        out.shape != shape or out.dtype != out_dtype or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous {out_dtype} tensor of shape {list(shape)}, "
+            f"not {out.dtype} {list(out.shape)}"
+        )
     y = out if out is not None else torch.empty(shape, dtype=out_dtype, device=x.device)
     tiles = triton.cdiv(width, cfg.block_n // 2) if gated_silu else triton.cdiv(n, cfg.block_n)
-    if cfg.split_k > 1 and (tiles > _MAX_SPLIT_TILES or tiles * cfg.split_k * cfg.block_m
-                            * cfg.block_n > _PARTIAL_FLOATS):
+    if cfg.split_k > 1 and (
+        tiles > _MAX_SPLIT_TILES
+        or tiles * cfg.split_k * cfg.block_m * cfg.block_n > _PARTIAL_FLOATS
+    ):
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
     partials, arrivals = _workspace(x.device) if cfg.split_k > 1 else (y, y)  # y: unused
     if m:
         _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, cfg.block_m))](
-            x2, weight, weight if bias is None else bias, y, partials, arrivals, m, n, k,
-            x2.stride(0), weight.stride(0), width,
+            x2,
+            weight,
+            weight if bias is None else bias,
+            y,
+            partials,
+            arrivals,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            weight.stride(0),
+            width,
             BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),
-            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(x.dtype),
-            GATED=gated_silu, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
+            HAS_BIAS=bias is not None,
+            SPLIT_K=cfg.split_k,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            PRECISION=dot_precision(x.dtype),
+            GATED=gated_silu,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **pdl_launch(),
         )
     return y

@@ -64,16 +64,19 @@ def _copy_into(static: Any, fresh: Any) -> None:
         for s, f in zip(static, fresh, strict=True):
             _copy_into(s, f)
     elif static is not None and static != fresh:
-        raise TypeError(f"a break-point op returned {type(fresh).__name__}; only tensors, "
-                        "tuples/lists of tensors and None can cross a graph break")
+        raise TypeError(
+            f"a break-point op returned {type(fresh).__name__}; only tensors, "
+            "tuples/lists of tensors and None can cross a graph break"
+        )
 
 
 class BreakableCUDAGraph:
     """One captured shape. `capture(fn, *args)` returns fn's output (static tensors);
     `replay()` recomputes it in place from the current contents of the static inputs."""
 
-    def __init__(self, pool: Any = None, stream: torch.cuda.Stream | None = None,
-                 eager: bool = False) -> None:
+    def __init__(
+        self, pool: Any = None, stream: torch.cuda.Stream | None = None, eager: bool = False
+    ) -> None:
         self.pool = pool
         self.stream = stream
         self.eager = eager

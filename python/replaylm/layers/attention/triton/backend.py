@@ -95,13 +95,18 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode.is_decode():
             self._meta = _DecodeMetadata(
-                batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                batch.out_cache_loc,
                 self._num_splits(batch),
             )
         else:
             self._meta = _ExtendMetadata(
-                batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens,
-                batch.extend_start_loc, batch.out_cache_loc,
+                batch.req_pool_indices,
+                batch.prefix_lens,
+                batch.extend_seq_lens,
+                batch.extend_start_loc,
+                batch.out_cache_loc,
                 max(batch.extend_seq_lens_cpu, default=0),
             )
 
@@ -110,47 +115,81 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
     ) -> None:
         """At the metadata's slots: the static copy inside a `full` graph."""
         pool = batch.kv_pool
-        store_kv(pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
-                 self._metadata().out_cache_loc, k, v)
+        store_kv(
+            pool.k_buffers[layer.layer_id],
+            pool.v_buffers[layer.layer_id],
+            self._metadata().out_cache_loc,
+            k,
+            v,
+        )
 
     def kv_store_target(
         self, layer: Attention, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pool = batch.kv_pool
-        return (pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
-                self._metadata().out_cache_loc)
+        return (
+            pool.k_buffers[layer.layer_id],
+            pool.v_buffers[layer.layer_id],
+            self._metadata().out_cache_loc,
+        )
 
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         meta = self._metadata()
         assert isinstance(meta, _ExtendMetadata), "metadata was prepared for a decode batch"
         pool = batch.kv_pool
         return extend_attention(
-            q, k, v, out, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
-            batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.prefix_lens,
-            meta.extend_seq_lens, meta.extend_start_loc, meta.max_extend_len, layer.scaling,
+            q,
+            k,
+            v,
+            out,
+            pool.k_buffers[layer.layer_id],
+            pool.v_buffers[layer.layer_id],
+            batch.req_to_token_pool.req_to_token,
+            meta.req_pool_indices,
+            meta.prefix_lens,
+            meta.extend_seq_lens,
+            meta.extend_start_loc,
+            meta.max_extend_len,
+            layer.scaling,
             aligned=self.deterministic,
         )
 
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-        batch: ForwardBatch, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         meta = self._metadata()
         assert isinstance(meta, _DecodeMetadata), "metadata was prepared for an extend batch"
         pool = batch.kv_pool
         workspace = meta.workspace
         if workspace is None:
-            workspace = decode_workspace(q, pool.num_kv_heads, meta.num_splits,
-                                         meta.graph_arrivals)
+            workspace = decode_workspace(q, pool.num_kv_heads, meta.num_splits, meta.graph_arrivals)
             if meta.graph_arrivals is None:
                 meta.workspace = workspace
         return decode_attention(
-            q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id],
-            batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens,
-            out, layer.scaling, meta.num_splits, workspace=workspace,
+            q,
+            pool.k_buffers[layer.layer_id],
+            pool.v_buffers[layer.layer_id],
+            batch.req_to_token_pool.req_to_token,
+            meta.req_pool_indices,
+            meta.seq_lens,
+            out,
+            layer.scaling,
+            meta.num_splits,
+            workspace=workspace,
             separate_merge=meta.separate_merge,
         )
 
@@ -168,11 +207,18 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         if not batch.forward_mode.is_decode():
             raise ValueError("triton attention captures decode batches only")
         if graph.arrivals is None:
-            graph.arrivals = torch.zeros(graph.max_bs * batch.kv_pool.num_kv_heads,
-                                         dtype=torch.int32, device=batch.seq_lens.device)
+            graph.arrivals = torch.zeros(
+                graph.max_bs * batch.kv_pool.num_kv_heads,
+                dtype=torch.int32,
+                device=batch.seq_lens.device,
+            )
         self._meta = _DecodeMetadata(
-            batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-            self._num_splits(batch), graph_arrivals=graph.arrivals, separate_merge=True,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.out_cache_loc,
+            self._num_splits(batch),
+            graph_arrivals=graph.arrivals,
+            separate_merge=True,
         )
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:

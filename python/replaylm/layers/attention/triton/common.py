@@ -28,8 +28,10 @@ def check_inputs(
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if head_dim not in (16, 32, 64, 128, 256) or k_cache.shape[2] != head_dim:
-        raise ValueError(f"head dim must be a power of two in 16..256 on q and the cache, got "
-                         f"{head_dim} and {k_cache.shape[2]}")
+        raise ValueError(
+            f"head dim must be a power of two in 16..256 on q and the cache, got "
+            f"{head_dim} and {k_cache.shape[2]}"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:

@@ -85,16 +85,47 @@ def _split_len(seq_len, num_splits, min_split_len):
 # ReqPoolIndices, SeqLens: one element per request, at any 8-byte offset; num_splits (and the
 # log-sum-exps' head stride, which equals it): runtime values, so the batch sizes' slice counts
 # share one compiled variant
-@triton.jit(do_not_specialize=["num_splits", "stride_mlh"],
-            do_not_specialize_on_alignment=["ReqPoolIndices", "SeqLens"])
+@triton.jit(
+    do_not_specialize=["num_splits", "stride_mlh"],
+    do_not_specialize_on_alignment=["ReqPoolIndices", "SeqLens"],
+)
 def _decode_kernel(
-    Q, KCache, VCache, ReqToToken, ReqPoolIndices, SeqLens, Out, MidO, MidLse, Arrivals,
-    qk_scale, min_split_len, num_splits,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-    stride_ot, stride_oh, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-    PRECISION: tl.constexpr, SEPARATE_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
+    Q,
+    KCache,
+    VCache,
+    ReqToToken,
+    ReqPoolIndices,
+    SeqLens,
+    Out,
+    MidO,
+    MidLse,
+    Arrivals,
+    qk_scale,
+    min_split_len,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_rt,
+    stride_ot,
+    stride_oh,
+    stride_mot,
+    stride_moh,
+    stride_mos,
+    stride_mlt,
+    stride_mlh,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SEPARATE_MERGE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_producers(USE_PDL)
     b = tl.program_id(0)
@@ -107,23 +138,33 @@ def _decode_kernel(
     # issued together, before the length is known: one round trip instead of three in a row
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = ReqToToken + tl.load(ReqPoolIndices + b).to(tl.int64) * stride_rt
-    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=head_ok[:, None], other=0.0).to(KCache.dtype.element_ty)
+    q = tl.load(
+        Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=head_ok[:, None],
+        other=0.0,
+    ).to(KCache.dtype.element_ty)
     split_len = _split_len(seq_len, num_splits, min_split_len)
     num_active = tl.cdiv(seq_len, split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     out_ptrs = Out + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    mid_o = (MidO + b * stride_mot + heads[:, None] * stride_moh + split * stride_mos
-             + offs_d[None, :])
+    mid_o = (
+        MidO + b * stride_mot + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+    )
     mid_lse = MidLse + b * stride_mlt + heads * stride_mlh + split
     if start >= end:  # a slice past the end (every slice of an empty sequence)
         if SEPARATE_MERGE:  # a part the merge weighs 0
-            _store_partial(mid_o, mid_lse, tl.zeros([BLOCK_H, HEAD_DIM], tl.float32),
-                           tl.full([BLOCK_H], float("-inf"), tl.float32), head_ok)
+            _store_partial(
+                mid_o,
+                mid_lse,
+                tl.zeros([BLOCK_H, HEAD_DIM], tl.float32),
+                tl.full([BLOCK_H], float("-inf"), tl.float32),
+                head_ok,
+            )
         elif (seq_len == 0) & (split == 0):
-            tl.store(out_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], Out.dtype.element_ty),
-                     mask=head_ok[:, None])
+            tl.store(
+                out_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], Out.dtype.element_ty), mask=head_ok[:, None]
+            )
     else:
         offs_n = tl.arange(0, BLOCK_N)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -133,10 +174,16 @@ def _decode_kernel(
             cols = n0 + offs_n
             valid = cols < end
             slots = tl.load(row + cols, mask=valid, other=0).to(tl.int64)
-            k = tl.load(KCache + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
-            v = tl.load(VCache + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
+            k = tl.load(
+                KCache + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                VCache + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, PRECISION)
@@ -151,10 +198,20 @@ def _decode_kernel(
             counter = Arrivals + b * NUM_KV_HEADS + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_active - 1:
                 tl.atomic_xchg(counter, 0)  # the last to arrive: reset for the next launch, merge
-                _merge_partials(MidO + b * stride_mot, MidLse + b * stride_mlt,
-                                Out + b * stride_ot, kv_head * GROUP, num_active,
-                                stride_moh, stride_mos, stride_mlh, stride_oh,
-                                GROUP, HEAD_DIM, MERGE_UNROLL)
+                _merge_partials(
+                    MidO + b * stride_mot,
+                    MidLse + b * stride_mlt,
+                    Out + b * stride_ot,
+                    kv_head * GROUP,
+                    num_active,
+                    stride_moh,
+                    stride_mos,
+                    stride_mlh,
+                    stride_oh,
+                    GROUP,
+                    HEAD_DIM,
+                    MERGE_UNROLL,
+                )
 
 
 @triton.jit
@@ -165,22 +222,58 @@ def _store_partial(mid_o, mid_lse, value, lse, head_ok):
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_mlh"])  # as _decode_kernel
-def _merge_kernel(MidO, MidLse, Out, num_splits, stride_mot, stride_moh, stride_mos, stride_mlt,
-                  stride_mlh, stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MERGE_UNROLL: tl.constexpr, USE_PDL: tl.constexpr):
+def _merge_kernel(
+    MidO,
+    MidLse,
+    Out,
+    num_splits,
+    stride_mot,
+    stride_moh,
+    stride_mos,
+    stride_mlt,
+    stride_mlh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """Grid `(bs, num_kv_heads)`: merge every slice's partial of one request and KV head group
     (slices past the end weigh 0) into the output."""
     wait_for_producers(USE_PDL)
     b = tl.program_id(0)
-    _merge_partials(MidO + b * stride_mot, MidLse + b * stride_mlt, Out + b * stride_ot,
-                    tl.program_id(1) * GROUP, num_splits, stride_moh, stride_mos, stride_mlh,
-                    stride_oh, GROUP, HEAD_DIM, MERGE_UNROLL)
+    _merge_partials(
+        MidO + b * stride_mot,
+        MidLse + b * stride_mlt,
+        Out + b * stride_ot,
+        tl.program_id(1) * GROUP,
+        num_splits,
+        stride_moh,
+        stride_mos,
+        stride_mlh,
+        stride_oh,
+        GROUP,
+        HEAD_DIM,
+        MERGE_UNROLL,
+    )
 
 
 @triton.jit
-def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride_mos,
-                    stride_mlh, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    MERGE_UNROLL: tl.constexpr):
+def _merge_partials(
+    MidO,
+    MidLse,
+    Out,
+    first_head,
+    num_parts,
+    stride_moh,
+    stride_mos,
+    stride_mlh,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,
+):
     """Combine the first `num_parts` (at most MERGE_UNROLL) normalised partial outputs of heads
     `first_head` .. `first_head + GROUP - 1` of one request (`MidO` `[H, splits, D]`, their
     base-2 log-sum-exps `MidLse` `[H, splits]`) into `Out` `[H, D]`; a part whose log-sum-exp is
@@ -200,11 +293,16 @@ def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride
     for part in tl.static_range(MERGE_UNROLL):
         # compared as a block: Triton's interpreter rejects a scalar comparison in the mask
         ok = head_ok & (tl.full([GROUP_P2], part, tl.int32) < num_parts)
-        lse = tl.load(MidLse + heads * stride_mlh + part, mask=ok, other=float("-inf"),
-                      cache_modifier=".cg")
+        lse = tl.load(
+            MidLse + heads * stride_mlh + part, mask=ok, other=float("-inf"), cache_modifier=".cg"
+        )
         lse = tl.where(head_ok, lse, 0.0)  # padded heads: finite, never stored
-        value = tl.load(MidO + heads[:, None] * stride_moh + part * stride_mos + offs_d[None, :],
-                        mask=ok[:, None], other=0.0, cache_modifier=".cg")
+        value = tl.load(
+            MidO + heads[:, None] * stride_moh + part * stride_mos + offs_d[None, :],
+            mask=ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         m_new = tl.maximum(m, lse)
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no finite part yet: weights 0
         alpha = tl.exp2(m - base)
@@ -213,8 +311,11 @@ def _merge_partials(MidO, MidLse, Out, first_head, num_parts, stride_moh, stride
         total = total * alpha + weight
         m = m_new
     out = tl.where(total[:, None] > 0, acc / total[:, None], 0.0)
-    tl.store(Out + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=head_ok[:, None])
+    tl.store(
+        Out + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=head_ok[:, None],
+    )
 
 
 @dataclass(frozen=True)
@@ -228,8 +329,9 @@ class DecodeWorkspace:
     arrivals: torch.Tensor  # [bs * Hkv] int32
 
 
-def decode_workspace(q: torch.Tensor, num_kv_heads: int, num_splits: int,
-                     arrivals: torch.Tensor | None = None) -> DecodeWorkspace:
+def decode_workspace(
+    q: torch.Tensor, num_kv_heads: int, num_splits: int, arrivals: torch.Tensor | None = None
+) -> DecodeWorkspace:
     """A workspace for `q` `[bs, H, D]` in `num_splits` slices; `arrivals` (at least
     bs * num_kv_heads zeros) may be given, e.g. a static buffer under a CUDA graph."""
     bs, num_heads, head_dim = q.shape
@@ -243,10 +345,19 @@ def decode_workspace(q: torch.Tensor, num_kv_heads: int, num_splits: int,
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
-    num_splits: int, min_split_len: int = MIN_SPLIT_LEN, config: KernelConfig | None = None,
-    workspace: DecodeWorkspace | None = None, separate_merge: bool = False,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    min_split_len: int = MIN_SPLIT_LEN,
+    config: KernelConfig | None = None,
+    workspace: DecodeWorkspace | None = None,
+    separate_merge: bool = False,
 ) -> torch.Tensor:
     """Attention of `q` `[bs, H, D]` (request i's one new token) over the `seq_lens[i]` tokens of
     request i, whose KV slots are `req_to_token[req_pool_indices[i], :seq_lens[i]]` in
@@ -263,21 +374,61 @@ def decode_attention(
     mid_o, mid_lse = ws.mid_o, ws.mid_lse
     separate = separate_merge and num_splits > 1  # one slice: written directly either way
     _decode_kernel[(bs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out, mid_o, mid_lse,
-        ws.arrivals, scale * LOG2E, min_split_len, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, MERGE_UNROLL=merge_unroll(num_splits),
-        PRECISION=dot_precision(k_cache.dtype), SEPARATE_MERGE=separate,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        out,
+        mid_o,
+        mid_lse,
+        ws.arrivals,
+        scale * LOG2E,
+        min_split_len,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        out.stride(0),
+        out.stride(1),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_N=cfg.block_n,
+        MERGE_UNROLL=merge_unroll(num_splits),
+        PRECISION=dot_precision(k_cache.dtype),
+        SEPARATE_MERGE=separate,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_launch(),
     )
     if separate:
         _merge_kernel[(bs, num_kv_heads)](
-            mid_o, mid_lse, out, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, MERGE_UNROLL=merge_unroll(num_splits),
+            mid_o,
+            mid_lse,
+            out,
+            num_splits,
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            MERGE_UNROLL=merge_unroll(num_splits),
             num_warps=MERGE_WARPS,
             **pdl_launch(),
         )

@@ -43,16 +43,38 @@ FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1, block_m=32)
 
 @triton.jit
 def _fold_cached_keys(
-    q, m_i, l_i, acc, row, cols, load_ok, visible, KCache, VCache, kv_head, stride_kt, stride_kh,
-    stride_vt, stride_vh, qk_scale, offs_d, PRECISION: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    row,
+    cols,
+    load_ok,
+    visible,
+    KCache,
+    VCache,
+    kv_head,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    qk_scale,
+    offs_d,
+    PRECISION: tl.constexpr,
 ):
     """Fold the request's cached keys at positions `cols` (loaded where `load_ok`) into the
     running softmax; logits outside `visible` `[M, N]` are masked."""
     slots = tl.load(row + cols, mask=load_ok, other=0).to(tl.int64)
-    k = tl.load(KCache + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                mask=load_ok[:, None], other=0.0)
-    v = tl.load(VCache + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                mask=load_ok[:, None], other=0.0)
+    k = tl.load(
+        KCache + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+        mask=load_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        VCache + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+        mask=load_ok[:, None],
+        other=0.0,
+    )
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
     return softmax_update(qk, v, m_i, l_i, acc, PRECISION)
@@ -60,12 +82,38 @@ def _fold_cached_keys(
 
 @triton.jit
 def _extend_kernel(
-    Q, KNew, VNew, Out, KCache, VCache, ReqToToken, ReqPoolIndices, PrefixLens, ExtendLens,
-    ExtendStart, qk_scale,
-    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, ALIGNED: tl.constexpr, USE_PDL: tl.constexpr,
+    Q,
+    KNew,
+    VNew,
+    Out,
+    KCache,
+    VCache,
+    ReqToToken,
+    ReqPoolIndices,
+    PrefixLens,
+    ExtendLens,
+    ExtendStart,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_ot,
+    stride_oh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_rt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_producers(USE_PDL)
     head = tl.program_id(0)
@@ -82,8 +130,11 @@ def _extend_kernel(
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
         q_ok = offs_m < ext_len
-        q = tl.load(Q + (first + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=q_ok[:, None], other=0.0).to(dtype)
+        q = tl.load(
+            Q + (first + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=q_ok[:, None],
+            other=0.0,
+        ).to(dtype)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -95,22 +146,58 @@ def _extend_kernel(
                 load_ok = cols < end
                 visible = load_ok[None, :] & (cols[None, :] <= prefix_len + offs_m[:, None])
                 m_i, l_i, acc = _fold_cached_keys(
-                    q, m_i, l_i, acc, row, cols, load_ok, visible, KCache, VCache, kv_head,
-                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, offs_d, PRECISION)
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    row,
+                    cols,
+                    load_ok,
+                    visible,
+                    KCache,
+                    VCache,
+                    kv_head,
+                    stride_kt,
+                    stride_kh,
+                    stride_vt,
+                    stride_vh,
+                    qk_scale,
+                    offs_d,
+                    PRECISION,
+                )
         else:
             for n0 in range(0, prefix_len, BLOCK_N):  # the cached prefix, through the table
                 cols = n0 + offs_n
                 valid = cols < prefix_len
                 m_i, l_i, acc = _fold_cached_keys(
-                    q, m_i, l_i, acc, row, cols, valid, valid[None, :], KCache, VCache, kv_head,
-                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, offs_d, PRECISION)
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    row,
+                    cols,
+                    valid,
+                    valid[None, :],
+                    KCache,
+                    VCache,
+                    kv_head,
+                    stride_kt,
+                    stride_kh,
+                    stride_vt,
+                    stride_vh,
+                    qk_scale,
+                    offs_d,
+                    PRECISION,
+                )
 
             for n0 in range(0, m_start, BLOCK_N):  # new tokens before this block: all visible
                 rows = first + n0 + offs_n
-                k = tl.load(KNew + rows[:, None] * stride_knt + kv_head * stride_knh
-                            + offs_d[None, :])
-                v = tl.load(VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh
-                            + offs_d[None, :])
+                k = tl.load(
+                    KNew + rows[:, None] * stride_knt + kv_head * stride_knh + offs_d[None, :]
+                )
+                v = tl.load(
+                    VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :]
+                )
                 qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=PRECISION) * qk_scale
                 m_i, l_i, acc = softmax_update(qk, v.to(dtype), m_i, l_i, acc, PRECISION)
 
@@ -118,25 +205,46 @@ def _extend_kernel(
                 cols = n0 + offs_n
                 valid = cols < ext_len
                 rows = first + cols
-                k = tl.load(KNew + rows[:, None] * stride_knt + kv_head * stride_knh
-                            + offs_d[None, :], mask=valid[:, None], other=0.0)
-                v = tl.load(VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh
-                            + offs_d[None, :], mask=valid[:, None], other=0.0)
+                k = tl.load(
+                    KNew + rows[:, None] * stride_knt + kv_head * stride_knh + offs_d[None, :],
+                    mask=valid[:, None],
+                    other=0.0,
+                )
+                v = tl.load(
+                    VNew + rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+                    mask=valid[:, None],
+                    other=0.0,
+                )
                 qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=PRECISION) * qk_scale
-                qk = tl.where(valid[None, :] & (cols[None, :] <= offs_m[:, None]), qk,
-                              float("-inf"))
+                qk = tl.where(
+                    valid[None, :] & (cols[None, :] <= offs_m[:, None]), qk, float("-inf")
+                )
                 m_i, l_i, acc = softmax_update(qk, v.to(dtype), m_i, l_i, acc, PRECISION)
 
         out = acc / l_i[:, None]
-        tl.store(Out + (first + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=q_ok[:, None])
+        tl.store(
+            Out + (first + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=q_ok[:, None],
+        )
 
 
 def extend_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_start: torch.Tensor,
-    max_extend_len: int, scale: float, config: KernelConfig | None = None, aligned: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start: torch.Tensor,
+    max_extend_len: int,
+    scale: float,
+    config: KernelConfig | None = None,
+    aligned: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the new tokens `q` `[T, H, D]` (with their own `k`, `v` `[T, Hkv, D]`)
     over each request's cached prefix plus themselves. `max_extend_len` (>= every extend length)
@@ -153,13 +261,39 @@ def extend_attention(
         return out
     grid = (num_heads, triton.cdiv(max_extend_len, cfg.block_m), bs)
     _extend_kernel[grid](
-        q, k, v, out, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_start, scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), req_to_token.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, PRECISION=dot_precision(k_cache.dtype), ALIGNED=aligned,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
+        q,
+        k,
+        v,
+        out,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PRECISION=dot_precision(k_cache.dtype),
+        ALIGNED=aligned,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_launch(),
     )
     return out

@@ -13,9 +13,20 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 
 @triton.jit(do_not_specialize_on_alignment=["Loc"])  # one slot per token: any 8-byte offset
 def _store_kv_kernel(
-    K, V, KCache, VCache, Loc,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_ch,
-    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    K,
+    V,
+    KCache,
+    VCache,
+    Loc,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_producers(USE_PDL)
@@ -32,22 +43,38 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
     """`k_cache[loc[t]] = k[t]` and `v_cache[loc[t]] = v[t]` for every token t; `k`, `v` are
     `[T, Hkv, D]` (any row and head strides), the caches `[slots, Hkv, D]` with equal strides."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("k, v and the caches must be contiguous along the head dim, the caches "
-                         "alike")
+        raise ValueError(
+            "k, v and the caches must be contiguous along the head dim, the caches alike"
+        )
     if triton.next_power_of_2(head_dim) != head_dim:
         raise ValueError(f"head dim must be a power of two, got {head_dim}")
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, loc,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
-        NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, num_warps=4, **pdl_launch(),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        loc,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        num_warps=4,
+        **pdl_launch(),
     )

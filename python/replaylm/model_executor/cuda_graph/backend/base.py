@@ -25,8 +25,9 @@ ForwardFn = Callable[["ForwardBatch"], torch.Tensor]
 _NO_SESSION = contextlib.nullcontext()
 
 
-def warm_up(stream: torch.cuda.Stream, forward_fn: ForwardFn, batch: ForwardBatch,
-            runs: int) -> None:
+def warm_up(
+    stream: torch.cuda.Stream, forward_fn: ForwardFn, batch: ForwardBatch, runs: int
+) -> None:
     """Run `forward_fn(batch)` eagerly `runs` times on the capture stream (lazy initialisation,
     kernel compilation and allocator growth happen here, outside any capture)."""
     stream.wait_stream(torch.cuda.current_stream())

@@ -11,7 +11,10 @@ from replaylm.model_executor.cuda_graph.backend.tc_piecewise import TcPiecewiseC
 
 
 def create_graph_backend(
-    phase: str, mode: str, attn_backend: AttentionBackend, debug: bool = False,
+    phase: str,
+    mode: str,
+    attn_backend: AttentionBackend,
+    debug: bool = False,
     tc_options: TcPiecewiseOptions | None = None,
 ) -> BaseCudaGraphBackend:
     """Raises ValueError for combinations no backend serves. `debug`: capture nothing, run
@@ -23,7 +26,8 @@ def create_graph_backend(
         return TcPiecewiseCudaGraphBackend(attn_backend, tc_options or TcPiecewiseOptions(), debug)
     if mode == "full":
         if phase == "prefill":
-            raise ValueError("prefill: mode 'full' is not supported; use 'breakable' or "
-                             "'tc_piecewise'")
+            raise ValueError(
+                "prefill: mode 'full' is not supported; use 'breakable' or 'tc_piecewise'"
+            )
         return FullCudaGraphBackend(attn_backend)
     raise ValueError(f"{phase}: no CUDA-graph backend for mode '{mode}'")

@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
     mode = "tc_piecewise"
 
-    def __init__(self, attn_backend: AttentionBackend, options: TcPiecewiseOptions,
-                 debug: bool = False) -> None:
+    def __init__(
+        self, attn_backend: AttentionBackend, options: TcPiecewiseOptions, debug: bool = False
+    ) -> None:
         super().__init__(attn_backend, debug)
         self.options = options
         self.compiled: CompiledForward | None = None  # set by prepare

@@ -136,8 +136,12 @@ class BaseCudaGraphRunner(ABC):
         self.capture_bytes = free_before - free_after
         logger.info(
             "captured %d %s CUDA graphs (%s) in %.1f s, %.0f MiB of graph memory; shapes %s",
-            len(shapes), self.phase, self.backend.mode, self.capture_seconds,
-            self.capture_bytes / 2**20, list(self.shapes),
+            len(shapes),
+            self.phase,
+            self.backend.mode,
+            self.capture_seconds,
+            self.capture_bytes / 2**20,
+            list(self.shapes),
         )
 
     def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, int]:

@@ -10,8 +10,7 @@ from replaylm.model_executor.packed_inputs import DecodeInputs
 
 # the fields a batch built elsewhere has copied in (the others are the same for every decode
 # batch of a shape: one new token per request, starting at its index)
-_COPIED = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
-           "prefix_lens")
+_COPIED = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens")
 
 
 class DecodeCudaGraphRunner(BaseCudaGraphRunner):
@@ -27,7 +26,9 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         runner = self.model_runner
         # every shape writes its logits here: one [max_bs, V] buffer instead of one per shape
         self._logits = torch.empty(
-            self.max_batch_size, runner.config.vocab_size, dtype=torch.float32,
+            self.max_batch_size,
+            runner.config.vocab_size,
+            dtype=torch.float32,
             device=runner.device,
         )
         self.inputs = {shape: DecodeInputs(shape, runner.device) for shape in self.shapes}
@@ -53,8 +54,9 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         """The whole forward, logits included (the batch size is fixed per shape), written by the
         LM head straight into the logits buffer all shapes share."""
         model = self.model_runner.model
-        return model.compute_logits(self.backend.forward_hidden(model, batch), batch,
-                                    out=self._logits[: batch.batch_size])
+        return model.compute_logits(
+            self.backend.forward_hidden(model, batch), batch, out=self._logits[: batch.batch_size]
+        )
 
     def finish(self, output: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
@@ -68,23 +70,39 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         elif not inputs.holds(batch.input_ids):
             dsts, pad_srcs = self._copy_targets(live, shape)
             # one multi-tensor copy: one launch where the pairs share a dtype, not one per pair
-            torch._foreach_copy_(dsts, [getattr(batch, name) for name in _COPIED] + pad_srcs,
-                                 non_blocking=True)
+            torch._foreach_copy_(
+                dsts, [getattr(batch, name) for name in _COPIED] + pad_srcs, non_blocking=True
+            )
         seq_cpu = (batch.seq_lens_cpu if batch is not None else []) + [1] * (shape - live)
         padded = self._padded.get(shape)
         if padded is not None:  # its tensors are this shape's inputs already
             padded.seq_lens_cpu = seq_cpu
             return padded
         runner = self.model_runner
-        return ForwardBatch.from_fields(ForwardMode.DECODE, inputs.fields, seq_cpu, [1] * shape,
-                                        runner.req_to_token_pool, runner.kv_pool,
-                                        runner.attn_backend)
+        return ForwardBatch.from_fields(
+            ForwardMode.DECODE,
+            inputs.fields,
+            seq_cpu,
+            [1] * shape,
+            runner.req_to_token_pool,
+            runner.kv_pool,
+            runner.attn_backend,
+        )
 
     def _build_padding(self, inputs: DecodeInputs) -> DecodeInputs:
         """Fill `inputs` with padding requests only (ForwardBatch.create's padding)."""
         runner = self.model_runner
-        ForwardBatch.create(ForwardMode.DECODE, [], [], [], [], runner.req_to_token_pool,
-                            runner.kv_pool, runner.attn_backend, into=inputs)
+        ForwardBatch.create(
+            ForwardMode.DECODE,
+            [],
+            [],
+            [],
+            [],
+            runner.req_to_token_pool,
+            runner.kv_pool,
+            runner.attn_backend,
+            into=inputs,
+        )
         return inputs
 
     def _copy_targets(self, live: int, shape: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

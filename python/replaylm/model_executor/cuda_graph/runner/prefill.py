@@ -47,8 +47,13 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         if batch is not None:
             for name in ("input_ids", "positions", "out_cache_loc"):
                 getattr(buf, name)[:live_tokens].copy_(getattr(batch, name), non_blocking=True)
-            for name in ("req_pool_indices", "seq_lens", "prefix_lens", "extend_seq_lens",
-                         "extend_start_loc"):
+            for name in (
+                "req_pool_indices",
+                "seq_lens",
+                "prefix_lens",
+                "extend_seq_lens",
+                "extend_start_loc",
+            ):
                 getattr(buf, name)[:live_reqs].copy_(getattr(batch, name), non_blocking=True)
         seq_cpu = list(batch.seq_lens_cpu) if batch is not None else []
         ext_cpu = list(batch.extend_seq_lens_cpu) if batch is not None else []
@@ -65,5 +70,6 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             buf.extend_start_loc[i] = live_tokens
             seq_cpu.append(pad)
             ext_cpu.append(pad)
-        return buf.view(ForwardMode.EXTEND, len(seq_cpu), shape, seq_cpu, ext_cpu,
-                        self.model_runner)
+        return buf.view(
+            ForwardMode.EXTEND, len(seq_cpu), shape, seq_cpu, ext_cpu, self.model_runner
+        )
