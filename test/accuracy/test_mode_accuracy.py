@@ -13,7 +13,7 @@ batch: 77.5% of gsm8k completions identical). `REPLAYLM_ACCURACY_DETERMINISTIC=0
 default kernels instead (accuracy comparable, identity not expected).
 
 Model: the built-in SmolLM2-135M-Instruct, or `$REPLAYLM_ACCURACY_MODEL` (any --model-path).
-Eval data: the shared data folder (`$REPLAYLM_DATA_DIR` overrides). The summary JSON (for
+Eval data: the copy shipped with the package. The summary JSON (for
 `benchmark/plot.py --accuracy`) of the cells that ran goes to `$REPLAYLM_ACCURACY_JSON`, else
 `$OUT/accuracy.json` when `$OUT` is set, else `accuracy.json` in the temporary directory. The eager
 reference runs once per session of this module, whatever `-k` selects; servers run one at a time.

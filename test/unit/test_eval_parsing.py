@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import http.server
 import json
+import subprocess
+import sys
 import threading
+import zipfile
 from collections.abc import Iterator
 from decimal import Decimal
 from functools import partial
@@ -14,7 +17,7 @@ import pytest
 
 from replaylm.eval.answers import find_numbers, last_number, parse_reference
 from replaylm.eval.base import Example
-from replaylm.eval.data import DATA_DIR_ENV, DataError
+from replaylm.eval.data import DataError, default_data_dir
 from replaylm.eval.gsm8k import Gsm8k
 from replaylm.eval.metrics import wilson_interval
 from replaylm.eval.mgsm import LANGUAGES, Mgsm
@@ -200,24 +203,51 @@ def test_bad_data_is_a_clear_error(tmp_path):
         Mgsm.load("en", str(tsv))
 
 
-def test_registry(tmp_path, monkeypatch):
+def test_registry():
     with pytest.raises(ValueError, match="unknown eval 'mgsm_xx'; valid: gsm8k, mgsm_en"):
         load_eval("mgsm_xx", None, None, 0)
     with pytest.raises(ValueError, match="zero-shot"):
         load_eval("mgsm_en", None, 3, 0)
-    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "nowhere"))
-    with pytest.raises(DataError, match=DATA_DIR_ENV):
-        load_eval("gsm8k", None, None, 0)
-    _write_gsm8k(tmp_path / "gsm8k")
-    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
-    assert len(load_eval("gsm8k", None, 2, 0).examples) == 3
 
 
-def test_shared_data_is_the_default(monkeypatch):
-    """The shared copies load as-is: every reference parses, every language is there."""
-    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+def test_a_data_path_replaces_the_shipped_data(tmp_path):
+    test_file = str(_write_gsm8k(tmp_path))
+    assert len(load_eval("gsm8k", test_file, 2, 0).examples) == 3
+    with pytest.raises(DataError, match="no such file"):
+        load_eval("gsm8k", str(tmp_path / "nowhere.jsonl"), None, 0)
+
+
+def test_shipped_data_is_the_default():
+    """The copies shipped in the package load as-is: every reference parses, every language is
+    there, and each dataset carries its licence."""
     gsm8k = load_eval("gsm8k", None, None, 0)
     assert len(gsm8k.examples) == 1319 and gsm8k.examples[0].reference == 18
+    assert len(gsm8k.shots) == 5
     for lang in LANGUAGES:
         mgsm = load_eval(f"mgsm_{lang}", None, None, 0)
         assert len(mgsm.examples) == 250 and mgsm.examples[0].reference == 18, lang
+    root = default_data_dir()
+    assert "MIT License" in (root / "gsm8k" / "LICENSE").read_text()
+    assert "Attribution 4.0" in (root / "mgsm" / "LICENSE").read_text()
+
+
+def test_the_wheel_carries_the_data(tmp_path):
+    """A `pip install` user gets the data and licences too: they are package data."""
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), str(root)],
+        check=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("replaylm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {
+        str(p.relative_to(default_data_dir().parents[2]))
+        for p in default_data_dir().rglob("*")
+        if p.is_file()
+    }
+    assert {
+        "replaylm/eval/datasets/gsm8k/LICENSE",
+        "replaylm/eval/datasets/mgsm/LICENSE",
+    } <= shipped
+    assert shipped <= names

@@ -1,20 +1,18 @@
 """Reading eval data from a local path, a `file://` URL or an http(s) URL.
 
-The offline default is the shared data folder (`gsm8k/`, `mgsm/`): `$REPLAYLM_DATA_DIR` when set,
-else `../shared/data` beside the repository this package is checked out in.
+The default is the copy shipped inside the package, `replaylm/eval/datasets/` (`gsm8k/`,
+`mgsm/`, each with its licence), so an installed package evaluates offline.
 """
 
 from __future__ import annotations
 
 import json
-import os
+from importlib import resources
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlparse
 
 import httpx
 
-DATA_DIR_ENV = "REPLAYLM_DATA_DIR"
-_REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 class DataError(Exception):
@@ -22,17 +20,8 @@ class DataError(Exception):
 
 
 def default_data_dir() -> Path:
-    """The shared data folder; DataError when neither `$REPLAYLM_DATA_DIR` nor the sibling
-    `../shared/data` of the repository exists."""
-    env = os.environ.get(DATA_DIR_ENV)
-    candidate = Path(env) if env else _REPO_ROOT.parent / "shared" / "data"
-    if not candidate.is_dir():
-        origin = f"${DATA_DIR_ENV}" if env else "the repository's sibling ../shared/data"
-        raise DataError(
-            f"no eval data folder at {candidate} ({origin}); set {DATA_DIR_ENV} to the folder "
-            "holding gsm8k/ and mgsm/, or pass --data-path"
-        )
-    return candidate
+    """The eval data shipped with the package (`gsm8k/`, `mgsm/`)."""
+    return Path(str(resources.files("replaylm.eval") / "datasets"))
 
 
 def sibling(location: str, name: str) -> str:

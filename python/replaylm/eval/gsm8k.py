@@ -37,7 +37,7 @@ class Gsm8k:
 
     @classmethod
     def load(cls, data_path: str | None, num_shots: int | None, seed: int) -> Gsm8k:
-        """Test questions from `data_path` (default: the shared gsm8k/test.jsonl); the shots are
+        """Test questions from `data_path` (default: the shipped gsm8k/test.jsonl); the shots are
         `num_shots` (default 5) train examples drawn with `seed` from train.jsonl beside it."""
         test = data_path or str(default_data_dir() / "gsm8k" / "test.jsonl")
         num_shots = DEFAULT_SHOTS if num_shots is None else num_shots

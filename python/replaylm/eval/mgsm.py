@@ -116,7 +116,7 @@ class Mgsm:
 
     @classmethod
     def load(cls, language: str, data_path: str | None) -> Mgsm:
-        """The `language` questions from `data_path` (default: the shared mgsm/mgsm_XX.tsv);
+        """The `language` questions from `data_path` (default: the shipped mgsm/mgsm_XX.tsv);
         rows are `question<TAB>answer`, the answer an English-convention number."""
         location = data_path or str(default_data_dir() / "mgsm" / f"mgsm_{language}.tsv")
         examples = []

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-path",
         help="questions file or http(s)/file:// URL (gsm8k: test.jsonl, "
         "with train.jsonl beside it for the shots; mgsm: the language's .tsv); "
-        "default: the shared data ($REPLAYLM_DATA_DIR or ../shared/data)",
+        "default: the copy shipped with replaylm",
     )
     p.add_argument(
         "--num-examples", type=_int_at_least(1), help="ask only the first N (default: all)"
