@@ -70,21 +70,20 @@ class PiecewiseBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.num_compiles += 1
-        self.split = split_at_ops(gm, self.split_ops)
+        split = self.split = split_at_ops(gm, self.split_ops)
         if self.compiler == "inductor":
             start = time.perf_counter()
-            self._compile_pieces(example_inputs)
+            self._compile_pieces(split, example_inputs)
             self.compile_seconds = time.perf_counter() - start
-        return self.split.module
+        return split.module
 
-    def _compile_pieces(self, example_inputs: Sequence[Any]) -> None:
+    def _compile_pieces(self, split: SplitGraph, example_inputs: Sequence[Any]) -> None:
         """Run the split module on fake inputs; each compute piece is compiled by Inductor for
         the (symbolic) inputs it receives, then swapped in for its submodule."""
         from torch._dynamo.utils import counters
         from torch._guards import detect_fake_mode
         from torch._inductor.compile_fx import compile_fx
 
-        split = self.split
         compute = {p.name for p in split.compute_pieces}
         progress = tqdm(
             total=len(compute), desc="compiling tc_piecewise pieces (inductor)", unit="piece"
@@ -92,17 +91,19 @@ class PiecewiseBackend:
         hits_before = counters["inductor"]["fxgraph_cache_hit"]
 
         class Compiler(fx.Interpreter):
-            def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+            def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
                 out = super().call_module(target, args, kwargs)
                 if target in compute:
                     piece = getattr(split.module, target)
                     _canonical_placeholders(piece)
                     compiled = compile_fx(piece, list(args), config_patches=INDUCTOR_CONFIG)
+                    assert callable(compiled)  # compile_fx returns the compiled forward
                     setattr(split.module, target, _CompiledPiece(compiled))
                     progress.update()
                 return out
 
         fake_mode = detect_fake_mode(example_inputs)
+        assert fake_mode is not None, "Dynamo hands a backend fake example inputs"
         with progress, fake_mode:
             fake_inputs = [
                 fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t

@@ -51,7 +51,7 @@ def split_at_ops(gm: fx.GraphModule, split_ops: Collection[object]) -> SplitGrap
             current += 2
         else:
             partition[node] = current
-    module = split_module(gm, None, lambda node: partition[node], keep_original_order=True)
+    module = split_module(gm, gm, lambda node: partition[node], keep_original_order=True)
     pieces = [
         Piece(node.target, int(node.target.rsplit("_", 1)[1]) in opaque_ids)
         for node in module.graph.nodes

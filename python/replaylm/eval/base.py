@@ -21,11 +21,17 @@ class Example:
 class Eval(Protocol):
     """An eval loaded with its examples. `prompt` and `parse` are pure functions."""
 
-    name: str
     endpoint: Endpoint  # "completions" takes `prompt` as text, "chat/completions" as messages
     stop: list[str]  # stop strings sent with every request (may be empty)
-    num_shots: int  # solved examples shown before each question
     examples: list[Example]
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_shots(self) -> int:
+        """Solved examples shown before each question."""
+        ...
 
     def prompt(self, example: Example) -> Prompt:
         """The prompt (or chat messages) that asks `example.question`."""

@@ -14,7 +14,6 @@ from urllib.parse import unquote, urljoin, urlparse
 import httpx
 
 
-
 class DataError(Exception):
     """Eval data that cannot be found, read or understood; the message says which and why."""
 

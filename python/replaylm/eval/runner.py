@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Literal
+from typing import Any, Literal
 
 from tqdm import tqdm
 
@@ -49,7 +49,7 @@ async def run(
 
     async def ask(index: int, example: Example) -> Record:
         prompt = ev.prompt(example)
-        body = {
+        body: dict[str, Any] = {
             "model": model,
             "max_tokens": max_tokens,
             "temperature": 0.0,

@@ -21,6 +21,7 @@ def _inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> t
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
+    assert scaling is not None  # a rope_type other than default comes from `scaling`
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
@@ -44,6 +45,9 @@ class RotaryEmbedding(nn.Module):
     The cos/sin table `[max_positions, rotary_dim]` is built once, in float32. This is the
     torch code; on the Triton route the model runs kernels/qk_norm_rope.py with these tables.
     """
+
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
 
     def __init__(
         self,

@@ -71,7 +71,7 @@ class LlamaAttention(nn.Module):
         custom op's result)."""
         norm = (
             None
-            if self.q_norm is None
+            if self.q_norm is None or self.k_norm is None
             else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         )
         cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
@@ -90,7 +90,7 @@ class LlamaAttention(nn.Module):
         if use_triton_kernels(q):
             q, k, stored = self._fused_norm_rope(positions, q, k, v, batch)
             return self.o_proj(self.attn(q, k, v, batch, kv_stored=stored))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q = self._per_head_norm(q, self.q_norm)
             k = self._per_head_norm(k, self.k_norm)
         q, k = self.rotary(positions, q, k)

@@ -8,6 +8,8 @@ as rows of its last dim (any row stride); outputs are fresh tensors shaped like 
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +50,16 @@ def _rms_norm_kernel(
     normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     tl.store(Out + rows * n_cols + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+
+
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(
