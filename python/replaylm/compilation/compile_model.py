@@ -36,8 +36,8 @@ KERNEL_CHOICES = ("fused", "native")
 @dataclass(frozen=True)
 class TcPiecewiseOptions:
     """`compiler` of the pieces (`piecewise_backend.COMPILERS`); `kernels`: "fused" keeps the
-    fused Triton kernels (norms, rope, SiluAndMul) whole inside the pieces, "native" traces the
-    layers' torch code so that the compiler derives its own fusions."""
+    Triton kernels (norms, rope, SiluAndMul, the skinny matmul) whole inside the pieces, "native"
+    traces the layers' torch code so that the compiler derives its own fusions."""
 
     compiler: str = "inductor"
     kernels: str = "fused"

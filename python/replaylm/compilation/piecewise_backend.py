@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 COMPILERS = ("inductor", "eager")
 # round at every dtype cast as eager does (Inductor keeps fused intermediates in float32 by
-# default: more precise, but bf16 logits then drift from the eager model's by a few percent)
+# default: more precise, but then bf16 logits drift from the eager model's)
 INDUCTOR_CONFIG = {"emulate_precision_casts": True}
 
 

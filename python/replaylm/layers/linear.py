@@ -16,11 +16,8 @@ from replaylm.layers.kernels import converted, use_triton_kernels
 # above); invariant: the skinny kernel for every input, K unsplit (rows independent of the batch);
 # auto: per layer, triton or cublas (`MatmulLayer.auto_matmul`)
 MATMULS = ("cublas", "triton", "invariant", "auto")
-# auto: layer weights up to this size take the skinny kernel. On the H100 (bench_matmul.py,
-# docs/benchmarks.md) it beat cuBLAS on every weight of Qwen3-0.6B (5-36% faster) and on
-# Llama-3.1-8B's qkv (48 MiB) and o (32 MiB), and lost on Llama's gate_up (224 MiB, 12% slower)
-# and down (112 MiB, 9% slower); on the LM head (`LogitsProcessor`) it won at every size (7%
-# faster on Llama's 1 GiB one)
+# auto: layer weights up to this size take the skinny kernel, larger ones cuBLAS (the LM head,
+# `LogitsProcessor`, takes the skinny kernel at every size): docs/tuning.md, "Split-K skinny matmul"
 AUTO_SKINNY_MAX_BYTES = 64 * 2**20
 
 

@@ -140,7 +140,7 @@ def _uniform_in_order(
     seeds: torch.Tensor, steps: torch.Tensor, logits: torch.Tensor
 ) -> torch.Tensor:
     """`seeded_uniform` of every vocabulary id in order: one Triton launch where the kernels run
-    (`use_triton_kernels`), the torch code's ~40 launches elsewhere (bit-equal)."""
+    (`use_triton_kernels`), the torch code's dozens of small launches elsewhere (bit-equal)."""
     if use_triton_kernels(logits):
         from replaylm.layers.kernels.seeded_uniform import seeded_uniform_vocab
 

@@ -1,4 +1,5 @@
-"""Errors the memory pools raise; callers (engine, scheduler) handle them explicitly."""
+"""Errors the memory pools raise when asked for more than is free (the scheduler sizes its
+batches to what is free, by admission and retraction)."""
 
 
 class OutOfKVCacheError(RuntimeError):

@@ -83,7 +83,7 @@ class ForwardBatch:
         Every value is computed in plain Python on the host and the lot crosses to the table's
         device in one copy (the fields are views of it), so building a batch launches one kernel
         (the table write) and never waits for the device: a step-by-step server pays this host
-        time every step, and on a GPU host each torch call costs 5-15 us.
+        time every step, and every torch call adds to it.
 
         `new_token_ids[i]` are request i's tokens for this step, at positions
         `prefix_lens[i] ..`; their KV slots are `out_cache_loc` in the same packed order.

@@ -1,7 +1,7 @@
 """Turning requests into ForwardBatches: KV-slot allocation, request-table writes, release.
 
-These are the only functions that build a ForwardBatch, so the generation loop (and later the
-scheduler) stays the single place where batches are formed.
+The scheduler forms every batch through these functions, so KV slots, request-table rows and each
+request's host copy of its slots (`Req.kv_slots`) always change together.
 """
 
 from __future__ import annotations

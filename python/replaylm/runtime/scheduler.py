@@ -13,7 +13,7 @@ tokens recomputed when re-admitted). The step is the only place that builds Forw
 Overlap (the default; `--disable-overlap-schedule` turns it off): a decode step is launched
 before the one before it is read back. Its input tokens are that step's sampled ids, copied on
 the device, so the host builds the next batch, and then appends tokens, checks stops and sends
-outputs, while the GPU runs: the GPU no longer waits for the host between decode steps. A request
+outputs, while the GPU runs: the GPU does not wait for the host between decode steps. A request
 that finished in the step being read back was computed once more in the step in flight; that
 token is dropped (a request that reaches `max_new_tokens` is left out of the next step, since
 its end is known). Prefill steps, retraction and an empty running set read the step in flight

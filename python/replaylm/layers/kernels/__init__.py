@@ -1,5 +1,7 @@
-"""Fused Triton kernels for a decoder layer's small ops: RMSNorm (+ residual add), per-head q/k
-RMSNorm + rope, SiluAndMul; one launch each.
+"""Triton kernels of the layers, one launch each: RMSNorm (+ residual add), per-head q/k RMSNorm
++ rope (+ the KV store), SiluAndMul, the skinny matmul and the sampler's noise; and the switches
+they share (the route, PDL). Why small ops get kernels of their own: docs/tuning.md, "Fused
+elementwise kernels".
 
 Importing this package does not import triton (triton is optional); its kernel modules do, so the
 layers import them (through `ops`) only on the route `use_triton_kernels` picks. The layers' torch
@@ -58,10 +60,9 @@ def check_pdl(enabled: bool, device: torch.device) -> None:
 
 def choose_pdl(asked: bool | None, supported: bool) -> tuple[bool, str]:
     """(whether to launch with PDL, why) for `--enable-pdl` `asked` (None: decide), on a device
-    where PDL is `supported` or not. The default is on wherever it is supported: H100, full
-    decode steps with PDL against without (docs/benchmarks.md, sixteenth session): Qwen3-0.6B
-    bs1 10% faster; Llama-3.1-8B, whose MLP runs cuBLAS between the Triton kernels, 3% faster
-    at bs 1, 8 and 64, prefill unchanged."""
+    where PDL is `supported` or not. The default is on wherever it is supported: decode steps
+    are faster with it, also with cuBLAS matmuls between the Triton kernels (docs/tuning.md,
+    "Programmatic dependent launch")."""
     if asked is not None:
         return asked, "--enable-pdl" if asked else "--no-enable-pdl"
     if not supported:

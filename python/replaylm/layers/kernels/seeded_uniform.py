@@ -1,7 +1,7 @@
 """The sampler's noise in one launch: `seeded_uniform(seeds, steps, arange(vocab))` of
 `layers/sampler.py`, bit-equal to its torch code (the same splitmix64 hash on unsigned 64-bit
 integers, which wrap as torch's signed ones do, then an exact 23-bit float conversion). The torch
-code takes ~40 small ops per step, each a launch: host time a decode step waits through."""
+code is dozens of small ops, each a launch: host time a decode step waits through."""
 
 from __future__ import annotations
 

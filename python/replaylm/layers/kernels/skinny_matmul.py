@@ -4,14 +4,14 @@ for any M with `INVARIANT_CONFIG` (the batch-invariant matmul of `--deterministi
 A program computes a `[BLOCK_M, BLOCK_N]` tile of `y` over one slice of K with tensor-core dots;
 with `split_k > 1` (at most 16 rows) the slices' fp32 partials go to a workspace and the last
 slice to arrive on its tile's counter adds them in slice order (so the sum is deterministic),
-writes `y` and zeroes the counter. More programs than output tiles is what the narrow projections
-need: cuBLAS runs the N=1024 projections of Qwen3-0.6B at 0.66-0.77 TB/s, split-K 4 brings them to
-~1 TB/s (H100 sweep, docs/benchmarks.md).
+writes `y` and zeroes the counter. Narrow projections have too few output tiles to keep the GPU's
+memory bandwidth busy; slicing K gives them more programs (docs/tuning.md, "Split-K skinny
+matmul").
 
 With `gated_silu` the weight is a `[gate; up]` pair and a program's tile interleaves gate and up
 rows of the same output columns, so its epilogue applies SiluAndMul and writes half as many
-columns: the MLP's gate-up projection and activation in one launch (inside Qwen3-0.6B's decode
-step, bs 8: 1216 -> 1182 us; bench_decode_chain.py, H100).
+columns: the MLP's gate-up projection and activation in one launch, with no intermediate tensor
+(docs/tuning.md, "Fused elementwise kernels").
 
 The launch configuration never depends on M: each row of `y` is computed the same way whatever the
 number of rows beside it (rows are batch-invariant: across 1..16 rows with `matmul_config`, across
@@ -58,14 +58,11 @@ INVARIANT_CONFIG = MatmulConfig(
 
 def matmul_config(n: int, k: int) -> MatmulConfig:
     """The launch for `[<= 16, k] x [n, k]^T`: when the output has too few tiles of 32 columns to
-    occupy the GPU (n < 4096), K in 8 slices (K of at least 8 blocks) or 4 (at least 4); else
-    one slice per tile. (8 over 4: inside Qwen3-0.6B's decode step, its o and down projections
-    took the bs 8 step from 1250 to 1203 us, bs 1 unchanged; 6 stages over 4: bs1 944 -> 938
-    and 939 -> 933 us, bs8 1107 -> 1098 and 1126 -> 1113 on two hosts; bench_decode_chain.py,
-    H100.) Where 8 slices of K fit in blocks of 256 (1024 < K <= 2048), each slice is one such
-    block: with PDL a program then loads all its weights before it waits for its input
-    (Qwen3-0.6B's o projection: bs1 891 -> 859 us per step, bs8 1058 -> 1051, bs16 1247 ->
-    1240; the same for its down projection, 2 blocks per slice, lost at bs 16)."""
+    occupy the GPU (n < 4096), K in 8 slices of 128-column blocks (K of at least 8 blocks) or 4
+    (at least 4); else one slice per tile. Where K fits in at most 8 blocks of 256
+    (1024 < K <= 2048), each slice is one such block, so that with PDL a program loads all its
+    weights before it waits for its input. Why these slice counts and stages: docs/tuning.md,
+    "Split-K skinny matmul"; the PDL overlap: "Programmatic dependent launch"."""
     block_n, block_k = 32, 128
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     if tiles >= 128:
@@ -144,7 +141,8 @@ def _dot_tile(
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize=["M"])  # one variant for every row count (fewer JIT compiles)
+# one variant for every row count: docs/tuning.md, "Few compiled variants"
+@triton.jit(do_not_specialize=["M"])
 def _skinny_matmul_kernel(
     X,
     W,

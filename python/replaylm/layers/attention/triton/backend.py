@@ -44,8 +44,8 @@ class _DecodeMetadata:
     # arrivals in this static buffer instead
     graph_arrivals: torch.Tensor | None = None
     workspace: DecodeWorkspace | None = None
-    # captured graphs merge the slices in a launch of its own (no host cost there; the same
-    # numbers as the eager single launch, which saves a breakable graph's host a launch per layer)
+    # captured graphs merge the slices in a launch of their own (`decode_attention`'s
+    # `separate_merge`: no host cost there, the same numbers as the eager single launch)
     separate_merge: bool = False
 
 

@@ -12,9 +12,8 @@ two ways:
   graph pays per layer;
 - by a merge kernel launched after it (`separate_merge`, for captured graphs, where a launch
   costs no host time): every program writes its partial (a slice past the end writes zeros and
-  a log-sum-exp of -inf) and ends. The last program's fence, counter round trip and loads
-  lengthened every layer's attention by about 2 us (Qwen3-0.6B's decode chain, H100: bs1 896 ->
-  875 us per step, bs32 1787 -> 1742; benchmark/NOTES_attention.md item 12).
+  a log-sum-exp of -inf) and ends, sparing the last program's fence, counter round trip and
+  loads (docs/tuning.md, "Decode attention merge kernel").
 Both merge the same partials in the same order: their outputs are equal bit for bit.
 
 The grid depends only on the batch size and `num_splits`, never on sequence lengths, so the
@@ -40,19 +39,15 @@ from replaylm.layers.attention.triton.common import (
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
-CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)  # NOTES_attention.md items 4, 11
+# key block, warps, stages: docs/tuning.md, "Decode attention slices"
+CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-precision dots: FMA
-MERGE_WARPS = 4  # the merge kernel's (2 were slower inside the step: NOTES_attention.md item 12)
-MIN_SPLIT_LEN = 64  # tokens (one block): see benchmark/NOTES_attention.md, "Split length"
+MERGE_WARPS = 4  # warps of the merge kernel: docs/tuning.md, "Decode attention merge kernel"
+MIN_SPLIT_LEN = 64  # tokens (one block): docs/tuning.md, "Decode attention slices"
 # slices per request: about PROGRAMS_PER_SM programs per multiprocessor over the batch's
 # (request, KV head) pairs, rounded down to a power of two, between MIN_SPLITS and MAX_SPLITS.
-# Chosen inside a decode step (PDL on, the layer's other kernels around it), where fewer, longer
-# slices win than alone in a graph. H100, Qwen3-0.6B's 28 layers (8 KV heads), us per step of
-# this choice / the next best / the previous policy (at most 8 slices, 4 programs per SM):
-# bs1 ctx 512 927 / 940 (8) / 940, ctx 2048 1076 / 1100 (8), ctx 8192 1409 / 1642 (8);
-# bs8 ctx 512 1107 / 1112 (2) / 1166, ctx 2048 1606 / 1680 (8); bs16 ctx 512 1279 / 1310 / 1429;
-# bs32 1759 / 1844 / 1853; bs64 2486 / 2541 / 2486 (benchmark/NOTES_attention.md, "Slices inside
-# the step")
+# Tuned inside a whole decode step, where fewer, longer slices win than for the kernel alone:
+# docs/tuning.md, "Decode attention slices".
 MIN_SPLITS, MAX_SPLITS = 2, 16
 PROGRAMS_PER_SM = 2
 
@@ -84,7 +79,7 @@ def _split_len(seq_len, num_splits, min_split_len):
 
 # ReqPoolIndices, SeqLens: one element per request, at any 8-byte offset; num_splits (and the
 # log-sum-exps' head stride, which equals it): runtime values, so the batch sizes' slice counts
-# share one compiled variant
+# share one compiled variant (docs/tuning.md, "Few compiled variants")
 @triton.jit(
     do_not_specialize=["num_splits", "stride_mlh"],
     do_not_specialize_on_alignment=["ReqPoolIndices", "SeqLens"],

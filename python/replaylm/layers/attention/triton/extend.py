@@ -31,7 +31,9 @@ from replaylm.layers.attention.triton.common import (
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
-CONFIGS = {  # head dim -> tiles for 16-bit inputs (block_m a multiple of block_n)
+# head dim -> tiles for 16-bit inputs (block_m a multiple of block_n); why these:
+# docs/tuning.md, "Extend attention tiles"
+CONFIGS = {
     16: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),
     32: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),
     64: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),

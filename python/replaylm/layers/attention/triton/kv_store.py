@@ -1,5 +1,6 @@
-"""This step's K and V into the paged cache, in one launch for both (measured against two
-index_put calls in benchmark/bench_attention.py; see benchmark/NOTES_attention.md)."""
+"""This step's K and V into the paged cache, in one launch for both (faster than two index_put
+calls). A layer whose rope kernel stores K/V at the backend's `kv_store_target` skips it:
+docs/tuning.md, "KV store in the rope kernel"."""
 
 from __future__ import annotations
 
