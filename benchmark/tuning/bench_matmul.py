@@ -1,29 +1,31 @@
 """Small-batch matmuls of real models' projections: cuBLAS vs the skinny Triton kernel (with and
 without PDL), each launch inside a CUDA graph, as a decode step runs them.
 
-    python benchmark/bench_matmul.py [--models qwen3-0.6b llama-3.1-8b] [--rows 1 8 16]
-                                     [--configs] [--json out.json]
+    python benchmark/tuning/bench_matmul.py [--models qwen3-0.6b llama-3.1-8b] [--rows 1 8 16]
+                                            [--configs] [--json out.json]
 
 Per model (benchmark/configs/) and projection (qkv, o, gate_up, down, lm_head) and row count:
 a graph of one launch per layer over that many distinct random weights (so that L2 holds none of
 them, as in a step), replayed and timed with CUDA events (median); microseconds per launch and
 the weight bytes per second that makes. The choice of `--small-batch-matmul auto` is read off
-this table (docs/benchmarks.md). `--configs`: instead, the skinny kernel's launch choices
-(`CONFIG_CHOICES`, with PDL) against cuBLAS per projection (the layers', not the LM head's).
+this table (docs/tuning.md, "Split-K skinny matmul"). `--configs`: instead, the skinny kernel's
+launch choices (`CONFIG_CHOICES`, with PDL) against cuBLAS per projection (the layers', not the
+LM head's).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common.py
+
 import torch
 import torch.nn.functional as F
-from bench_one_batch import cuda_time_ms
 
 from replaylm.layers import kernels
 from replaylm.layers.kernels.skinny_matmul import (
@@ -33,7 +35,8 @@ from replaylm.layers.kernels.skinny_matmul import (
     skinny_matmul,
 )
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+from common import model_config, replay_us, write_json
+
 WARMUP, REPEAT = 5, 30
 MAX_COPY_BYTES = 4 * 2**30  # weights of one graph, at most (lm_head: fewer copies)
 
@@ -51,15 +54,14 @@ def projections(cfg: dict) -> dict[str, tuple[int, int]]:
     }
 
 
-def graph_us(launch, count: int) -> float:
+def graph_us(launch: Callable[[int], object], count: int) -> float:
     """Median microseconds per launch of a CUDA graph of `launch(i)` for i < count."""
-    launch(0)  # compile / plan outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body() -> None:
         for i in range(count):
             launch(i)
-    return cuda_time_ms(graph.replay, WARMUP, REPEAT) * 1e3 / count
+
+    return replay_us(body, WARMUP, REPEAT) / count
 
 
 def operands(n: int, k: int, rows: int, layers: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -138,7 +140,7 @@ def main_configs(models: list[str], rows: list[int], json_path: Path | None) -> 
     """The `--configs` table (and JSON)."""
     results = []
     for model in models:
-        cfg = json.loads((CONFIGS / f"{model}.json").read_text())
+        cfg = model_config(model)
         for name, (n, k) in projections(cfg).items():
             if name == "lm_head":
                 continue
@@ -163,9 +165,7 @@ def main_configs(models: list[str], rows: list[int], json_path: Path | None) -> 
                     flush=True,
                 )
     if json_path:
-        json_path.write_text(
-            json.dumps({"device": torch.cuda.get_device_name(), "rows": results}, indent=1)
-        )
+        write_json(json_path, {"rows": results})
 
 
 def main() -> None:
@@ -189,7 +189,7 @@ def main() -> None:
         f"{'triton us':>10} {'+PDL us':>8} {'cuBLAS GB/s':>12} {'triton GB/s':>12}"
     )
     for model in args.models:
-        cfg = json.loads((CONFIGS / f"{model}.json").read_text())
+        cfg = model_config(model)
         for name, (n, k) in projections(cfg).items():
             for m in args.rows:
                 r = {
@@ -221,7 +221,7 @@ def main() -> None:
         if r["rows"] == 1
     ]
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+        write_json(args.json, {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -1,26 +1,28 @@
 """Host time of a step-by-step server's decode step: building the batch, and the whole step.
 
-    python benchmark/bench_decode_host.py [--model-path benchmark/configs/qwen3-0.6b.json]
-                                          [--bs 1 8 32] [--context 512] [--steps 100]
-                                          [--device cuda] [--json out.json]
+    python benchmark/tuning/bench_decode_host.py [--model-path benchmark/configs/qwen3-0.6b.json]
+                                                 [--bs 1 8 32] [--context 512] [--steps 100]
+                                                 [--device cuda] [--json out.json]
 
-bench_one_batch.py times the graph replay alone. A server also builds every step's batch on the
-host (`prepare_decode`: KV slots, the request-table write, the ForwardBatch) and reads the next
-tokens back before it can build the next one. Per batch size, after prefilling `--context`-token
-prompts, this runs `--steps` decode steps the way the scheduler's loop does (prepare, forward,
-greedy argmax to the host, append), after WARMUP untimed ones, and reports the medians of
-`prepare_decode`'s host time, of `runner.forward`'s host time and of the whole step's wall
-time. A `.json` model path is a config (dummy weights); default modes (on CUDA, full decode
-graphs).
+benchmark/bench_one_batch.py times the graph replay alone. A server also builds every step's
+batch on the host (`prepare_decode`: KV slots, the request-table write, the ForwardBatch) and
+reads the next tokens back before it can build the next one. Per batch size, after prefilling
+`--context`-token prompts, this runs `--steps` decode steps the way the scheduler's loop does
+(prepare, forward, greedy argmax to the host, append), after WARMUP untimed ones, and reports
+the medians of `prepare_decode`'s host time, of `runner.forward`'s host time and of the whole
+step's wall time. A `.json` model path is a config (dummy weights); default modes (on CUDA, full
+decode graphs).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common.py
 
 import torch
 
@@ -30,7 +32,9 @@ from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "configs" / "qwen3-0.6b.json"
+from common import config_path, write_json
+
+DEFAULT_MODEL = config_path("qwen3-0.6b")
 WARMUP = 20
 
 
@@ -127,8 +131,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['forward_us']:16.1f} {r['step_ms']:15.3f}"
         )
     if args.json:
-        device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-        args.json.write_text(json.dumps({"device": device, "summary": rows}, indent=1))
+        write_json(args.json, {"summary": rows})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Kernel launch choices timed inside a decode step's chain of kernels, not alone.
 
-    python benchmark/bench_decode_chain.py [--sweep attention matmul] [--repeats 3]
-                                           [--json out.json]
+    python benchmark/tuning/bench_decode_chain.py [--sweep attention matmul] [--repeats 3]
+                                                  [--json out.json]
 
 The GPU side of a Qwen3-0.6B decode step without the host: per layer RMSNorm, the skinny QKV
 matmul, the q/k norm + rope kernel storing K/V, decode attention over `ctx` cached tokens, the o
@@ -20,21 +20,22 @@ attention's slices merged by a kernel of their own (the default, as in captured 
 the merge by the last program to arrive (as eager calls do), and the step without some of its
 kernels or over one layer's weights (wrong numbers; upper bounds of what fusing those kernels
 away or keeping weights in L2 could give). Why this exists: alone in a graph the attention
-kernel favoured up to 64 slices; inside the step 8 won, by up to 12% of the step
-(benchmark/NOTES_attention.md, "Slices inside the step").
+kernel favoured up to 64 slices; inside the step fewer won, by up to 12% of the step
+(docs/tuning.md, "Decode attention slices").
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common.py
+
 import torch
-from bench_one_batch import cuda_time_ms
 
 from replaylm.layers import kernels
 from replaylm.layers.attention.triton.common import KernelConfig
@@ -57,7 +58,9 @@ from replaylm.layers.kernels.skinny_matmul import (
     skinny_matmul,
 )
 
-CONFIG = json.loads((Path(__file__).resolve().parent / "configs" / "qwen3-0.6b.json").read_text())
+from common import model_config, replay_us, write_json
+
+CONFIG = model_config("qwen3-0.6b")
 LAYERS, HIDDEN = CONFIG["num_hidden_layers"], CONFIG["hidden_size"]
 HEADS, KV_HEADS, DIM = (
     CONFIG["num_attention_heads"],
@@ -124,8 +127,6 @@ MATMUL_CHOICES: dict[str, dict[str, MatmulConfig]] = {
     "o/down K blocks of 256, split 4": _configs(
         ("o", "down"), block_k=256, num_stages=3, split_k=4
     ),
-    # (o's default is K blocks of 256 since the sixteenth session: "o K blocks of 256" and
-    # "o/down K blocks of 256" in earlier JSON are now the default and the next choice)
     "down K blocks of 256": _configs(("down",), block_k=256, num_stages=3),
     "down one block of 256": _one_block(("down",), 256, num_stages=3),
     "o/down one block of 256, 1 stage": _one_block(("o", "down"), 256, num_stages=1),
@@ -261,16 +262,6 @@ class DecodeChain:
         return step
 
 
-def graph_us(step: Callable[[], torch.Tensor]) -> float:
-    """Median microseconds per replay of a CUDA graph of `step`."""
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return cuda_time_ms(graph.replay, 20, 100) * 1e3
-
-
 def sweep_cell(
     chain: DecodeChain, choices: dict[str, Choice], repeats: int
 ) -> dict[str, list[float]]:
@@ -279,7 +270,7 @@ def sweep_cell(
     times: dict[str, list[float]] = {name: [] for name in choices}
     for _ in range(repeats):
         for name, step in steps.items():
-            times[name].append(graph_us(step))
+            times[name].append(replay_us(step))
     return times
 
 
@@ -365,16 +356,13 @@ def main() -> None:
             f"{row['median_us']:12.1f}  {runs}"
         )
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "pdl": kernels.pdl_launch().get("USE_PDL", False),
-                    "summary": summary(rows),
-                    "rows": rows,
-                },
-                indent=1,
-            )
+        write_json(
+            args.json,
+            {
+                "pdl": kernels.pdl_launch().get("USE_PDL", False),
+                "summary": summary(rows),
+                "rows": rows,
+            },
         )
 
 

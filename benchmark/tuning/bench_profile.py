@@ -1,45 +1,40 @@
 """Where a graphed decode step's GPU time goes: kernels by name, their sum, and the gaps.
 
-    python benchmark/bench_profile.py [--models qwen3-0.6b ...] [--bs 1] [--context 512]
-                                      [--mode '{"decode": "full"}'] [--server-args JSON ...]
-                                      [--json out.json]
+    python benchmark/tuning/bench_profile.py [--models qwen3-0.6b ...] [--bs 1] [--context 512]
+                                             [--mode '{"decode": "full"}'] [--server-args JSON ...]
+                                             [--json out.json]
 
 Per model and per `--server-args` object (a variant: e.g. `{"small_batch_matmul": "triton"}`),
-builds one runner (dummy weights, bench_one_batch's settings), times the decode replay with CUDA
-events (median), then replays it under torch.profiler and groups the CUDA kernels by name. Per
-step: the replay time, the kernels' summed time, their count, and the rest ("gaps": launch
-latency between kernels, host work inside the timed region; negative when PDL overlaps kernels,
-whose times then include their wait for the one before). The table is what a kernel fusion or a
-launch change has to move.
+builds one runner (dummy weights, as benchmark/bench_one_batch.py builds them), times the decode
+replay with CUDA events (median), then replays it under torch.profiler and groups the CUDA
+kernels by name. Per step: the replay time, the kernels' summed time, their count, and the rest
+("gaps": launch latency between kernels, host work inside the timed region; negative when PDL
+overlaps kernels, whose times then include their wait for the one before). The table is what a
+kernel fusion or a launch change has to move.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common.py
+
 import torch
-from bench_one_batch import _reqs, build_runner, cuda_time_ms
 from torch.profiler import ProfilerActivity, profile
 
-from replaylm.runtime.batch_ops import prepare_decode, prepare_extend
+from replaylm.model_executor.model_runner import ModelRunner
+
+from common import cuda_time_ms, decode_batch, dummy_runner, release_memory, write_json
 
 PROFILED_REPLAYS = 10
 
 
-def decode_batch(runner, bs: int, context: int):
-    """A decode batch of `bs` requests over `context` cached tokens (prefilled eagerly)."""
-    reqs = _reqs(bs, context)
-    runner.forward(prepare_extend(reqs, runner))
-    for r in reqs:
-        r.output_ids.append(11)
-    return prepare_decode(reqs, runner)
-
-
-def kernel_table(replay, replays: int) -> tuple[list[dict], float]:
+def kernel_table(replay: Callable[[], object], replays: int) -> tuple[list[dict], float]:
     """(rows of {kernel, per_step, each_us, total_us} by total time, kernel microseconds per
     step) of `replays` calls of `replay` under the profiler."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -64,9 +59,11 @@ def kernel_table(replay, replays: int) -> tuple[list[dict], float]:
 
 
 @torch.inference_mode()
-def measure_decode(runner, bs: int, context: int, mode: str) -> tuple[float, list[dict], float]:
+def measure_decode(
+    runner: ModelRunner, bs: int, context: int, mode: str
+) -> tuple[float, list[dict], float]:
     """(median replay ms, kernel rows, kernel us per step) of `runner`'s decode graph."""
-    batch = decode_batch(runner, bs, context)
+    _, batch = decode_batch(runner, bs, context)
     graphs = runner.graph_runners["decode"]
     if graphs is None or not graphs.can_run(batch):
         raise SystemExit(f"no decode graph serves bs={bs} under {mode}")
@@ -76,11 +73,10 @@ def measure_decode(runner, bs: int, context: int, mode: str) -> tuple[float, lis
 
 def profile_variant(model: str, args: argparse.Namespace, extra: dict) -> dict:
     """Print and return the profile of `model`'s decode step under the ServerArgs `extra`."""
-    runner = build_runner(model, args.mode, args.bs, args.context, extra)
+    runner = dummy_runner(model, args.mode, args.bs, args.context, extra)
     step_ms, rows, kernel_us = measure_decode(runner, args.bs, args.context, args.mode)
     del runner
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_memory()
     launches = sum(r["per_step"] for r in rows)
     gap_us = step_ms * 1e3 - kernel_us
     print(f"\n{model} decode bs{args.bs} ctx{args.context} {args.mode} {json.dumps(extra)}")
@@ -140,7 +136,7 @@ def main() -> None:
         )
     if args.json:
         summary = [{k: v for k, v in p.items() if k != "kernels"} for p in profiles]
-        args.json.write_text(json.dumps({"summary": summary, "profiles": profiles}, indent=2))
+        write_json(args.json, {"summary": summary, "profiles": profiles})
 
 
 if __name__ == "__main__":
