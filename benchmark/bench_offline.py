@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import random
 import time
@@ -37,7 +36,9 @@ from replaylm.cuda_graph_config import MODES
 from replaylm.entrypoints.engine import Engine
 from replaylm.model_executor.forward_stats import ForwardStats
 
-QWEN3_CONFIG = Path(__file__).resolve().parent / "configs" / "qwen3-0.6b.json"
+from common import config_path, release_memory, write_json
+
+QWEN3_CONFIG = config_path("qwen3-0.6b")
 DEFAULT_MODES = ("full", "breakable", "tc_piecewise", "disabled")  # every decode mode on CUDA
 TEMPERATURE = 0.6  # nano-vllm's
 MAX_TOKEN_ID = 10000  # prompts draw ids from [0, min(this, vocab - 1)]
@@ -180,13 +181,6 @@ def bench_mode(args: argparse.Namespace, mode: str, overlap: bool = True) -> dic
     return run_mode(engine, mode, workload)
 
 
-def free_memory() -> None:
-    """Release the last Engine's model, KV cache and graphs before the next one is built."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -224,14 +218,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def write_json(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+def write_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     config = {
         **vars(args),
         "model_path": str(args.model_path),
         "json": str(args.json),
         "temperature": TEMPERATURE,
     }
-    args.json.write_text(json.dumps({"config": config, "summary": rows}, indent=2))
+    write_json(args.json, {"config": config, "summary": rows})
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -250,8 +244,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     f"{rows[-1]['requested_output_tokens']} were requested"
                 )
             if args.json:
-                write_json(args, rows)
-            free_memory()
+                write_rows(args, rows)
+            release_memory()
     print(f"\n{markdown_table(rows)}")
     return rows
 

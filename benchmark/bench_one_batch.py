@@ -27,22 +27,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 from replaylm.layers.kernels import native_only
 from replaylm.model_executor.model_runner import ModelRunner
-from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
-from replaylm.runtime.request import Req
-from replaylm.sampling_params import SamplingParams
-from replaylm.server_args import ServerArgs
+from replaylm.runtime.batch_ops import prepare_extend, release
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
-WARMUP, REPEAT = 10, 50
+from common import (
+    copy_bandwidth_gbs,
+    cuda_time_ms,
+    decode_batch,
+    dummy_runner,
+    release_memory,
+    synthetic_requests,
+    write_json,
+)
+
 PREFILL_CASES = [(1, 128), (1, 512), (8, 256)]  # (requests, tokens each)
 RUNS = [  # --cuda-graph-mode of each runner built per model
     '{"decode": "full", "prefill": "breakable"}',
@@ -51,68 +54,14 @@ RUNS = [  # --cuda-graph-mode of each runner built per model
 ]
 
 
-def cuda_time_ms(fn, warmup: int = WARMUP, repeat: int = REPEAT, calls: int = 1) -> float:
-    """Median milliseconds per `fn()` call by CUDA events around `calls` back-to-back calls (no
-    wait between them), after `warmup` untimed calls; `repeat` timings."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy rate (bytes read + written per second), 1 GiB buffers."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeat=20)
-    return 2 * src.numel() / (ms / 1e3) / 1e9
-
-
-def build_runner(
-    model: str, modes: str, max_bs: int, context: int, extra: dict | None = None
-) -> ModelRunner:
-    """Default decode shapes (up to 256) and prefill buckets (up to 2048): what capture time and
-    memory are reported for."""
-    return ModelRunner(
-        ServerArgs(
-            model_path=str(CONFIGS / f"{model}.json"),
-            load_format="dummy",
-            device="cuda",
-            dtype="bfloat16",
-            max_running_requests=256,
-            context_length=max(context, 2048) + 64,
-            max_total_tokens=max_bs * (context + 64) + 4096,
-            cuda_graph_mode=modes,
-            chunked_prefill_size=2048,
-            mem_fraction_static=0.85,
-            **(extra or {}),
-        )
-    )
-
-
 @torch.inference_mode()
 def eager_forward(runner: ModelRunner, batch) -> torch.Tensor:
     runner.attn_backend.init_forward_metadata(batch)
     return runner.model(batch.input_ids, batch.positions, batch)
 
 
-def _reqs(n: int, length: int) -> list[Req]:
-    return [
-        Req(i, [(i * 31 + j) % 1000 + 10 for j in range(length)], SamplingParams(), 0, 8)
-        for i in range(n)
-    ]
-
-
 def time_prefill(runner: ModelRunner, n: int, length: int, eager: bool) -> dict[str, float]:
-    reqs = _reqs(n, length)
+    reqs = synthetic_requests(n, length)
     batch = prepare_extend(reqs, runner)
     graphs = runner.graph_runners["prefill"]
     assert graphs.can_run(batch)
@@ -126,11 +75,7 @@ def time_prefill(runner: ModelRunner, n: int, length: int, eager: bool) -> dict[
 
 def time_decode(runner: ModelRunner, bs: int, context: int, eager: bool) -> dict[str, float]:
     """A decode step over `context` cached tokens per request, replayed on the same slots."""
-    reqs = _reqs(bs, context)
-    runner.forward(prepare_extend(reqs, runner))
-    for r in reqs:
-        r.output_ids.append(11)
-    batch = prepare_decode(reqs, runner)
+    reqs, batch = decode_batch(runner, bs, context)
     graphs = runner.graph_runners["decode"]
     assert graphs.can_run(batch)
     out = {
@@ -186,7 +131,7 @@ def _bench_runs(
 ) -> tuple[list[dict], list[dict]]:
     rows, captures, eager = [], [], {}
     for modes in runs:
-        runner = build_runner(model, modes, max(bs_list), context, extra)
+        runner = dummy_runner(model, modes, max(bs_list), context, extra)
         config = json.loads(modes)
         for phase in ("decode", "prefill"):
             if config.get(phase, "disabled") != "disabled":
@@ -223,8 +168,7 @@ def _bench_runs(
                     }
                 )
         del runner
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
     for r in rows:
         r["speedup"] = r["eager_ms"] / r["graph_ms"]
     rows.sort(key=lambda r: (not r["step"].startswith("prefill"), r["step"], r["mode"]))
@@ -313,18 +257,16 @@ def main() -> None:
         if r["step"] in ("decode bs1", "prefill 1x128")
     ] + captures
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "copy_bandwidth_gbs": bandwidth,
-                    "server_args": args.server_args,
-                    "kernels": args.kernels,
-                    "rows": rows,
-                    "captures": captures,
-                    "summary": summary,
-                },
-                indent=2,
-            )
+        write_json(
+            args.json,
+            {
+                "copy_bandwidth_gbs": bandwidth,
+                "server_args": args.server_args,
+                "kernels": args.kernels,
+                "rows": rows,
+                "captures": captures,
+                "summary": summary,
+            },
         )
 
 

@@ -36,6 +36,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from common import write_json
+
 DATASET_FIELDS = ("question", "prompt", "text")
 PERCENTILES = (50, 90, 99)
 
@@ -346,9 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             "json": str(args.json),
             "request_rate": [str(r) for r in args.request_rate],
         }
-        args.json.write_text(
-            json.dumps({"config": config, "summary": summary, "requests": requests}, indent=1)
-        )
+        write_json(args.json, {"config": config, "summary": summary, "requests": requests})
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import httpx
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+from common import config_path, write_json
+
 MODES = [
     '{"decode": "disabled", "prefill": "disabled"}',
     '{"decode": "full", "prefill": "breakable"}',
@@ -114,7 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-path", default=str(CONFIGS / "qwen3-0.6b.json"))
+    parser.add_argument("--model-path", default=str(config_path("qwen3-0.6b")))
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--modes", nargs="+", default=MODES)
@@ -194,9 +195,7 @@ def main() -> None:
             }
             for r in rows
         ]
-        args.json.write_text(
-            json.dumps({"model_path": args.model_path, "rows": rows, "summary": summary}, indent=2)
-        )
+        write_json(args.json, {"model_path": args.model_path, "rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

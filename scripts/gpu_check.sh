@@ -9,15 +9,17 @@
 #   startup offline offline_bs1 serving; one_batch_native: Qwen3-0.6B over the fused kernels and
 #   over the layers' torch code (what Inductor's fusion gives tc_piecewise); offline and
 #   offline_bs1: offline throughput with the overlap schedule and without (offline_bs1: one
-#   request, full decode graphs: the per-token step of a server); decode_host: host time of a server-like decode step (bench_decode_host.py);
+#   request, full decode graphs: the per-token step of a server); the tuning tools of
+#   benchmark/tuning/: decode_host: host time of a server-like decode step;
 #   decode_chain: attention slices and launches, matmul configs and fusions inside a
-#   Qwen3-0.6B decode step's chain of kernels (bench_decode_chain.py); matmul: cuBLAS vs
-#   the skinny kernel per projection of both models (bench_matmul.py);
+#   Qwen3-0.6B decode step's chain of kernels; matmul: cuBLAS vs the skinny kernel per
+#   projection of both models; attention_sweep (not in the default list): the attention
+#   kernels' launch choices, each alone;
 #   one_batch_kernels: Qwen3-0.6B and Llama-3.1-8B, full decode and breakable prefill, with
 #   --small-batch-matmul cublas, the defaults (auto matmul, PDL on sm90+), auto with
 #   --no-enable-pdl and every matmul on triton, on one host; one_batch_det: Qwen3-0.6B with
-#   --deterministic; profile: kernels of the full bs1 step of both models under the same four
-#   kernel choices (bench_profile.py); serving: one server per GPU_CHECK_SERVING_MODES entry,
+#   --deterministic; profile (a tuning tool): kernels of the full bs1 step of both models under
+#   the same four kernel choices; serving: one server per GPU_CHECK_SERVING_MODES entry,
 #   decode/prefill, default "full/breakable breakable/breakable tc_piecewise/tc_piecewise", 4,
 #   32 and 256 requests in flight)
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
@@ -90,7 +92,7 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
             one_batch_kernels) run_bench bench_one_batch_kernels benchmark/bench_one_batch.py \
                 --models qwen3-0.6b llama-3.1-8b --runs '{"decode": "full", "prefill": "breakable"}' \
                 --server-args "${kernel_variants[@]}" ;;
-            profile) run_bench bench_profile benchmark/bench_profile.py \
+            profile) run_bench bench_profile benchmark/tuning/bench_profile.py \
                 --models qwen3-0.6b llama-3.1-8b --server-args "${kernel_variants[@]}" ;;
             one_batch_det) run_bench bench_one_batch_det benchmark/bench_one_batch.py \
                 --models qwen3-0.6b --server-args '{"deterministic": true}' ;;
@@ -99,7 +101,9 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
             offline) run_bench bench_offline benchmark/bench_offline.py --overlap on off ;;
             offline_bs1) run_bench bench_offline_bs1 benchmark/bench_offline.py --modes full \
                 --overlap on off --num-seqs 1 --min-len 512 --max-len 512 ;;
-            *) run_bench "bench_$bench" "benchmark/bench_$bench.py" ;;
+            *) script=benchmark/bench_$bench.py  # else a tuning tool, benchmark/tuning/
+               [ -f "$script" ] || script=benchmark/tuning/bench_$bench.py
+               run_bench "bench_$bench" "$script" ;;
         esac
     done
 fi

@@ -1,16 +1,16 @@
-"""benchmark/bench_decode_chain.py's choices and summary on the CPU (timing needs a CUDA GPU)."""
+"""benchmark/tuning/bench_decode_chain.py's choices and summary on the CPU (timing needs a CUDA
+GPU)."""
 
 from __future__ import annotations
 
 import pytest
 
-from script_import import REPO, import_script
+from script_import import import_script
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "benchmark"))  # it imports bench_one_batch, as run
-    return import_script("benchmark/bench_decode_chain.py")
+def bench():
+    return import_script("benchmark/tuning/bench_decode_chain.py")
 
 
 def test_attention_choices_mark_the_default_policy_once(bench):

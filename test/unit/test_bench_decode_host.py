@@ -1,5 +1,5 @@
-"""benchmark/bench_decode_host.py in-process on the CPU with a tiny checkpoint: one row per
-batch size, positive medians, the requests released after (the pools are whole again)."""
+"""benchmark/tuning/bench_decode_host.py in-process on the CPU with a tiny checkpoint: one row
+per batch size, positive medians, the requests released after (the pools are whole again)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tiny_checkpoints import write_tiny_checkpoint
 
 
 def test_decode_host_bench_times_every_batch_size_and_releases(tmp_path):
-    bench = import_script("benchmark/bench_decode_host.py")
+    bench = import_script("benchmark/tuning/bench_decode_host.py")
     write_tiny_checkpoint("qwen3", tmp_path / "ckpt")
     out = tmp_path / "host.json"
     bench.main(

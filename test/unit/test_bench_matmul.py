@@ -1,24 +1,20 @@
-"""benchmark/bench_matmul.py's projections and launch choices on the CPU (timing needs a CUDA
-GPU)."""
+"""benchmark/tuning/bench_matmul.py's projections and launch choices on the CPU (timing needs a
+CUDA GPU)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from script_import import REPO, import_script
+from script_import import import_script
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "benchmark"))  # it imports bench_one_batch, as run
-    return import_script("benchmark/bench_matmul.py")
+def bench():
+    return import_script("benchmark/tuning/bench_matmul.py")
 
 
 def test_projections_of_llama_8b_are_its_weight_shapes(bench):
-    cfg = json.loads((bench.CONFIGS / "llama-3.1-8b.json").read_text())
-    assert bench.projections(cfg) == {
+    assert bench.projections(bench.model_config("llama-3.1-8b")) == {
         "qkv": (6144, 4096),
         "o": (4096, 4096),
         "gate_up": (28672, 4096),

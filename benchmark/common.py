@@ -1,0 +1,313 @@
+"""What the scripts in benchmark/ and benchmark/tuning/ share: model configs, CUDA timing, graph
+capture, the environment a result was measured in, JSON output, dummy-weight runners with
+synthetic requests, and the attention kernels' cases.
+
+Scripts in benchmark/ import it as `common` (their folder is on the path when run); those in
+benchmark/tuning/ put benchmark/ on the path first.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import statistics
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from replaylm.layers.attention.triton.common import KernelConfig
+from replaylm.layers.attention.triton.decode import (
+    MIN_SPLIT_LEN,
+    decode_attention,
+    num_kv_splits,
+)
+from replaylm.layers.attention.triton.extend import extend_attention
+from replaylm.model_executor.forward_batch import ForwardBatch
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.runtime.batch_ops import prepare_decode, prepare_extend
+from replaylm.runtime.request import Req
+from replaylm.sampling_params import SamplingParams
+from replaylm.server_args import ServerArgs
+
+BENCHMARK_DIR = Path(__file__).resolve().parent
+REPO = BENCHMARK_DIR.parent
+CONFIGS = BENCHMARK_DIR / "configs"
+
+
+# ---- model configs -------------------------------------------------------------------------------
+
+
+def config_path(model: str) -> Path:
+    """benchmark/configs/<model>.json: a real model's config.json, loaded with dummy weights."""
+    return CONFIGS / f"{model}.json"
+
+
+def model_config(model: str) -> dict[str, Any]:
+    return json.loads(config_path(model).read_text())
+
+
+# ---- timing --------------------------------------------------------------------------------------
+
+
+def cuda_time_ms(
+    fn: Callable[[], object], warmup: int = 10, repeat: int = 50, calls: int = 1
+) -> float:
+    """Median milliseconds per `fn()` call by CUDA events around `calls` back-to-back calls (no
+    wait between them), after `warmup` untimed calls; `repeat` timings."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy rate (bytes read + written per second), 1 GiB buffers: the ceiling
+    that decode steps and memory-bound kernels are measured against."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeat=20)
+    return 2 * src.numel() / (ms / 1e3) / 1e9
+
+
+def capture_graph(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `body()`, run once first (Triton compiles, cuBLAS plans) outside it."""
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
+def replay_us(body: Callable[[], object], warmup: int = 20, repeat: int = 100) -> float:
+    """Median microseconds per replay of a CUDA graph of `body()`."""
+    return cuda_time_ms(capture_graph(body).replay, warmup, repeat) * 1e3
+
+
+# ---- results -------------------------------------------------------------------------------------
+
+
+def _command_output(*cmd: str) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+@functools.cache
+def environment() -> dict[str, str | None]:
+    """What a result depends on besides its arguments: the GPU, its driver, torch, CUDA and
+    triton versions, and the commit measured (None for what this machine cannot tell)."""
+    cuda = torch.cuda.is_available()
+    driver = _command_output("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+    commit = _command_output("git", "rev-parse", "--short", "HEAD")
+    if commit and _command_output("git", "status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "driver": driver.splitlines()[0] if driver else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "commit": commit,
+    }
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Write a benchmark's result `doc` to `path`, with the `environment` it was measured in."""
+    path.write_text(json.dumps({"environment": environment(), **doc}, indent=1))
+
+
+def release_memory() -> None:
+    """Free what the last runner or engine held (model, KV cache, graphs) before the next one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- dummy-weight runners and synthetic requests ------------------------------------------------
+
+
+def dummy_runner(
+    model: str, modes: str, max_bs: int, context: int, extra: dict[str, Any] | None = None
+) -> ModelRunner:
+    """A CUDA runner of `model`'s config with dummy bf16 weights under `--cuda-graph-mode modes`,
+    room for `max_bs` requests of `context` tokens, default decode shapes (up to 256) and prefill
+    buckets (up to 2048); `extra`: further ServerArgs fields."""
+    return ModelRunner(
+        ServerArgs(
+            model_path=str(config_path(model)),
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            max_running_requests=256,
+            context_length=max(context, 2048) + 64,
+            max_total_tokens=max_bs * (context + 64) + 4096,
+            cuda_graph_mode=modes,
+            chunked_prefill_size=2048,
+            mem_fraction_static=0.85,
+            **(extra or {}),
+        )
+    )
+
+
+def synthetic_requests(n: int, length: int) -> list[Req]:
+    """`n` requests of `length` prompt tokens each, distinct and deterministic."""
+    return [
+        Req(i, [(i * 31 + j) % 1000 + 10 for j in range(length)], SamplingParams(), 0, 8)
+        for i in range(n)
+    ]
+
+
+def decode_batch(runner: ModelRunner, bs: int, context: int) -> tuple[list[Req], ForwardBatch]:
+    """`bs` requests prefilled eagerly with `context` tokens each, and their next decode batch."""
+    reqs = synthetic_requests(bs, context)
+    runner.forward(prepare_extend(reqs, runner))
+    for r in reqs:
+        r.output_ids.append(11)
+    return reqs, prepare_decode(reqs, runner)
+
+
+# ---- attention kernels' cases (Qwen3-0.6B's heads) -----------------------------------------------
+
+HEADS, KV_HEADS, DIM = 16, 8, 128
+DTYPE = torch.bfloat16
+CALLS_PER_GRAPH = 10  # decode calls per timed graph, each on other random KV slots
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    """triton.testing.do_bench's median (L2 flushed before each timing)."""
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def graph_ms(fn: Callable[[int], object], calls: int = CALLS_PER_GRAPH) -> float:
+    """Milliseconds per call of `fn(i)`, i = 0..calls-1, replayed from one CUDA graph."""
+
+    def body() -> None:
+        for i in range(calls):
+            fn(i)
+
+    return median_ms(capture_graph(body).replay) / calls
+
+
+class KVCache:
+    """One layer's K and V of `slots` random tokens; slot 0 is padding."""
+
+    def __init__(self, slots: int) -> None:
+        shape = (slots + 1, KV_HEADS, DIM)
+        self.k = torch.randn(shape, device="cuda", dtype=DTYPE)
+        self.v = torch.randn(shape, device="cuda", dtype=DTYPE)
+        self.slots = slots
+
+    def tables(self, bs: int, ctx: int, n: int, contiguous: bool = False) -> list[torch.Tensor]:
+        """`n` request-to-token tables `[bs, ctx]` of distinct random slots each (or, with
+        `contiguous`, each request on consecutive slots from a random start)."""
+
+        def one() -> torch.Tensor:
+            if not contiguous:
+                return 1 + torch.randperm(self.slots, device="cuda")[: bs * ctx]
+            start = int(torch.randint(0, self.slots - bs * ctx + 1, ()))
+            return 1 + start + torch.arange(bs * ctx, device="cuda")
+
+        return [one().to(torch.int32).view(bs, ctx) for _ in range(n)]
+
+
+def time_decode_attention(
+    cache: KVCache,
+    bs: int,
+    ctx: int,
+    config: KernelConfig | None = None,
+    splits: int | None = None,
+    min_split_len: int = MIN_SPLIT_LEN,
+    contiguous: bool = False,
+) -> float:
+    """Milliseconds per decode attention call of `bs` requests over `ctx` tokens, merged by the
+    merge kernel as captured graphs do; `splits` slices of at least `min_split_len` tokens
+    (default: the model's launch, `num_kv_splits` and MIN_SPLIT_LEN)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = splits or num_kv_splits(bs, KV_HEADS, sms)
+    tables = cache.tables(bs, ctx, CALLS_PER_GRAPH, contiguous)
+    q = torch.randn(bs, HEADS, DIM, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    rows = torch.arange(bs, device="cuda")
+    seq_lens = torch.full((bs,), ctx, device="cuda")
+    return graph_ms(
+        lambda i: decode_attention(
+            q,
+            cache.k,
+            cache.v,
+            tables[i],
+            rows,
+            seq_lens,
+            out,
+            DIM**-0.5,
+            splits,
+            min_split_len=min_split_len,
+            config=config,
+            separate_merge=True,
+        )
+    )
+
+
+def decode_attention_bytes(bs: int, ctx: int) -> int:
+    """What a decode attention call must move: K and V once, the slot table, q and out."""
+    kv = 2 * bs * ctx * KV_HEADS * DIM * DTYPE.itemsize
+    return kv + 4 * bs * ctx + 2 * bs * HEADS * DIM * DTYPE.itemsize
+
+
+class ExtendCase:
+    """Requests of `new` tokens each on `prefix` cached tokens, over a fresh random cache."""
+
+    def __init__(self, n: int, new: int, prefix: int) -> None:
+        t = n * new
+        self.q = torch.randn(t, HEADS, DIM, device="cuda", dtype=DTYPE)
+        self.k = torch.randn(t, KV_HEADS, DIM, device="cuda", dtype=DTYPE)
+        self.v = torch.randn(t, KV_HEADS, DIM, device="cuda", dtype=DTYPE)
+        self.cache = KVCache(n * (prefix + new))
+        self.table = self.cache.tables(n, prefix + new, 1)[0]
+        self.rows = torch.arange(n, device="cuda")
+        self.prefix = torch.full((n,), prefix, device="cuda")
+        self.new_lens = torch.full((n,), new, device="cuda")
+        self.start = torch.arange(n, device="cuda") * new
+        self.out = torch.empty_like(self.q)
+        self.n, self.new, self.prefix_len = n, new, prefix
+
+    def run(self, config: KernelConfig | None = None) -> None:
+        extend_attention(
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.cache.k,
+            self.cache.v,
+            self.table,
+            self.rows,
+            self.prefix,
+            self.new_lens,
+            self.start,
+            self.new,
+            DIM**-0.5,
+            config=config,
+        )
+
+    def flops(self) -> float:
+        """The causal FLOPs (masked pairs not counted)."""
+        pairs = self.new * self.prefix_len + self.new * (self.new + 1) / 2
+        return 4 * self.n * HEADS * DIM * pairs

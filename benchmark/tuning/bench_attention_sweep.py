@@ -1,0 +1,114 @@
+"""Launch choices of the Triton attention kernels, each timed alone (docs/tuning.md).
+
+    python benchmark/tuning/bench_attention_sweep.py [--json out.json]
+
+Qwen3-0.6B's attention heads (16 query, 8 KV, head dim 128), bf16, as benchmark/bench_attention.py
+times them (decode: a CUDA graph of several calls on random KV slots; medians of
+triton.testing.do_bench). Decode: slice count x minimum slice length at short contexts (a chat's
+step), then tile shape, warps, pipeline stages and slice count at long ones, and random against
+contiguous slots. Extend: tile shapes of a 4096-token causal prompt. Decode choices alone in a
+graph favour more slices than inside a decode step: settle those with
+benchmark/tuning/bench_decode_chain.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common.py
+
+import torch
+
+from replaylm.layers.attention.triton.common import KernelConfig
+
+from common import (
+    KV_HEADS,
+    ExtendCase,
+    KVCache,
+    decode_attention_bytes,
+    median_ms,
+    time_decode_attention,
+    write_json,
+)
+
+SHORT_CONTEXTS = ((1, 512), (8, 512), (1, 2048))  # (bs, ctx)
+LONG_CONTEXTS = ((64, 4096), (1, 16384), (256, 1024))
+DECODE_LAUNCHES = ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3))  # n, warps, stages
+EXTEND_LAUNCHES = (  # block_m, block_n, warps, stages
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 64, 8, 2),
+    (128, 32, 8, 3),
+    (64, 64, 4, 3),
+    (128, 64, 4, 3),
+    (128, 128, 8, 2),
+    (64, 32, 4, 3),
+)
+
+
+def decode_row(cache: KVCache, bs: int, ctx: int, **launch: object) -> dict:
+    """One decode case under `launch` (time_decode_attention's keywords), with its byte rate."""
+    ms = time_decode_attention(cache, bs, ctx, **launch)
+    fields = {k: str(v) if isinstance(v, KernelConfig) else v for k, v in launch.items()}
+    return {
+        "kernel": "decode",
+        "case": f"bs{bs} ctx{ctx}",
+        **fields,
+        "us": 1e3 * ms,
+        "GB/s": decode_attention_bytes(bs, ctx) / (ms / 1e3) / 1e9,
+    }
+
+
+def sweep() -> list[dict]:
+    cache = KVCache(max(bs * ctx for bs, ctx in LONG_CONTEXTS))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = [
+        decode_row(cache, bs, ctx, splits=splits, min_split_len=min_len)
+        for bs, ctx in SHORT_CONTEXTS
+        for splits in (1, 2, 4, 8, 16)
+        for min_len in (32, 64, 128, 256)
+    ]
+    for bs, ctx in LONG_CONTEXTS:
+        for block_n, warps, stages in DECODE_LAUNCHES:
+            config = KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+            for splits in (None, 1, 2, 4, 16, 64):
+                if splits is not None and bs * KV_HEADS * splits > 16 * 8 * sms:
+                    continue  # a grid this large only measures its own launch
+                rows.append(decode_row(cache, bs, ctx, config=config, splits=splits))
+    rows += [decode_row(cache, 64, 4096, contiguous=c) for c in (False, True)]
+    prompt = ExtendCase(1, 4096, 0)
+    for block_m, block_n, warps, stages in EXTEND_LAUNCHES:
+        config = KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, block_m=block_m)
+        ms = median_ms(lambda config=config: prompt.run(config))
+        rows.append(
+            {
+                "kernel": "extend",
+                "case": "1x4096",
+                "config": str(config),
+                "us": 1e3 * ms,
+                "TFLOP/s": prompt.flops() / (ms / 1e3) / 1e12,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = sweep()
+    for r in rows:
+        print(
+            "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+        )
+    if args.json:
+        write_json(args.json, {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Host time of a step-by-step server's decode step: building the batch, and the whole step.
+
+    python benchmark/tuning/bench_decode_host.py [--model-path benchmark/configs/qwen3-0.6b.json]
+                                                 [--bs 1 8 32] [--context 512] [--steps 100]
+                                                 [--device cuda] [--json out.json]
+
+benchmark/bench_one_batch.py times the graph replay alone. A server also builds every step's
+batch on the host (`prepare_decode`: KV slots, the request-table write, the ForwardBatch) and
+reads the next tokens back before it can build the next one. Per batch size, after prefilling
+`--context`-token prompts, this runs `--steps` decode steps the way the scheduler's loop does
+(prepare, forward, greedy argmax to the host, append), after WARMUP untimed ones, and reports
+the medians of `prepare_decode`'s host time, of `runner.forward`'s host time and of the whole
+step's wall time. A `.json` model path is a config (dummy weights); default modes (on CUDA, full
+decode graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common.py
+
+import torch
+
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
+from replaylm.runtime.request import Req
+from replaylm.sampling_params import SamplingParams
+from replaylm.server_args import ServerArgs
+
+from common import config_path, write_json
+
+DEFAULT_MODEL = config_path("qwen3-0.6b")
+WARMUP = 20
+
+
+def build_runner(model_path: str, device: str, max_bs: int, tokens_per_req: int) -> ModelRunner:
+    """A runner whose KV pool and request table hold `max_bs` requests of `tokens_per_req`."""
+    return ModelRunner(
+        ServerArgs(
+            model_path=model_path,
+            load_format="dummy" if model_path.endswith(".json") else "auto",
+            device=device,
+            max_running_requests=max_bs,
+            context_length=tokens_per_req,
+            max_total_tokens=max_bs * tokens_per_req + 64,
+            chunked_prefill_size=2048,
+        )
+    )
+
+
+def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) -> dict[str, float]:
+    """Medians of `prepare_decode` (us), of `runner.forward`'s host time (us: until the replay or
+    the eager launches return) and of a whole greedy decode step (ms) for `bs` requests
+    over `context`-token prompts; the requests are released after."""
+    vocab = runner.config.vocab_size
+    reqs = [
+        Req(
+            i,
+            [(i * 31 + j) % (vocab - 10) + 10 for j in range(context)],
+            SamplingParams(),
+            0,
+            WARMUP + steps + 1,
+        )
+        for i in range(bs)
+    ]
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        tokens = runner.forward(prepare_extend(reqs, runner)).argmax(-1).tolist()
+        prepare, forward, step = [], [], []
+        for i in range(WARMUP + steps):
+            for req, token in zip(reqs, tokens, strict=True):
+                req.output_ids.append(token)
+            sync()
+            start = time.perf_counter()
+            batch = prepare_decode(reqs, runner)
+            prepared = time.perf_counter()
+            logits = runner.forward(batch)
+            launched = time.perf_counter()
+            tokens = logits.argmax(-1).tolist()
+            if i >= WARMUP:
+                prepare.append(prepared - start)
+                forward.append(launched - prepared)
+                step.append(time.perf_counter() - start)
+    for req in reqs:
+        release(req, runner)
+    return {
+        "prepare_us": round(statistics.median(prepare) * 1e6, 1),
+        "forward_us": round(statistics.median(forward) * 1e6, 1),
+        "step_ms": round(statistics.median(step) * 1e3, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-path", default=str(DEFAULT_MODEL))
+    parser.add_argument("--bs", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=100, help="timed decode steps per batch")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    tokens_per_req = args.context + WARMUP + args.steps + 8
+    runner = build_runner(args.model_path, args.device, max(args.bs), tokens_per_req)
+    model = Path(args.model_path).stem if args.model_path.endswith(".json") else args.model_path
+    rows = [
+        {
+            "model": model,
+            "device": args.device,
+            "bs": bs,
+            "context": args.context,
+            "steps": args.steps,
+            **time_decode_steps(runner, bs, args.context, args.steps),
+        }
+        for bs in args.bs
+    ]
+    print(
+        f"{'model':24s} {'bs':>4s} {'prepare_decode us':>18s} {'forward host us':>16s} "
+        f"{'decode step ms':>15s}"
+    )
+    for r in rows:
+        print(
+            f"{r['model'][:24]:24s} {r['bs']:4d} {r['prepare_us']:18.1f} "
+            f"{r['forward_us']:16.1f} {r['step_ms']:15.3f}"
+        )
+    if args.json:
+        write_json(args.json, {"summary": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""benchmark/common.py, the one module the benchmarks share: every script imports on the CPU as
+run from its folder, none imports another script, and results carry their environment."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import pytest
+import torch
+
+from script_import import REPO, import_script
+
+SCRIPTS = sorted(
+    path.relative_to(REPO).as_posix()
+    for path in (REPO / "benchmark").rglob("*.py")
+    if path.name != "common.py"
+)
+
+
+def test_the_scripts_are_the_benchmarks_and_the_tuning_tools():
+    assert "benchmark/bench_one_batch.py" in SCRIPTS
+    assert "benchmark/tuning/bench_decode_chain.py" in SCRIPTS
+    assert all(s.count("/") == 1 or s.startswith("benchmark/tuning/") for s in SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_script_imports_no_other_script_and_loads(script):
+    names = {(REPO / s).stem for s in SCRIPTS}
+    tree = ast.parse((REPO / script).read_text())
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not imported & names, f"{script} imports another script: use benchmark/common.py"
+    assert callable(import_script(script).main)
+
+
+def test_write_json_records_the_environment_beside_the_result(tmp_path):
+    common = import_script("benchmark/common.py")
+    out = tmp_path / "result.json"
+    common.write_json(out, {"summary": [{"name": "x", "ms": 1.5}]})
+    doc = json.loads(out.read_text())
+    assert doc["summary"] == [{"name": "x", "ms": 1.5}]
+    env = doc["environment"]
+    assert env["torch"] == torch.__version__ and env["cuda"] == torch.version.cuda
+    assert (env["gpu"] is None) == (not torch.cuda.is_available())
+    assert env["commit"] is None or re.fullmatch(r"[0-9a-f]{7,}(\+changes)?", env["commit"])
+
+
+def test_configs_are_the_two_models_of_the_docs():
+    common = import_script("benchmark/common.py")
+    assert sorted(p.stem for p in common.CONFIGS.glob("*.json")) == ["llama-3.1-8b", "qwen3-0.6b"]
+    assert common.model_config("qwen3-0.6b")["num_hidden_layers"] == 28
+    assert common.model_config("llama-3.1-8b")["hidden_size"] == 4096
