@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from replaylm.cuda_graph_config import MODES
 from replaylm.entrypoints.engine import Engine
+from replaylm.model_executor.cuda_graph.config import MODES
 from replaylm.model_executor.forward_stats import ForwardStats
 
 QWEN3_CONFIG = Path(__file__).resolve().parent / "configs" / "qwen3-0.6b.json"

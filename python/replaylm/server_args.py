@@ -106,8 +106,8 @@ class ServerArgs:
     attention_backend: str = field(
         default="auto", metadata=_opt("attention implementation", ATTENTION_BACKEND_CHOICES)
     )
-    # CUDA graphs: resolved per phase by cuda_graph_config.py (precedence: JSON > per-phase >
-    # legacy > defaults)
+    # CUDA graphs: resolved per phase by model_executor/cuda_graph/config.py (precedence: JSON >
+    # per-phase > legacy > defaults)
     cuda_graph_mode: str | None = field(
         default=None,
         metadata=_opt(
