@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from replaylm.cuda_graph_config import MODES
 from replaylm.entrypoints.engine import Engine
+from replaylm.model_executor.cuda_graph.config import MODES
 from replaylm.model_executor.forward_stats import ForwardStats
 
 from common import config_path, release_memory, write_json

@@ -18,12 +18,13 @@ from typing import NoReturn
 
 import uvicorn
 
-from replaylm.cuda_graph_config import (
+from replaylm.layers.attention.registry import check_deterministic
+from replaylm.layers.attention.selection import resolve_attention_backend
+from replaylm.model_executor.cuda_graph.config import (
     CudaGraphConfig,
     check_cuda_graph_args,
     resolve_cuda_graph_config,
 )
-from replaylm.layers.attention.selection import check_deterministic, resolve_attention_backend
 from replaylm.runtime.scheduler_process import SchedulerProcess
 from replaylm.server_args import ServerArgs
 

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from replaylm.dtype_names import DTYPE_NAMES
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 
 
@@ -22,7 +23,6 @@ ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 # Choices named here, not imported from the modules that use them: the HTTP process parses its
 # command line without importing torch (it starts the scheduler process first; see launch_server).
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -106,8 +106,8 @@ class ServerArgs:
     attention_backend: str = field(
         default="auto", metadata=_opt("attention implementation", ATTENTION_BACKEND_CHOICES)
     )
-    # CUDA graphs: resolved per phase by cuda_graph_config.py (precedence: JSON > per-phase >
-    # legacy > defaults)
+    # CUDA graphs: resolved per phase by model_executor/cuda_graph/config.py (precedence: JSON >
+    # per-phase > legacy > defaults)
     cuda_graph_mode: str | None = field(
         default=None,
         metadata=_opt(

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from replaylm.server_args import DTYPE_NAMES
+from replaylm.dtype_names import DTYPE_NAMES
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

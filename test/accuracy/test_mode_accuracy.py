@@ -33,7 +33,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from replaylm.cuda_graph_config import MODES, CudaGraphConfigError, resolve_cuda_graph_config
+from replaylm.model_executor.cuda_graph.config import (
+    MODES,
+    CudaGraphConfigError,
+    resolve_cuda_graph_config,
+)
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.server_args import ServerArgs
 

@@ -1,10 +1,18 @@
-"""Choosing the attention backend: `auto` per device, GPU-only backends refused on the CPU."""
+"""Choosing the attention backend: `auto` per device, GPU-only backends refused on the CPU; the
+registry's traits are those of the classes."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
-from replaylm.layers.attention.registry import create_attention_backend
+from replaylm.layers.attention.base import AttentionBackend, CudaGraphAttentionBackend
+from replaylm.layers.attention.registry import (
+    ATTENTION_BACKENDS,
+    BACKENDS_WITH_GRAPH_HOOKS,
+    create_attention_backend,
+)
 from replaylm.layers.attention.selection import resolve_attention_backend
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs
@@ -33,6 +41,19 @@ def test_triton_on_the_cpu_is_a_clear_error(tmp_path):
                 max_running_requests=2,
             )
         )
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_BACKENDS))
+def test_the_registry_traits_are_the_classes(name):
+    """The torch-free table says what each class offers: the hooks of a `full` graph (from which
+    the CUDA-graph resolver's list of hooked backends is derived) and batch-invariant kernels."""
+    spec = ATTENTION_BACKENDS[name]
+    cls = spec.load()
+    assert issubclass(cls, AttentionBackend) and cls.name == name
+    assert issubclass(cls, CudaGraphAttentionBackend) == spec.graph_hooks
+    assert (name in BACKENDS_WITH_GRAPH_HOOKS) == spec.graph_hooks
+    assert ("deterministic" in inspect.signature(cls).parameters) == spec.deterministic
+    assert ("auto", *ATTENTION_BACKENDS) == ATTENTION_BACKEND_CHOICES
 
 
 def test_unknown_backend_lists_the_known_ones():

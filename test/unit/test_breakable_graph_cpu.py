@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGraph, break_point
+from replaylm.layers.graph_break import break_point
+from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGraph
 
 CALLS: list[str] = []
 

@@ -120,10 +120,12 @@ def test_compiled_forward_equals_eager_for_prefill_and_decode(runner, compiler):
     decode = DecodeCudaGraphRunner(
         runner, TcPiecewiseCudaGraphBackend(runner.attn_backend, options), shapes=[1, 4]
     )
-    prefill.backend.prepare(prefill)  # compiles
-    decode.backend.prepare(decode)  # reuses the model's compiled forward
+    prefill.backend.prepare(prefill.capture_context())  # compiles
+    decode.backend.prepare(decode.capture_context())  # reuses the model's compiled forward
     compiled = prefill.backend.compiled
     assert decode.backend.compiled is compiled and compiled.compile_seconds > 0
+    # the backend reports its compile time through stats(), as cuda_graph_stats shows it
+    assert prefill.backend.stats() == {"compile_s": round(compiled.compile_seconds, 2)}
     layers = runner.config.num_hidden_layers
     assert len(compiled.backend.split.compute_pieces) == layers + 1
     assert len(compiled.backend.split.pieces) == 2 * layers + 1
@@ -169,7 +171,7 @@ def test_the_pieces_between_attention_calls_compile_once(tmp_path, monkeypatch):
         TcPiecewiseCudaGraphBackend(runner.attn_backend, TcPiecewiseOptions("inductor")),
         shapes=[16],
     )
-    prefill.backend.prepare(prefill)
+    prefill.backend.prepare(prefill.capture_context())
     backend = prefill.backend.compiled.backend
     assert len(backend.split.compute_pieces) == 5 and backend.cache_hits == 2
     reqs = _reqs([5, 9])

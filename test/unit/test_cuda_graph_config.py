@@ -3,15 +3,23 @@ shapes and every validation error; and launch_server's handling of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
 
-from replaylm.cuda_graph_config import (
+from replaylm.layers.attention.registry import BACKENDS_WITH_GRAPH_HOOKS
+from replaylm.model_executor.cuda_graph import config
+from replaylm.model_executor.cuda_graph.config import (
+    MODE_TRAITS,
+    MODES,
+    PHASES,
     CudaGraphConfigError,
+    debug_eager_modes,
     default_decode_batch_sizes,
+    modes_serving,
     resolve_cuda_graph_config,
 )
 from replaylm.server_args import ServerArgs
@@ -250,12 +258,12 @@ def test_contradicting_flags_of_one_level_are_an_error(kwargs, flags):
 def test_rule_turns_off_a_defaulted_phase_with_its_name_and_reason():
     cfg = resolve(attention_backend="torch_native")
     assert cfg.decode.mode == "disabled"
-    assert cfg.decode.source == "rule full-needs-attention-graph-hooks"
-    assert any("full-needs-attention-graph-hooks" in n and "torch_native" in n for n in cfg.notes)
+    assert cfg.decode.source == "rule needs-attention-graph-hooks"
+    assert any("needs-attention-graph-hooks" in n and "torch_native" in n for n in cfg.notes)
 
 
 def test_rule_on_an_explicit_phase_is_an_error():
-    with pytest.raises(CudaGraphConfigError, match="full-needs-attention-graph-hooks"):
+    with pytest.raises(CudaGraphConfigError, match="needs-attention-graph-hooks"):
         resolve(attention_backend="torch_native", decode_cuda_graph_mode="full")
 
 
@@ -285,6 +293,63 @@ def test_debug_switch_lets_the_eager_graph_path_run_on_cpu_but_not_full():
 
 def test_explicitly_disabling_on_cpu_is_fine():
     assert modes(resolve("cpu", disable_cuda_graph=True)) == ("disabled", "disabled")
+
+
+# ---- the mode traits table drives the rules ---------------------------------------------------
+
+
+def test_the_traits_table_lists_every_graph_mode():
+    assert (*MODE_TRAITS, "disabled") == MODES
+    assert modes_serving("decode") == ("full", "breakable", "tc_piecewise")
+    assert modes_serving("prefill") == ("breakable", "tc_piecewise")
+    assert debug_eager_modes() == ("breakable", "tc_piecewise")
+    assert {"triton"} == BACKENDS_WITH_GRAPH_HOOKS  # from the attention registry's table
+
+
+def _with_traits(monkeypatch, mode: str, **changes) -> None:
+    traits = dict(MODE_TRAITS)
+    traits[mode] = dataclasses.replace(MODE_TRAITS[mode], **changes)
+    monkeypatch.setattr(config, "MODE_TRAITS", traits)
+
+
+def test_the_phases_a_mode_serves_come_from_its_row(monkeypatch):
+    with pytest.raises(CudaGraphConfigError) as err:
+        resolve(prefill_cuda_graph_mode="full")
+    assert str(err.value) == (
+        "--prefill-cuda-graph-mode: prefill mode 'full' is not supported yet; use 'breakable' "
+        "or 'tc_piecewise' (or 'disabled')"
+    )
+    _with_traits(monkeypatch, "tc_piecewise", phases=("decode",))
+    with pytest.raises(CudaGraphConfigError, match="use 'breakable' \\(or 'disabled'\\)$"):
+        resolve(prefill_cuda_graph_mode="full")
+    with pytest.raises(CudaGraphConfigError, match="prefill mode 'tc_piecewise' is not supported"):
+        resolve(prefill_cuda_graph_mode="tc_piecewise")
+    _with_traits(monkeypatch, "full", phases=PHASES)
+    assert resolve(prefill_cuda_graph_mode="full").prefill.mode == "full"
+
+
+def test_the_modes_that_run_eagerly_under_the_debug_switch_come_from_the_table(monkeypatch):
+    both = '{"decode": "breakable", "prefill": "tc_piecewise"}'
+    assert modes(resolve("cpu", debug_cuda_graph=True, cuda_graph_mode=both)) == (
+        "breakable",
+        "tc_piecewise",
+    )
+    _with_traits(monkeypatch, "tc_piecewise", debug_eager=False)
+    with pytest.raises(CudaGraphConfigError) as err:
+        resolve("cpu", debug_cuda_graph=True, cuda_graph_mode=both)
+    message = str(err.value)
+    assert "rule graphs-need-cuda" in message and "prefill mode 'tc_piecewise'" in message
+    assert "only --debug-cuda-graph runs breakable, eagerly, on any device" in message
+
+
+def test_the_attention_hooks_a_mode_needs_come_from_its_row(monkeypatch):
+    assert resolve(attention_backend="torch_native").prefill.mode == "breakable"
+    _with_traits(monkeypatch, "breakable", needs_attention_graph_hooks=True)
+    cfg = resolve(attention_backend="torch_native")
+    assert modes(cfg) == ("disabled", "disabled")
+    assert cfg.prefill.source == "rule needs-attention-graph-hooks"
+    assert any("a breakable graph captures attention" in n for n in cfg.notes)
+    assert resolve(attention_backend="triton").prefill.mode == "breakable"
 
 
 # ---- validation ---------------------------------------------------------------------------------

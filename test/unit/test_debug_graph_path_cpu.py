@@ -1,7 +1,7 @@
-"""The graph path on the CPU: with `--debug-cuda-graph`, `breakable` and `tc_piecewise` run their
-whole runner/backend path eagerly (shapes, static buffers, padding, the breakable primitive in
-eager mode, the compiled forward), so the real scheduler through it must generate what eager
-generates."""
+"""The graph path on the CPU: with `--debug-cuda-graph`, the modes the traits table marks
+debug-eager (`breakable`, `tc_piecewise`) run their whole runner/backend path eagerly (shapes,
+static buffers, padding, the breakable primitive in eager mode, the compiled forward), so the
+real scheduler through it must generate what eager generates."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import pytest
 
 from replaylm.entrypoints.engine import Engine
+from replaylm.model_executor.cuda_graph.config import debug_eager_modes
 
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -32,7 +33,7 @@ def _generate(checkpoint: str, **kwargs) -> tuple[list[list[int]], Engine]:
     return [o["output_ids"] for o in out], engine
 
 
-@pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
+@pytest.mark.parametrize("mode", debug_eager_modes())
 def test_debug_graph_path_generates_what_eager_generates(checkpoint, mode):
     want, _ = _generate(checkpoint)
     got, engine = _generate(
@@ -51,4 +52,9 @@ def test_debug_graph_path_generates_what_eager_generates(checkpoint, mode):
     decode = engine.runner.graph_runners["decode"]
     assert engine.runner.decode_inputs(6) is decode.inputs[8]
     assert engine.runner.decode_inputs(9) is None and engine.runner.decode_inputs(0) is None
-    assert set(engine.runner.cuda_graph_stats()) == {"decode", "prefill"}
+    graph_stats = engine.runner.cuda_graph_stats()
+    assert set(graph_stats) == {"decode", "prefill"}
+    for phase, shapes in (("decode", 4), ("prefill", 2)):
+        assert graph_stats[phase]["mode"] == mode and graph_stats[phase]["shapes"] == shapes
+        # what the backend reports through stats(): tc_piecewise's compile time, else None
+        assert (graph_stats[phase]["compile_s"] is not None) == (mode == "tc_piecewise")

@@ -9,7 +9,8 @@ import torch
 
 from replaylm.compilation.compile_model import TcPiecewiseOptions
 from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGraphBackend
-from replaylm.model_executor.cuda_graph.backend.factory import create_graph_backend
+from replaylm.model_executor.cuda_graph.backend.factory import GRAPH_BACKENDS, create_graph_backend
+from replaylm.model_executor.cuda_graph.config import MODE_TRAITS
 from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -17,6 +18,7 @@ from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
+from replaylm.server_args import ServerArgs
 
 
 @pytest.fixture(scope="module")
@@ -176,20 +178,32 @@ def test_shapes_and_fallback_decisions(runner):
     release(reqs[0], runner)
 
 
-def test_factory_errors_are_clear(runner):
-    assert create_graph_backend("prefill", "breakable", runner.attn_backend).mode == "breakable"
+def test_the_factory_has_one_backend_per_row_of_the_mode_traits():
+    assert list(GRAPH_BACKENDS) == list(MODE_TRAITS)
+    assert all(backend.mode == mode for mode, backend in GRAPH_BACKENDS.items())
+
+
+def test_the_factory_reads_each_backends_options_from_the_server_args(runner):
+    args = ServerArgs(
+        debug_cuda_graph=True, tc_piecewise_compiler="eager", tc_piecewise_kernels="native"
+    )
+    breakable = create_graph_backend("prefill", "breakable", runner.attn_backend, args)
+    assert isinstance(breakable, BreakableCudaGraphBackend) and breakable.debug
     for phase in ("decode", "prefill"):
-        backend = create_graph_backend(
-            phase,
-            "tc_piecewise",
-            runner.attn_backend,
-            tc_options=TcPiecewiseOptions("eager", "native"),
-        )
-        assert backend.mode == "tc_piecewise"
+        backend = create_graph_backend(phase, "tc_piecewise", runner.attn_backend, args)
+        assert backend.mode == "tc_piecewise" and backend.debug
         assert backend.options == TcPiecewiseOptions("eager", "native")
+    assert not create_graph_backend("decode", "breakable", runner.attn_backend, ServerArgs()).debug
+
+
+def test_factory_errors_are_clear(runner):
+    args = ServerArgs()
     with pytest.raises(ValueError, match="kernels must be one of fused, native"):
         TcPiecewiseOptions("inductor", "triton")
     with pytest.raises(ValueError, match="'torch_native' has none"):
-        create_graph_backend("decode", "full", runner.attn_backend)
-    with pytest.raises(ValueError, match="prefill: mode 'full' is not supported"):
-        create_graph_backend("prefill", "full", runner.attn_backend)
+        create_graph_backend("decode", "full", runner.attn_backend, args)
+    # the mode traits' rule, the same words the resolver gives
+    with pytest.raises(ValueError, match="prefill mode 'full' is not supported yet; use "):
+        create_graph_backend("prefill", "full", runner.attn_backend, args)
+    with pytest.raises(ValueError, match="decode: no CUDA-graph backend for mode 'disabled'"):
+        create_graph_backend("decode", "disabled", runner.attn_backend, args)

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from replaylm.layers.kernels import use_triton_kernels
+from replaylm.layers.sampling_hash import GOLDEN, MIX1, MIX2, UNIFORM_BITS
 from replaylm.sampling_params import SamplingParams
-
-# splitmix64 constants, as signed int64 (torch int64 arithmetic wraps around); the noise
-# kernel (layers/kernels/seeded_uniform.py) hashes with the same ones.
-GOLDEN = 0x9E3779B97F4A7C15 - 2**64
-MIX1 = 0xBF58476D1CE4E5B9 - 2**64
-MIX2 = 0x94D049BB133111EB - 2**64
-UNIFORM_BITS = 23  # 23 bits keep (k + 0.5) / 2**23 exact in float32 and strictly inside (0, 1)
 
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """ModelRunner: owns the model, the KV memory, the attention backend and the sampler.
 
-`forward(batch) -> logits` is the single entry for a forward pass (the CUDA-graph runners hook in
-here once they land: graph replay when they can run the batch, eager otherwise).
+`forward(batch) -> logits` is the single entry for a forward pass: replayed from the phase's
+CUDA graph when its graph runner can run the batch, eager otherwise.
 """
 
 from __future__ import annotations
@@ -11,17 +11,22 @@ from typing import Any
 
 import torch
 
-from replaylm.compilation.compile_model import TcPiecewiseOptions, set_compile_cache_dir
-from replaylm.cuda_graph_config import PhaseConfig, resolve_cuda_graph_config
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
-from replaylm.layers.kernels import check_pdl, choose_pdl, pdl_supported, set_pdl
+from replaylm.layers.kernels import (
+    check_pdl,
+    choose_pdl,
+    pdl_supported,
+    set_pdl,
+    use_triton_kernels,
+)
 from replaylm.layers.linear import AUTO_SKINNY_MAX_BYTES, set_matmul
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
 from replaylm.mem_cache.token_allocator import TokenSlotAllocator
 from replaylm.model_executor.cuda_graph.backend.factory import create_graph_backend
+from replaylm.model_executor.cuda_graph.config import PhaseConfig, resolve_cuda_graph_config
 from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
@@ -35,11 +40,11 @@ from replaylm.utils import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 1 << 30
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU when --max-total-tokens is not given
 GRAPH_RUNNERS: dict[str, type[BaseCudaGraphRunner]] = {
     "decode": DecodeCudaGraphRunner,
     "prefill": PrefillCudaGraphRunner,
-}  # default KV budget on CPU when --max-total-tokens is not given
+}
 
 
 class ModelRunner:
@@ -63,7 +68,12 @@ class ModelRunner:
                 args.small_batch_matmul,
             )
         layers = set_matmul(self.model, self.matmul)
-        if self.matmul == "auto":
+        # the layers' own test, on a weight: where it fails they run their torch code, whatever
+        # kernel set_matmul chose
+        triton_kernels = use_triton_kernels(next(self.model.parameters()))
+        if not triton_kernels:
+            logger.info("matmuls and fused ops: torch code on %s", self.device)
+        elif self.matmul == "auto":
             logger.info(
                 "--small-batch-matmul auto: the skinny triton kernel for %d matmul layers "
                 "(the LM head and weights up to %d MiB), cuBLAS for %d (larger weights)",
@@ -73,7 +83,8 @@ class ModelRunner:
             )
         self.pdl, why = choose_pdl(args.enable_pdl, pdl_supported(self.device))
         set_pdl(self.pdl)  # before any Triton kernel is launched (or captured)
-        logger.info("programmatic dependent launch %s (%s)", "on" if self.pdl else "off", why)
+        if self.device.type == "cuda":  # PDL is a launch mode of CUDA kernels only
+            logger.info("programmatic dependent launch %s (%s)", "on" if self.pdl else "off", why)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
         backend = resolve_attention_backend(args.attention_backend, self.device.type)
@@ -87,7 +98,7 @@ class ModelRunner:
             self.max_total_tokens,
             self.kv_pool.memory_bytes() / 2**30,
             backend,
-            self.matmul,
+            self.matmul if triton_kernels else "torch",
             ", programmatic dependent launch" if self.pdl else "",
             " (--deterministic: batch-invariant kernels)" if args.deterministic else "",
         )
@@ -102,16 +113,8 @@ class ModelRunner:
         for phase, runner_cls in GRAPH_RUNNERS.items():
             phase_config = self.cuda_graphs.phase(phase)
             if phase_config.enabled:
-                if phase_config.mode == "tc_piecewise" and self.args.compile_cache_dir:
-                    set_compile_cache_dir(self.args.compile_cache_dir)
                 backend = create_graph_backend(
-                    phase,
-                    phase_config.mode,
-                    self.attn_backend,
-                    self.args.debug_cuda_graph,
-                    TcPiecewiseOptions(
-                        self.args.tc_piecewise_compiler, self.args.tc_piecewise_kernels
-                    ),
+                    phase, phase_config.mode, self.attn_backend, self.args
                 )
                 runners[phase] = runner_cls(self, backend, self._fit_shapes(phase, phase_config))
                 runners[phase].capture()
@@ -120,17 +123,7 @@ class ModelRunner:
     def cuda_graph_stats(self) -> dict[str, dict[str, Any]]:
         """Per captured phase: mode, number of shapes, capture seconds, graph memory (MiB) and,
         for tc_piecewise, compile seconds (reported by /get_server_info)."""
-        stats = {}
-        for phase, runner in self.graph_runners.items():
-            compiled = getattr(runner.backend, "compiled", None)
-            stats[phase] = {
-                "mode": runner.backend.mode,
-                "shapes": len(runner.shapes),
-                "capture_s": round(runner.capture_seconds, 2),
-                "graph_mib": round(runner.capture_bytes / 2**20, 1),
-                "compile_s": round(compiled.compile_seconds, 2) if compiled else None,
-            }
-        return stats
+        return {phase: runner.stats() for phase, runner in self.graph_runners.items()}
 
     def _fit_shapes(self, phase: str, config: PhaseConfig) -> tuple[int, ...]:
         """Prefill buckets above the context length could never be used (and would index past

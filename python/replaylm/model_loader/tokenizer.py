@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from replaylm.model_loader.builtin_models import resolve_model_path
-from replaylm.runtime.io_struct import TokenizerInfo
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -16,6 +16,21 @@ if TYPE_CHECKING:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 Decoder = Callable[[list[int]], str]
+
+
+@dataclass
+class TokenizerInfo:
+    """Sent once, first: the tokenizer manager's tokenizer as the scheduler needs it.
+
+    `has_tokenizer` False: the model takes token ids only. `fast_json`: the tokenizers-library
+    definition, which decodes stop-string text exactly as the manager's tokenizer does; None with
+    a tokenizer means the scheduler loads the tokenizer itself. `eos_token_id` joins the model
+    config's EOS ids.
+    """
+
+    has_tokenizer: bool
+    eos_token_id: int | None
+    fast_json: str | None = None
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:

@@ -1,9 +1,10 @@
 """Messages between the HTTP layer, the tokenizer manager and the scheduler process.
 
 Everything here is a plain picklable dataclass: the tokenizer manager (main process) sends
-`TokenizerInfo` once, then `TokenizedGenerateReq` / `AbortReq` to the scheduler (child process),
-which answers `SchedulerReady` once and then each step with one `BatchTokenOut`. The tokenizer
-manager turns those into `GenerateOutput`s (text deltas) for the HTTP layer.
+`TokenizerInfo` once (defined with the tokenizer loading, `model_loader/tokenizer.py`), then
+`TokenizedGenerateReq` / `AbortReq` to the scheduler (child process), which answers
+`SchedulerReady` once and then each step with one `BatchTokenOut`. The tokenizer manager turns
+those into `GenerateOutput`s (text deltas) for the HTTP layer.
 """
 
 from __future__ import annotations
@@ -59,21 +60,6 @@ class GenerateOutput:
 
 
 # ---- main process -> scheduler process ----------------------------------------------------
-
-
-@dataclass
-class TokenizerInfo:
-    """Sent once, first: the tokenizer manager's tokenizer as the scheduler needs it.
-
-    `has_tokenizer` False: the model takes token ids only. `fast_json`: the tokenizers-library
-    definition, which decodes stop-string text exactly as the manager's tokenizer does; None with
-    a tokenizer means the scheduler loads the tokenizer itself. `eos_token_id` joins the model
-    config's EOS ids.
-    """
-
-    has_tokenizer: bool
-    eos_token_id: int | None
-    fast_json: str | None = None
 
 
 @dataclass

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
+from replaylm.model_loader.tokenizer import TokenizerInfo, scheduler_decoder
 from replaylm.runtime.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -30,7 +31,6 @@ from replaylm.runtime.io_struct import (
     SchedulerReady,
     ShutdownReq,
     TokenizedGenerateReq,
-    TokenizerInfo,
 )
 from replaylm.runtime.request import Req
 from replaylm.server_args import ServerArgs
@@ -119,7 +119,6 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
 def _build_scheduler(args: ServerArgs, conn: Connection) -> Scheduler | None:
     """Load the model, then take the manager's TokenizerInfo; None if it sent ShutdownReq."""
     from replaylm.model_executor.model_runner import ModelRunner
-    from replaylm.model_loader.tokenizer import scheduler_decoder
     from replaylm.runtime.model_setup import eos_token_ids
     from replaylm.runtime.scheduler import Scheduler
 

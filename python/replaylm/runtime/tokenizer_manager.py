@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from replaylm.cuda_graph_config import CudaGraphConfig
+from replaylm.model_executor.cuda_graph.config import CudaGraphConfig
 from replaylm.model_loader.tokenizer import load_tokenizer, tokenizer_info
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError

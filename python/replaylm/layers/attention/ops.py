@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replaylm.model_executor.cuda_graph.breakable_graph import break_point
+from replaylm.layers.graph_break import break_point
 
 if TYPE_CHECKING:
     from replaylm.layers.attention.layer import Attention

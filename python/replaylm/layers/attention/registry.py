@@ -1,42 +1,77 @@
 """Attention backends by name (`--attention-backend`; `selection.py` resolves `auto`).
 
-`triton` is imported only when asked for, so machines without triton (CPU) still work.
+The table is plain data, so the launcher and the CUDA-graph resolver read a backend's traits
+without importing torch; a backend's module is imported only when the backend is created, so
+machines without triton (CPU) still work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from replaylm.layers.attention.base import AttentionBackend
-from replaylm.layers.attention.selection import check_deterministic
-from replaylm.layers.attention.torch_native import TorchNativeAttnBackend
-
-
-def _triton(deterministic: bool) -> AttentionBackend:
-    try:
-        from replaylm.layers.attention.triton import TritonAttnBackend
-    except ImportError as e:
-        raise ValueError(
-            f"attention backend 'triton' needs the triton package ({e}); install it or use "
-            "--attention-backend torch_native"
-        ) from e
-    return TritonAttnBackend(deterministic)
+if TYPE_CHECKING:
+    from replaylm.layers.attention.base import AttentionBackend
 
 
-ATTENTION_BACKENDS: dict[str, Callable[[bool], AttentionBackend]] = {
-    "torch_native": lambda deterministic: TorchNativeAttnBackend(),
-    "triton": _triton,
+@dataclass(frozen=True)
+class AttentionBackendSpec:
+    """Where a backend's class lives and what it offers (a test checks the traits against the
+    class)."""
+
+    module: str
+    class_name: str
+    gpu_only: bool = False  # refused off CUDA
+    graph_hooks: bool = False  # implements CudaGraphAttentionBackend: usable in `full` graphs
+    deterministic: bool = False  # has batch-invariant kernels; its class takes `deterministic`
+
+    def load(self) -> type[AttentionBackend]:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackendSpec] = {
+    "torch_native": AttentionBackendSpec(
+        "replaylm.layers.attention.torch_native", "TorchNativeAttnBackend"
+    ),
+    "triton": AttentionBackendSpec(
+        "replaylm.layers.attention.triton",
+        "TritonAttnBackend",
+        gpu_only=True,
+        graph_hooks=True,
+        deterministic=True,
+    ),
 }
+GPU_ONLY_BACKENDS = frozenset(n for n, s in ATTENTION_BACKENDS.items() if s.gpu_only)
+BACKENDS_WITH_GRAPH_HOOKS = frozenset(n for n, s in ATTENTION_BACKENDS.items() if s.graph_hooks)
+DETERMINISTIC_BACKENDS = frozenset(n for n, s in ATTENTION_BACKENDS.items() if s.deterministic)
+
+
+def check_deterministic(backend: str) -> None:
+    """ValueError unless the resolved `backend` has batch-invariant kernels (`--deterministic`)."""
+    if backend not in DETERMINISTIC_BACKENDS:
+        raise ValueError(
+            f"--deterministic needs the triton attention backend (batch-invariant "
+            f"kernels, CUDA only); {backend} has none"
+        )
 
 
 def create_attention_backend(name: str, deterministic: bool = False) -> AttentionBackend:
-    """Instantiate a backend by name; ValueError lists the known ones, or says that the backend
-    has no batch-invariant kernels when `deterministic` asks for them."""
+    """Instantiate a backend by name; ValueError lists the known ones, says that the backend
+    has no batch-invariant kernels when `deterministic` asks for them, or names the package its
+    module could not import."""
     try:
-        factory = ATTENTION_BACKENDS[name]
+        spec = ATTENTION_BACKENDS[name]
     except KeyError:
         known = ", ".join(sorted(ATTENTION_BACKENDS))
         raise ValueError(f"unknown attention backend '{name}'; choose one of: {known}") from None
     if deterministic:
         check_deterministic(name)
-    return factory(deterministic)
+    try:
+        cls = spec.load()
+    except ImportError as e:
+        raise ValueError(
+            f"attention backend '{name}' cannot be imported ({e}); install what it needs or use "
+            "--attention-backend torch_native"
+        ) from e
+    return cls(deterministic) if spec.deterministic else cls()

@@ -3,10 +3,7 @@ resolver runs before any model or device is touched)."""
 
 from __future__ import annotations
 
-GPU_ONLY_BACKENDS = frozenset({"triton"})
-# backends implementing the `full`-graph hooks of CudaGraphAttentionBackend (base.py)
-BACKENDS_WITH_GRAPH_HOOKS = frozenset({"triton", "flashinfer"})
-DETERMINISTIC_BACKENDS = frozenset({"triton"})  # with batch-invariant kernels (--deterministic)
+from replaylm.layers.attention.registry import GPU_ONLY_BACKENDS
 
 
 def resolve_attention_backend(name: str, device_type: str) -> str:
@@ -20,12 +17,3 @@ def resolve_attention_backend(name: str, device_type: str) -> str:
             "(use torch_native or auto)"
         )
     return name
-
-
-def check_deterministic(backend: str) -> None:
-    """ValueError unless the resolved `backend` has batch-invariant kernels (`--deterministic`)."""
-    if backend not in DETERMINISTIC_BACKENDS:
-        raise ValueError(
-            f"--deterministic needs the triton attention backend (batch-invariant "
-            f"kernels, CUDA only); {backend} has none"
-        )

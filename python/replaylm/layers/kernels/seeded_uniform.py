@@ -9,12 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from replaylm.layers import sampler
+from replaylm.layers import sampling_hash
 
 # the torch code's constants (signed int64 there) as the unsigned values the kernel computes with
-_GOLDEN = tl.constexpr(sampler.GOLDEN % 2**64)
-_MIX1 = tl.constexpr(sampler.MIX1 % 2**64)
-_MIX2 = tl.constexpr(sampler.MIX2 % 2**64)
+_GOLDEN = tl.constexpr(sampling_hash.GOLDEN % 2**64)
+_MIX1 = tl.constexpr(sampling_hash.MIX1 % 2**64)
+_MIX2 = tl.constexpr(sampling_hash.MIX2 % 2**64)
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def seeded_uniform_vocab(
             out,
             vocab,
             BLOCK=block,
-            BITS=sampler.UNIFORM_BITS,
+            BITS=sampling_hash.UNIFORM_BITS,
             num_warps=4,
         )
     return out

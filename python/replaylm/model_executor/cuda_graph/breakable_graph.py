@@ -1,12 +1,12 @@
 """BreakableCUDAGraph: capture a callable as a chain of CUDA graphs broken at marked ops.
 
-Mark an op with `@break_point`. Outside a capture the mark does nothing. While a
-BreakableCUDAGraph captures, calling a marked op ends the current graph segment, runs the op
-eagerly once (its tensor arguments are static tensors of the previous segment), keeps its result
-as a static tensor that the next segment reads, and begins the next segment. Replay runs
-segment, op, segment, ... where each op is called again with the same arguments and its fresh
-result is copied into the static result in place. A marked op called inside another marked op
-runs plainly (no nested segments).
+Mark an op with `@break_point` (`layers/graph_break.py`). Outside a capture the mark does
+nothing. While a BreakableCUDAGraph captures, calling a marked op ends the current graph segment,
+runs the op eagerly once (its tensor arguments are static tensors of the previous segment), keeps
+its result as a static tensor that the next segment reads, and begins the next segment. Replay
+runs segment, op, segment, ... where each op is called again with the same arguments and its
+fresh result is copied into the static result in place. A marked op called inside another marked
+op runs plainly (no nested segments).
 
 All segments are captured into the memory pool the caller gives (shared by every shape of a
 runner); tensors a later segment reads stay valid because replay follows capture order. With
@@ -16,35 +16,14 @@ runner); tensors a later segment reads stay valid because replay follows capture
 
 from __future__ import annotations
 
-import functools
-import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-_state = threading.local()
-
-
-def _capturing() -> BreakableCUDAGraph | None:
-    return getattr(_state, "graph", None)
-
-
-def break_point(fn: F) -> F:
-    """Mark `fn` as an op that runs eagerly between graph segments (a no-op outside capture)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        graph = _capturing()
-        if graph is None:
-            return fn(*args, **kwargs)
-        return graph._break(fn, args, kwargs)
-
-    return wrapper  # type: ignore[return-value]
+from replaylm.layers.graph_break import open_capture, set_open_capture
 
 
 @dataclass
@@ -95,18 +74,18 @@ class BreakableCUDAGraph:
         if self.eager:
             self.output = fn(*args, **kwargs)
             return self.output
-        if _capturing() is not None:
+        if open_capture() is not None:
             raise RuntimeError("a BreakableCUDAGraph is already capturing on this thread")
         stream = self.stream or torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             self._begin()
-            _state.graph = self
+            set_open_capture(self)
             try:
                 self.output = fn(*args, **kwargs)
             finally:
-                _state.graph = None
+                set_open_capture(None)
                 self._end()
         torch.cuda.current_stream().wait_stream(stream)
         return self.output
@@ -141,13 +120,14 @@ class BreakableCUDAGraph:
         self.segments.append(self._open)
         self._open = None
 
-    def _break(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def run_break(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """End the open segment, run the marked op `fn` eagerly, begin the next segment."""
         self._end()
-        _state.graph = None  # marked ops inside this one run plainly
+        set_open_capture(None)  # marked ops inside this one run plainly
         try:
             result = fn(*args, **kwargs)
         finally:
-            _state.graph = self
+            set_open_capture(self)
         self.ops.append(_EagerOp(fn, args, kwargs, result))
         self._begin()
         return result

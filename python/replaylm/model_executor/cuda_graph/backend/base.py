@@ -1,10 +1,12 @@
 """BaseCudaGraphBackend: how one shape of a phase is captured and replayed.
 
-A backend never knows which phase it serves: the runner hands it a shape key, a ForwardBatch
-whose tensors are views of the runner's static buffers, and a `forward_fn(batch) -> logits` to
-capture. Call order: `prepare(runner)` once; inside `capture_session()`, `capture_one(...)` per
-shape (largest first); then per step `can_run(batch)` and, inside `runtime_session()`,
-`replay(shape, batch)`; `cleanup()` frees every graph.
+A backend never knows which phase it serves nor which runner drives it: the runner hands it a
+`CaptureContext` once, then a shape key, a ForwardBatch whose tensors are views of the runner's
+static buffers, and a `forward_fn(batch) -> logits` to capture. Call order: `from_args(...)`
+(the factory), `prepare(context)` once; inside `capture_session()`, `capture_one(...)` per shape
+(largest first); then per step `can_run(batch)` and, inside `runtime_session()`,
+`replay(shape, batch)`; `cleanup()` frees every graph. `stats()` reports what the backend itself
+spent (ModelRunner.cuda_graph_stats).
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from replaylm.layers.attention.base import AttentionBackend
+
 if TYPE_CHECKING:
-    from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
     from replaylm.model_executor.forward_batch import ForwardBatch
+    from replaylm.server_args import ServerArgs
 
 ForwardFn = Callable[["ForwardBatch"], torch.Tensor]
 _NO_SESSION = contextlib.nullcontext()
@@ -37,13 +42,30 @@ def warm_up(
     torch.cuda.current_stream().wait_stream(stream)
 
 
+@dataclass(frozen=True)
+class CaptureContext:
+    """What a backend sees of the runner that captures with it."""
+
+    model: nn.Module
+    memory_pool: Any  # the graph pool every graph of the phase shares (None off CUDA)
+    stream: torch.cuda.Stream | None  # the capture stream (None off CUDA)
+    max_batch_size: int  # requests of the largest padded batch
+    max_num_tokens: int  # tokens of the largest padded batch
+    example_batch: ForwardBatch  # the largest shape's all-padding batch
+
+
 class BaseCudaGraphBackend(ABC):
-    mode: str
+    mode: str  # its row in `config.MODE_TRAITS`
+
+    @classmethod
+    def from_args(cls, attn_backend: AttentionBackend, args: ServerArgs) -> BaseCudaGraphBackend:
+        """The backend for a server's `args` (the options it reads are its own)."""
+        return cls(attn_backend)
 
     @abstractmethod
-    def prepare(self, runner: BaseCudaGraphRunner) -> None:
-        """Once before capture: size whatever the captured shapes share (e.g. attention
-        metadata buffers for the runner's largest shape)."""
+    def prepare(self, context: CaptureContext) -> None:
+        """Once before capture: keep `context` and size whatever the captured shapes share
+        (e.g. attention metadata buffers for the largest shape)."""
 
     @contextlib.contextmanager
     def capture_session(self) -> Iterator[None]:
@@ -76,3 +98,8 @@ class BaseCudaGraphBackend(ABC):
     @abstractmethod
     def cleanup(self) -> None:
         """Free every captured graph and the outputs they own."""
+
+    def stats(self) -> dict[str, Any]:
+        """What this backend spent beyond capturing: `compile_s`, the seconds its forward took
+        to compile (None: it compiles nothing)."""
+        return {"compile_s": None}

@@ -15,14 +15,15 @@ import torch
 from replaylm.layers.attention.base import AttentionBackend
 from replaylm.model_executor.cuda_graph.backend.base import (
     BaseCudaGraphBackend,
+    CaptureContext,
     ForwardFn,
     warm_up,
 )
 from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGraph
 
 if TYPE_CHECKING:
-    from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
     from replaylm.model_executor.forward_batch import ForwardBatch
+    from replaylm.server_args import ServerArgs
 
 
 class BreakableCudaGraphBackend(BaseCudaGraphBackend):
@@ -32,18 +33,24 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         self.attn = attn_backend
         self.debug = debug
         self._graphs: dict[int, BreakableCUDAGraph] = {}
-        self._runner: BaseCudaGraphRunner | None = None
+        self._context: CaptureContext | None = None
 
-    def prepare(self, runner: BaseCudaGraphRunner) -> None:
-        self._runner = runner
+    @classmethod
+    def from_args(
+        cls, attn_backend: AttentionBackend, args: ServerArgs
+    ) -> BreakableCudaGraphBackend:
+        return cls(attn_backend, debug=args.debug_cuda_graph)
+
+    def prepare(self, context: CaptureContext) -> None:
+        self._context = context
 
     def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
-        assert self._runner is not None, "prepare() first"
+        assert self._context is not None, "prepare() first"
         self.attn.init_forward_metadata(batch)
-        stream = self._runner.capture_stream
+        stream = self._context.stream
         if not self.debug:  # the debug switch captures nothing (and runs on any device)
             warm_up(stream, forward_fn, batch, runs=1)
-        graph = BreakableCUDAGraph(self._runner.memory_pool, stream, eager=self.debug)
+        graph = BreakableCUDAGraph(self._context.memory_pool, stream, eager=self.debug)
         graph.capture(forward_fn, batch)
         self._graphs[shape] = graph
 

@@ -1,33 +1,34 @@
-"""(phase, mode, attention backend) -> a graph backend instance, or a clear error."""
+"""(phase, mode, attention backend, server args) -> a graph backend instance, or a clear error.
+
+One line per graph mode; what a mode can serve is its row in `config.MODE_TRAITS`, and the
+options a backend takes it reads from the server args itself (`from_args`).
+"""
 
 from __future__ import annotations
 
-from replaylm.compilation.compile_model import TcPiecewiseOptions
 from replaylm.layers.attention.base import AttentionBackend
 from replaylm.model_executor.cuda_graph.backend.base import BaseCudaGraphBackend
 from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGraphBackend
 from replaylm.model_executor.cuda_graph.backend.full import FullCudaGraphBackend
 from replaylm.model_executor.cuda_graph.backend.tc_piecewise import TcPiecewiseCudaGraphBackend
+from replaylm.model_executor.cuda_graph.config import unsupported_reason
+from replaylm.server_args import ServerArgs
+
+GRAPH_BACKENDS: dict[str, type[BaseCudaGraphBackend]] = {
+    "full": FullCudaGraphBackend,
+    "breakable": BreakableCudaGraphBackend,
+    "tc_piecewise": TcPiecewiseCudaGraphBackend,
+}
 
 
 def create_graph_backend(
-    phase: str,
-    mode: str,
-    attn_backend: AttentionBackend,
-    debug: bool = False,
-    tc_options: TcPiecewiseOptions | None = None,
+    phase: str, mode: str, attn_backend: AttentionBackend, args: ServerArgs
 ) -> BaseCudaGraphBackend:
-    """Raises ValueError for combinations no backend serves. `debug`: capture nothing, run
-    eagerly through the graph path (breakable and tc_piecewise); `tc_options`: how
-    tc_piecewise compiles (default `TcPiecewiseOptions()`)."""
-    if mode == "breakable":
-        return BreakableCudaGraphBackend(attn_backend, debug)
-    if mode == "tc_piecewise":
-        return TcPiecewiseCudaGraphBackend(attn_backend, tc_options or TcPiecewiseOptions(), debug)
-    if mode == "full":
-        if phase == "prefill":
-            raise ValueError(
-                "prefill: mode 'full' is not supported; use 'breakable' or 'tc_piecewise'"
-            )
-        return FullCudaGraphBackend(attn_backend)
-    raise ValueError(f"{phase}: no CUDA-graph backend for mode '{mode}'")
+    """Raises ValueError for combinations no backend serves."""
+    backend_cls = GRAPH_BACKENDS.get(mode)
+    if backend_cls is None:
+        raise ValueError(f"{phase}: no CUDA-graph backend for mode '{mode}'")
+    why = unsupported_reason(phase, mode)
+    if why is not None:
+        raise ValueError(why)
+    return backend_cls.from_args(attn_backend, args)

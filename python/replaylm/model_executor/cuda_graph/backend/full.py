@@ -15,12 +15,12 @@ import torch
 from replaylm.layers.attention.base import CudaGraphAttentionBackend
 from replaylm.model_executor.cuda_graph.backend.base import (
     BaseCudaGraphBackend,
+    CaptureContext,
     ForwardFn,
     warm_up,
 )
 
 if TYPE_CHECKING:
-    from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
     from replaylm.model_executor.forward_batch import ForwardBatch
 
 WARMUP_RUNS = 2  # eager runs before capture: lazy init, autotuning, allocator warm-up
@@ -37,19 +37,19 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
             )
         self.attn = attn_backend
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._runner: BaseCudaGraphRunner | None = None
+        self._context: CaptureContext | None = None
 
-    def prepare(self, runner: BaseCudaGraphRunner) -> None:
-        self._runner = runner
-        self.attn.init_cuda_graph_state(runner.max_batch_size, runner.max_num_tokens)
+    def prepare(self, context: CaptureContext) -> None:
+        self._context = context
+        self.attn.init_cuda_graph_state(context.max_batch_size, context.max_num_tokens)
 
     def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
-        assert self._runner is not None, "prepare() first"
+        assert self._context is not None, "prepare() first"
         self.attn.init_forward_metadata_capture_cuda_graph(batch)
-        stream = self._runner.capture_stream
+        stream = self._context.stream
         warm_up(stream, forward_fn, batch, WARMUP_RUNS)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._runner.memory_pool, stream=stream):
+        with torch.cuda.graph(graph, pool=self._context.memory_pool, stream=stream):
             out = forward_fn(batch)
         self._graphs[shape] = (graph, out)
 

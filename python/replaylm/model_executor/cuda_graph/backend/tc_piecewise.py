@@ -11,7 +11,7 @@ numbers) and Inductor fuses the rest; with `kernels="native"` Inductor fuses the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,16 +21,17 @@ from replaylm.compilation.compile_model import (
     TcPiecewiseOptions,
     attention_layers,
     compiled_forward,
+    set_compile_cache_dir,
 )
 from replaylm.layers.attention.base import AttentionBackend
 from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.ops import attention_context
-from replaylm.model_executor.cuda_graph.backend.base import ForwardFn
+from replaylm.model_executor.cuda_graph.backend.base import CaptureContext, ForwardFn
 from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGraphBackend
 
 if TYPE_CHECKING:
-    from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
     from replaylm.model_executor.forward_batch import ForwardBatch
+    from replaylm.server_args import ServerArgs
 
 
 class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
@@ -44,15 +45,25 @@ class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
         self.compiled: CompiledForward | None = None  # set by prepare
         self._layers: list[Attention] = []
 
-    def prepare(self, runner: BaseCudaGraphRunner) -> None:
+    @classmethod
+    def from_args(
+        cls, attn_backend: AttentionBackend, args: ServerArgs
+    ) -> TcPiecewiseCudaGraphBackend:
+        """`--tc-piecewise-compiler` and `--tc-piecewise-kernels`; `--compile-cache-dir`, where
+        the compiled artifacts are kept, is set process-wide here."""
+        if args.compile_cache_dir:
+            set_compile_cache_dir(args.compile_cache_dir)
+        options = TcPiecewiseOptions(args.tc_piecewise_compiler, args.tc_piecewise_kernels)
+        return cls(attn_backend, options, debug=args.debug_cuda_graph)
+
+    def prepare(self, context: CaptureContext) -> None:
         """Compile the forward (once per model: the other phase reuses it) on the largest
         shape's all-padding batch."""
-        super().prepare(runner)
-        model = runner.model_runner.model
-        self._layers = attention_layers(model)
-        self.compiled = compiled_forward(model, self.options)
+        super().prepare(context)
+        self._layers = attention_layers(context.model)
+        self.compiled = compiled_forward(context.model, self.options)
         if not self.compiled.is_compiled:
-            batch = runner.fill(None, runner.shapes[-1])
+            batch = context.example_batch
             self.attn.init_forward_metadata(batch)
             with attention_context(batch, self._layers):
                 self.compiled(batch.input_ids, batch.positions)
@@ -71,3 +82,7 @@ class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
             return super().replay(shape, batch)
         with attention_context(batch, self._layers):
             return super().replay(shape, batch)
+
+    def stats(self) -> dict[str, Any]:
+        seconds = self.compiled.compile_seconds if self.compiled is not None else None
+        return {"compile_s": round(seconds, 2) if seconds is not None else None}

@@ -17,15 +17,15 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
+from replaylm.model_executor.cuda_graph.backend.base import BaseCudaGraphBackend, CaptureContext
 from replaylm.model_executor.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from replaylm.model_executor.cuda_graph.backend.base import BaseCudaGraphBackend
     from replaylm.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class BaseCudaGraphRunner(ABC):
         self.padding_row = model_runner.req_to_token_pool.padding_row
         self.memory_pool = None  # graph pool handle: owned for as long as graphs may be captured
         self.capture_stream: torch.cuda.Stream | None = None
+        self.capture_seconds = 0.0  # of the last `capture`
+        self.capture_bytes = 0  # CUDA memory its graphs kept
         self._padded: dict[int, ForwardBatch] = {}
 
     # ---- per phase --------------------------------------------------------------------------
@@ -124,7 +126,7 @@ class BaseCudaGraphRunner(ABC):
             self.memory_pool = torch.cuda.graph_pool_handle()
             self.capture_stream = torch.cuda.Stream(device)
         free_before = _settled_free_memory(device)
-        self.backend.prepare(self)  # not timed: tc_piecewise compiles here and reports it
+        self.backend.prepare(self.capture_context())  # not timed: tc_piecewise compiles here
         start = time.perf_counter()
         with frozen_gc(), self.backend.capture_session():
             shapes = sorted(self.shapes, reverse=True)
@@ -143,6 +145,28 @@ class BaseCudaGraphRunner(ABC):
             self.capture_bytes / 2**20,
             list(self.shapes),
         )
+
+    def capture_context(self) -> CaptureContext:
+        """What the backend sees of this runner (`capture` makes the pool and stream first)."""
+        return CaptureContext(
+            model=self.model_runner.model,
+            memory_pool=self.memory_pool,
+            stream=self.capture_stream,
+            max_batch_size=self.max_batch_size,
+            max_num_tokens=self.max_num_tokens,
+            example_batch=self.fill(None, self.shapes[-1]),
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Mode, number of shapes, capture seconds, graph memory (MiB) and the backend's own
+        stats (`compile_s`), after `capture`."""
+        return {
+            "mode": self.backend.mode,
+            "shapes": len(self.shapes),
+            "capture_s": round(self.capture_seconds, 2),
+            "graph_mib": round(self.capture_bytes / 2**20, 1),
+            **self.backend.stats(),
+        }
 
     def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, int]:
         """(logits of the live requests, padding tokens this replay computed), under inference

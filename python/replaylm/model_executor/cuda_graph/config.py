@@ -1,6 +1,6 @@
 """The CUDA-graph resolver: server flags -> `{"decode": mode, "prefill": mode}` plus shapes.
 
-Pure Python (no torch), four stages:
+Pure Python (no torch: the launcher resolves before it spawns the model's process), four stages:
 
 1. parse     `--cuda-graph-mode` JSON, the per-phase flags and the legacy flags, each into a
              per-phase choice tagged with the flag it came from;
@@ -12,6 +12,8 @@ Pure Python (no torch), four stages:
              error instead;
 4. validate  modes the backends cannot serve and the capture shapes.
 
+What a mode can do is one row of `MODE_TRAITS`; the rules and the validation read the rows, so a
+new graph mode is one backend module, one line in `backend/factory.py` and one row here.
 Every problem raises CudaGraphConfigError: one line naming the flag and the valid choices.
 """
 
@@ -22,16 +24,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from replaylm.layers.attention.selection import (
-    BACKENDS_WITH_GRAPH_HOOKS,
-    resolve_attention_backend,
-)
+from replaylm.layers.attention.registry import BACKENDS_WITH_GRAPH_HOOKS
+from replaylm.layers.attention.selection import resolve_attention_backend
 
 PHASES = ("decode", "prefill")
-MODES = ("full", "breakable", "tc_piecewise", "disabled")
+
+
+@dataclass(frozen=True)
+class ModeTraits:
+    """What a graph mode can do."""
+
+    phases: tuple[str, ...]  # the phases it serves
+    # it captures attention, so the attention backend needs CUDA-graph hooks
+    # (CudaGraphAttentionBackend: the registry's `graph_hooks`)
+    needs_attention_graph_hooks: bool
+    # under --debug-cuda-graph it captures nothing and runs its graph path eagerly, on any device
+    debug_eager: bool
+
+
+MODE_TRAITS: dict[str, ModeTraits] = {
+    "full": ModeTraits(("decode",), needs_attention_graph_hooks=True, debug_eager=False),
+    "breakable": ModeTraits(PHASES, needs_attention_graph_hooks=False, debug_eager=True),
+    "tc_piecewise": ModeTraits(PHASES, needs_attention_graph_hooks=False, debug_eager=True),
+}
+MODES = (*MODE_TRAITS, "disabled")
 GRAPH_DEVICES = ("cuda",)
-# with --debug-cuda-graph these modes run their graph path eagerly, so they work on any device
-EAGER_DEBUG_MODES = ("breakable", "tc_piecewise")
 DEFAULTS_CUDA = {"decode": "full", "prefill": "breakable"}
 
 JSON_FLAG = "--cuda-graph-mode"
@@ -40,6 +57,24 @@ LEGACY_REPLACEMENTS = {
     "--disable-piecewise-cuda-graph": "--prefill-disable-cuda-graph",
     "--enable-breakable-cuda-graph": "--prefill-cuda-graph-mode breakable",
 }
+
+
+def debug_eager_modes() -> tuple[str, ...]:
+    """The modes that --debug-cuda-graph runs eagerly (so on any device)."""
+    return tuple(m for m, t in MODE_TRAITS.items() if t.debug_eager)
+
+
+def modes_serving(phase: str) -> tuple[str, ...]:
+    """The graph modes that can serve `phase`."""
+    return tuple(m for m, t in MODE_TRAITS.items() if phase in t.phases)
+
+
+def unsupported_reason(phase: str, mode: str) -> str | None:
+    """Why `mode` cannot serve `phase` (None: it can, or it is `disabled`)."""
+    if mode == "disabled" or phase in MODE_TRAITS[mode].phases:
+        return None
+    others = " or ".join(repr(m) for m in modes_serving(phase))
+    return f"{phase} mode {mode!r} is not supported yet; use {others} (or 'disabled')"
 
 
 class CudaGraphConfigError(ValueError):
@@ -228,30 +263,29 @@ def _default(phase: str, device: str) -> str:
 
 @dataclass(frozen=True)
 class CompatibilityRule:
-    """When `applies(phase, mode, context)` holds, the phase cannot run in that mode."""
+    """When `applies(traits, context)` holds, a phase cannot run in a mode of those traits."""
 
     name: str
-    applies: Callable[[str, str, dict[str, str]], bool]
+    applies: Callable[[ModeTraits, dict[str, str]], bool]
     reason: str
 
 
 RULES: tuple[CompatibilityRule, ...] = (
     CompatibilityRule(
         "graphs-need-cuda",
-        lambda phase, mode, ctx: (
-            mode != "disabled"
-            and ctx["device"] not in GRAPH_DEVICES
-            and not (ctx["debug"] == "on" and mode in EAGER_DEBUG_MODES)
+        lambda traits, ctx: (
+            ctx["device"] not in GRAPH_DEVICES and not (ctx["debug"] == "on" and traits.debug_eager)
         ),
         "CUDA graphs need a CUDA device; this server runs on {device} (only "
-        "--debug-cuda-graph runs breakable and tc_piecewise, eagerly, on any device)",
+        "--debug-cuda-graph runs {debug_eager}, eagerly, on any device)",
     ),
     CompatibilityRule(
-        "full-needs-attention-graph-hooks",
-        lambda phase, mode, ctx: (
-            mode == "full" and ctx["attention_backend"] not in BACKENDS_WITH_GRAPH_HOOKS
+        "needs-attention-graph-hooks",
+        lambda traits, ctx: (
+            traits.needs_attention_graph_hooks
+            and ctx["attention_backend"] not in BACKENDS_WITH_GRAPH_HOOKS
         ),
-        "a full graph captures attention, which needs an attention backend with CUDA-graph "
+        "a {mode} graph captures attention, which needs an attention backend with CUDA-graph "
         "hooks ({hooked}); --attention-backend is {attention_backend}",
     ),
 )
@@ -261,9 +295,16 @@ def _apply_rules(
     phase: str, mode: str, explicit_flag: str | None, ctx: dict[str, str]
 ) -> tuple[str, CompatibilityRule | None, str]:
     """(mode after the rules, the rule that turned the phase off or None, its reason)."""
+    if mode == "disabled":
+        return mode, None, ""
     for rule in RULES:
-        if rule.applies(phase, mode, ctx):
-            reason = rule.reason.format(hooked=", ".join(sorted(BACKENDS_WITH_GRAPH_HOOKS)), **ctx)
+        if rule.applies(MODE_TRAITS[mode], ctx):
+            reason = rule.reason.format(
+                mode=mode,
+                hooked=", ".join(sorted(BACKENDS_WITH_GRAPH_HOOKS)),
+                debug_eager=" and ".join(debug_eager_modes()),
+                **ctx,
+            )
             if explicit_flag is not None:
                 raise CudaGraphConfigError(
                     f"{explicit_flag}: {phase} mode {mode!r} is not possible here "
@@ -339,11 +380,9 @@ def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> 
 
 
 def _validate_mode(phase: str, mode: str, flag: str | None) -> None:
-    if phase == "prefill" and mode == "full":
-        raise CudaGraphConfigError(
-            f"{flag or JSON_FLAG}: prefill mode 'full' is not supported yet; use 'breakable' or "
-            "'tc_piecewise' (or 'disabled')"
-        )
+    why = unsupported_reason(phase, mode)
+    if why is not None:
+        raise CudaGraphConfigError(f"{flag or JSON_FLAG}: {why}")
 
 
 # ---- the resolver ---------------------------------------------------------------------------
