@@ -3,8 +3,9 @@
     python -m replaylm.generate "What is the capital of France?"
     python -m replaylm.generate --raw --max-new-tokens 32 "The capital of France is"
 
-Prompts go through the model's chat template unless `--raw` is given. Every ServerArgs flag
-(`--model-path`, `--device`, `--dtype`, ...) is accepted; the default model is the built-in one.
+Prompts go through the model's chat template unless `--raw` is given. Every engine flag of the
+server (`--model-path`, `--device`, `--dtype`, ...) is accepted, not its HTTP flags; the default
+model is the built-in one. A bad flag or model prints one line and exits with code 2.
 """
 
 from __future__ import annotations
@@ -23,14 +24,41 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("prompts", nargs="+", help="one or more prompts, generated as one batch")
-    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--sampling-seed", type=int, default=None)
-    ServerArgs.add_cli_args(parser)
+    parser.add_argument("prompts", nargs="+", help="One or more prompts, generated as one batch.")
+    parser.add_argument(
+        "--raw",
+        action="store_true",
+        help="Send the prompts as they are, without the chat template (for base models or "
+        "text completion).",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=64, help="Most tokens to generate per prompt."
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="Sampling temperature; 0 always picks the most likely token (greedy).",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="Sample from the smallest set of tokens whose probabilities add up to this.",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=-1,
+        help="Sample from the k most likely tokens only; -1 for no limit.",
+    )
+    parser.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="Seed of every prompt's sampling. Default: one drawn per prompt from --seed.",
+    )
+    ServerArgs.add_cli_args(parser, server=False)
     return parser
 
 
@@ -49,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.sampling_seed,
     }
     try:
+        server_args.check_paths()
         engine = Engine(**vars(server_args))
         if args.raw:
             outs = engine.generate(args.prompts, params)

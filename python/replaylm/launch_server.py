@@ -3,6 +3,11 @@
 With no flags it serves the built-in SmolLM2-135M-Instruct on http://127.0.0.1:30000 (GPU when
 there is one, else CPU). The model loads in a child process (progress bar on stderr); the URL is
 logged once it is ready. SIGINT/SIGTERM stop the HTTP server, then the scheduler process.
+
+Exit codes: 0 after SIGINT/SIGTERM; 2 when the server cannot start (bad flags, a missing model
+path, a model that fails to load: one line on stderr says why); 1 when the scheduler process dies
+while serving (the log says why), so that a supervisor restarts the server. The API key may be
+given in the REPLAYLM_API_KEY environment variable instead of --api-key.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
-from typing import NoReturn
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 
@@ -25,16 +32,22 @@ from replaylm.model_executor.cuda_graph.config import (
     check_cuda_graph_args,
     resolve_cuda_graph_config,
 )
-from replaylm.runtime.scheduler_process import SchedulerProcess
+from replaylm.runtime.scheduler_process import SchedulerProcess, one_line_error
 from replaylm.server_args import ServerArgs
 
+if TYPE_CHECKING:
+    from replaylm.runtime.tokenizer_manager import TokenizerManager
+
 logger = logging.getLogger("replaylm.launch_server")
+API_KEY_ENV = "REPLAYLM_API_KEY"
+EXIT_CANNOT_START = 2
+EXIT_SCHEDULER_DIED = 1
 
 
 def _usage_error(message: str) -> NoReturn:
-    """A bad command line: one line on stderr, exit code 2, no traceback."""
+    """The server cannot start: one line on stderr, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(EXIT_CANNOT_START)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
@@ -49,15 +62,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
     parser.add_argument(
         "--print-cuda-graph-config",
         action="store_true",
-        help="print the resolved per-phase CUDA-graph config as JSON and exit "
-        "(no model is loaded; use --device to resolve for another device)",
+        help="Print the CUDA-graph mode and capture shapes each phase resolves to, as JSON, and "
+        "exit without loading a model; with --device cuda it shows a GPU's on any machine.",
     )
     ns = parser.parse_args(argv)
     args = ServerArgs.from_cli_args(ns)
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
     try:
         args.validate()
         check_cuda_graph_args(args)
-    except ValueError as err:
+        if not ns.print_cuda_graph_config:
+            args.check_paths()
+    except (ValueError, FileNotFoundError) as err:
         _usage_error(str(err))
     return args, ns.print_cuda_graph_config
 
@@ -102,7 +119,25 @@ def log_cuda_graph_config(graphs: CudaGraphConfig) -> None:
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, stopping gracefully on SIGINT/SIGTERM (a second one forces the exit)
     without re-raising the signal afterwards, so launch_server can stop the scheduler process
-    and exit with code 0."""
+    and exit with code 0; it also stops when `manager`'s scheduler process is gone, for
+    launch_server to exit non-zero (a server without one can only answer 503)."""
+
+    def __init__(self, config: uvicorn.Config, manager: TokenizerManager) -> None:
+        super().__init__(config)
+        self.manager = manager
+        self.signalled = False
+        self.scheduler_gone = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.signalled = True
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's main-loop check, every 0.1 s."""
+        if not self.manager.healthy():
+            self.scheduler_gone = True
+            return True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -139,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         manager = TokenizerManager(args, graphs, scheduler)
-    except (RuntimeError, FileNotFoundError, ValueError) as err:
-        logger.error("%s", err)
-        return 1
+    except Exception as err:  # the tokenizer or the model failed to load; the child is stopped
+        logger.debug("start-up failed", exc_info=True)
+        _usage_error(one_line_error(err))
     try:
         app = create_app(manager)
         config = uvicorn.Config(
@@ -151,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
         )
-        server = GracefulServer(config)
+        server = GracefulServer(config, manager)
         logger.info(
             "serving %s at http://%s:%d (OpenAI API under /v1)",
             manager.served_model_name,
@@ -161,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     finally:
         manager.shutdown()
+    if server.scheduler_gone and not server.signalled:
+        logger.error(
+            "stopping the server (exit code %d): %s",
+            EXIT_SCHEDULER_DIED,
+            manager.scheduler_exit_reason(),
+        )
+        return EXIT_SCHEDULER_DIED
     return 0
 
 

@@ -1,216 +1,357 @@
 """ServerArgs: every option of the engine and server, in one dataclass.
 
 The argparse flags are generated from the fields (`model_path` -> `--model-path`), so a new option
-is one field with its help text. `validate()` checks values and names the flag in its message.
+is one field with its help text. Fields marked `server_only` (the HTTP front end's options) are
+left out of `python -m replaylm.generate`; fields marked `secret` are redacted wherever the args
+are shown (the log, /get_server_info). `validate()` checks values and `check_paths()` that the
+model and tokenizer exist, each naming the flag in its message.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from replaylm.dtype_names import DTYPE_NAMES
-from replaylm.model_loader.builtin_models import DEFAULT_MODEL
+from replaylm.model_loader.builtin_models import DEFAULT_MODEL, resolve_model_path
 
 
-def _opt(help_text: str, choices: tuple[str, ...] | None = None) -> Any:
-    return {"help": help_text, "choices": choices}
+def _opt(
+    help_text: str,
+    choices: tuple[str, ...] | None = None,
+    server_only: bool = False,
+    secret: bool = False,
+) -> dict[str, Any]:
+    return {"help": help_text, "choices": choices, "server_only": server_only, "secret": secret}
 
 
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 # Choices named here, not imported from the modules that use them: the HTTP process parses its
 # command line without importing torch (it starts the scheduler process first; see launch_server).
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+REDACTED = "<set>"
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
+CUDA_GRAPH_MODES_HELP = (
+    "full (decode only: the whole step in one graph), breakable (a chain of graphs with "
+    "attention run eagerly between them), tc_piecewise (torch.compile pieces split at "
+    "attention, each captured), disabled (eager)"
+)
 
 
-@dataclass
+@dataclass(repr=False)
 class ServerArgs:
     # HTTP server
-    host: str = field(default="127.0.0.1", metadata=_opt("address the HTTP server binds"))
-    port: int = field(default=30000, metadata=_opt("port the HTTP server listens on"))
+    host: str = field(
+        default="127.0.0.1",
+        metadata=_opt(
+            "Address the HTTP server listens on. The default, 127.0.0.1, accepts connections "
+            "from this machine only; use 0.0.0.0 to serve other machines (and set --api-key).",
+            server_only=True,
+        ),
+    )
+    port: int = field(
+        default=30000, metadata=_opt("TCP port the HTTP server listens on.", server_only=True)
+    )
     served_model_name: str | None = field(
         default=None,
         metadata=_opt(
-            "model name in the API (/v1/models, the `model` field); default: --model-path"
+            "Model name that clients send in the `model` field and see in /v1/models. Default: "
+            "the --model-path value. Set it to give clients a name that does not change with "
+            "where the weights are stored.",
+            server_only=True,
         ),
     )
     api_key: str | None = field(
-        default=None, metadata=_opt("if set, requests must send `Authorization: Bearer <key>`")
+        default=None,
+        metadata=_opt(
+            "Require `Authorization: Bearer <key>` on every route except /health and /metrics. "
+            "Set it whenever others can reach the server. The key is never logged nor shown by "
+            "/get_server_info; to keep it out of the process list too, set the REPLAYLM_API_KEY "
+            "environment variable instead of this flag.",
+            server_only=True,
+            secret=True,
+        ),
+    )
+    max_request_body_bytes: int = field(
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metadata=_opt(
+            "Largest request body accepted, in bytes; a larger one is answered with status 413 "
+            "before it is read. The default (32 MiB) is far above any prompt that fits a model's "
+            "context (a 128k-token prompt is about 1 MB as text or as token ids) and keeps a "
+            "misbehaving client from making the server buffer and tokenize unbounded input. "
+            "Raise it only if your prompts really are larger.",
+            server_only=True,
+        ),
     )
     # model and loading
     model_path: str = field(
         default=DEFAULT_MODEL,
-        metadata=_opt("HF folder, .gguf file, config .json (dummy load) or built-in model name"),
+        metadata=_opt(
+            "What to serve: a built-in model name (the default), a Hugging Face model folder "
+            "(config.json and *.safetensors), a single .gguf file, or, with --load-format dummy, "
+            "a config .json file."
+        ),
     )
     tokenizer_path: str | None = field(
-        default=None, metadata=_opt("tokenizer location when it differs from --model-path")
+        default=None,
+        metadata=_opt(
+            "Where to load the tokenizer from, when --model-path holds none (for example a "
+            "folder with weights only). Default: --model-path."
+        ),
     )
     load_format: str = field(
         default="auto",
-        metadata=_opt("weights format; dummy = random weights of the right shapes", LOAD_FORMATS),
+        metadata=_opt(
+            "How to read the weights. auto: gguf for a .gguf file, safetensors otherwise. dummy: "
+            "random weights of the right shapes, to test or benchmark without a checkpoint.",
+            LOAD_FORMATS,
+        ),
     )
     dtype: str = field(
         default="auto",
         metadata=_opt(
-            "weights/activations dtype; auto = float32 on CPU, the checkpoint's 16-bit type on GPU",
+            "Data type of the weights and activations. auto: float32 on the CPU; on a GPU the "
+            "checkpoint's 16-bit type (float16 when its config says so, else bfloat16).",
             ("auto", *DTYPE_NAMES),
         ),
     )
-    device: str = field(default="auto", metadata=_opt("where to run", ("auto", "cuda", "cpu")))
+    device: str = field(
+        default="auto",
+        metadata=_opt(
+            "Where the model runs. auto: the GPU when there is one, else the CPU.",
+            ("auto", "cuda", "cpu"),
+        ),
+    )
     seed: int = field(
         default=0,
-        metadata=_opt("seed for dummy weights and for requests that give no sampling seed"),
+        metadata=_opt(
+            "Seed of dummy weights and of the sampling of requests that give no seed of their "
+            "own; fix it to get the same sampled outputs across restarts."
+        ),
     )
     # memory
     mem_fraction_static: float = field(
-        default=0.80, metadata=_opt("GPU: fraction of device memory for weights + KV cache")
+        default=0.80,
+        metadata=_opt(
+            "GPU only: fraction of the GPU's memory for the weights plus the KV cache; the rest "
+            "is left for activations and CUDA graphs. Lower it when start-up runs out of memory "
+            "or the GPU is shared; raise it for a larger KV cache (more requests at once)."
+        ),
     )
     max_total_tokens: int | None = field(
         default=None,
         metadata=_opt(
-            "KV cache size in tokens (default: from --mem-fraction-static on GPU, 1 GiB on CPU)"
+            "Size of the KV cache in tokens, shared by all running requests. Default: what "
+            "--mem-fraction-static leaves on a GPU, 1 GiB worth on the CPU. Set it to cap the "
+            "server's memory."
         ),
     )
     max_running_requests: int = field(
-        default=256, metadata=_opt("most requests held in the request table at once")
+        default=256,
+        metadata=_opt(
+            "Most requests running at once; further requests wait in the queue. Lower it to "
+            "bound the batch size; also the largest decode batch captured in a CUDA graph."
+        ),
     )
     context_length: int | None = field(
         default=None,
         metadata=_opt(
-            "longest sequence (prompt + output); default: the model's max_position_embeddings"
+            "Longest sequence (prompt plus output) a request may reach; longer prompts are "
+            "rejected. Default: the model's max_position_embeddings."
         ),
     )
     # scheduling
     chunked_prefill_size: int = field(
         default=2048,
-        metadata=_opt("prompts longer than this are prefilled in chunks of this many tokens"),
+        metadata=_opt(
+            "Prompts longer than this many tokens are prefilled in chunks of this size, between "
+            "decode steps, so that one long prompt does not stall the other requests' output. "
+            "Smaller chunks keep streams smoother; larger ones finish long prompts sooner."
+        ),
     )
     max_prefill_tokens: int | None = field(
         default=None,
         metadata=_opt(
-            "most new tokens in one prefill batch (default: --chunked-prefill-size, so a batch "
-            "fits the largest prefill graph bucket; one prompt chunk is always admitted)"
+            "Most prompt tokens prefilled in one step, over all requests (one prompt chunk is "
+            "always admitted). Default: --chunked-prefill-size, so that a prefill batch fits the "
+            "largest prefill CUDA graph."
         ),
     )
     disable_overlap_schedule: bool = field(
         default=False,
         metadata=_opt(
-            "read each decode step's tokens back before launching the next (by default the next "
-            "step is launched first, its input tokens copied on the device, so the host's work "
-            "overlaps the GPU's)"
+            "Read each decode step's tokens back before launching the next step. By default the "
+            "next step is launched first, so the scheduler's host work overlaps the GPU's; use "
+            "this to rule the overlap out when debugging."
         ),
     )
     # kernels
     attention_backend: str = field(
-        default="auto", metadata=_opt("attention implementation", ATTENTION_BACKEND_CHOICES)
+        default="auto",
+        metadata=_opt(
+            "Attention kernels. triton: replaylm's Triton kernels (GPU only; needed for the full "
+            "decode graph and --deterministic). torch_native: PyTorch's, on any device. auto: "
+            "triton on a GPU, torch_native on the CPU.",
+            ATTENTION_BACKEND_CHOICES,
+        ),
     )
-    # CUDA graphs: resolved per phase by model_executor/cuda_graph/config.py (precedence: JSON >
-    # per-phase > legacy > defaults)
+    # CUDA graphs, resolved per phase by model_executor/cuda_graph/config.py (precedence: JSON >
+    # per-phase > legacy flags > defaults)
     cuda_graph_mode: str | None = field(
         default=None,
         metadata=_opt(
-            'per-phase modes as JSON, e.g. \'{"decode": "full", "prefill": "breakable"}\'; '
-            "modes: full, breakable, tc_piecewise, disabled"
+            "CUDA-graph mode of each phase as one JSON object, e.g. "
+            '\'{"decode": "full", "prefill": "breakable"}\' (the default on a GPU; the CPU runs '
+            f"eagerly). It overrides the per-phase flags. Modes: {CUDA_GRAPH_MODES_HELP}. "
+            "`launch_server --print-cuda-graph-config` shows what a command line resolves to."
         ),
     )
     decode_cuda_graph_mode: str | None = field(
-        default=None, metadata=_opt("decode mode: full, breakable, tc_piecewise or disabled")
+        default=None,
+        metadata=_opt(
+            "CUDA-graph mode of the decode phase: full, breakable, tc_piecewise or disabled."
+        ),
     )
     prefill_cuda_graph_mode: str | None = field(
-        default=None, metadata=_opt("prefill mode: breakable, tc_piecewise or disabled")
+        default=None,
+        metadata=_opt("CUDA-graph mode of the prefill phase: breakable, tc_piecewise or disabled."),
     )
-    decode_disable_cuda_graph: bool = field(default=False, metadata=_opt("run decode eagerly"))
-    prefill_disable_cuda_graph: bool = field(default=False, metadata=_opt("run prefill eagerly"))
+    decode_disable_cuda_graph: bool = field(
+        default=False, metadata=_opt("Run decode eagerly (no CUDA graph).")
+    )
+    prefill_disable_cuda_graph: bool = field(
+        default=False, metadata=_opt("Run prefill eagerly (no CUDA graph).")
+    )
     disable_cuda_graph: bool = field(
-        default=False, metadata=_opt("deprecated: both phases eager (use --cuda-graph-mode)")
+        default=False,
+        metadata=_opt(
+            "Run both phases eagerly. Deprecated: use "
+            '--cuda-graph-mode \'{"decode": "disabled", "prefill": "disabled"}\'.'
+        ),
     )
     disable_piecewise_cuda_graph: bool = field(
-        default=False, metadata=_opt("deprecated: prefill eager (use --prefill-disable-cuda-graph)")
+        default=False,
+        metadata=_opt("Run prefill eagerly. Deprecated: use --prefill-disable-cuda-graph."),
     )
     enable_breakable_cuda_graph: bool = field(
         default=False,
-        metadata=_opt("deprecated: prefill breakable (use --prefill-cuda-graph-mode breakable)"),
+        metadata=_opt(
+            "Capture prefill as breakable graphs. Deprecated: use --prefill-cuda-graph-mode "
+            "breakable."
+        ),
     )
     decode_cuda_graph_bs: list[int] | None = field(
         default=None,
         metadata=_opt(
-            "decode batch sizes to capture (default 1 2 4 8 16 24 ... 256, clipped to "
-            "--max-running-requests)"
+            "Decode batch sizes to capture; a batch runs the smallest captured size that fits "
+            "it. Default: 1 2 4 8, then every multiple of 8 up to 256, cut at "
+            "--max-running-requests."
         ),
     )
     decode_cuda_graph_max_bs: int | None = field(
-        default=None, metadata=_opt("largest decode batch size to capture (with the default list)")
+        default=None,
+        metadata=_opt(
+            "Largest decode batch size to capture from the default list; lower it to capture "
+            "fewer graphs (a shorter start-up, less memory) when batches stay small."
+        ),
     )
     prefill_cuda_graph_tokens: list[int] | None = field(
         default=None,
-        metadata=_opt("prefill token counts to capture (default up to --chunked-prefill-size)"),
+        metadata=_opt(
+            "Prefill token counts to capture; a prefill batch runs the smallest captured count "
+            "that fits it. Default: 16 32 64 128 256, then every multiple of 256, up to "
+            "--chunked-prefill-size."
+        ),
     )
     prefill_cuda_graph_max_tokens: int | None = field(
         default=None,
-        metadata=_opt("largest prefill token count to capture (with the default list)"),
+        metadata=_opt(
+            "Largest prefill token count to capture from the default list; lower it to capture "
+            "fewer graphs when prompts are short."
+        ),
     )
     debug_cuda_graph: bool = field(
         default=False,
         metadata=_opt(
-            "breakable and tc_piecewise graphs capture nothing and run eagerly through the same "
-            "path, on any device (to bisect wrong outputs)"
+            "Run the breakable and tc_piecewise modes' graph path without capturing anything, "
+            "on any device: use it to find out whether a wrong output comes from graph capture "
+            "or from the code path itself."
         ),
     )
     tc_piecewise_compiler: str = field(
         default="inductor",
         metadata=_opt(
-            "how tc_piecewise compiles the pieces of the forward (eager: split only, no fusion)",
+            "How the tc_piecewise mode compiles its pieces. inductor: torch.compile's compiler. "
+            "eager: split the forward only, without compiling (to debug the compiler).",
             ("inductor", "eager"),
         ),
     )
     small_batch_matmul: str = field(
         default="auto",
         metadata=_opt(
-            "kernel of the matmuls of at most 16 rows (decode batches) on CUDA: triton (a split-K "
-            "kernel whose rows do not depend on the batch's size), cublas, or auto: triton for the "
-            "LM head and layer weights up to 64 MiB, cublas for larger ones (where it measured "
-            "faster on the H100)",
+            "Kernel of the matmuls of at most 16 rows (decode batches) on a GPU. triton: a "
+            "split-K kernel whose rows do not depend on the batch's size. cublas: cuBLAS. auto: "
+            "triton for the LM head and weights up to 64 MiB, cuBLAS for larger weights. Set it "
+            "to compare the two kernels when profiling a model's decode step.",
             ("auto", "cublas", "triton"),
         ),
     )
     deterministic: bool = field(
         default=False,
         metadata=_opt(
-            "batch-invariant kernels: a request's outputs do not depend on the batches it shares "
-            "or on how its prompt is chunked (matmuls, attention); needs the triton attention "
-            "backend"
+            "Use batch-invariant kernels: a request's outputs no longer depend on which requests "
+            "share its batches or on how its prompt is chunked, so the same request always gets "
+            "the same output. Needs a GPU and the triton attention backend."
         ),
     )
     enable_pdl: bool | None = field(
         default=None,
         metadata=_opt(
-            "launch replaylm's Triton kernels with programmatic dependent launch (Hopper or "
-            "newer): each may start while the kernel before it finishes, the matmuls loading "
-            "weights meanwhile; same numbers. Default: on where supported (compute capability "
-            "9.0+); --no-enable-pdl turns it off"
+            "Programmatic dependent launch (Hopper GPUs or newer): each of replaylm's Triton "
+            "kernels may start while the kernel before it finishes; results are unchanged. "
+            "Default: on where the GPU supports it. --no-enable-pdl turns it off, e.g. to rule "
+            "it out when debugging."
         ),
     )
     tc_piecewise_kernels: str = field(
         default="fused",
         metadata=_opt(
-            "what tc_piecewise pieces run for norms, rope and SiluAndMul: fused (replaylm's "
-            "Triton kernels kept whole: the eager model's numbers) or native (the torch code, "
-            "fused by the compiler itself)",
+            "What the tc_piecewise pieces run for norms, rope and SiLU-and-multiply. fused: "
+            "replaylm's Triton kernels, kept whole (the same numbers as eager). native: the "
+            "PyTorch code, fused by the compiler itself.",
             ("fused", "native"),
         ),
     )
     compile_cache_dir: str | None = field(
         default=None,
         metadata=_opt(
-            "directory where tc_piecewise keeps compiled pieces, so a later start reuses them "
-            "(default: Inductor's own cache directory)"
+            "Directory where the tc_piecewise mode keeps its compiled pieces, so that a later "
+            "start reuses them instead of compiling again. Default: torch.compile's own cache "
+            "directory."
         ),
     )
     log_level: str = field(
-        default="info", metadata=_opt("logging level", ("debug", "info", "warning", "error"))
+        default="info",
+        metadata=_opt(
+            "How much to log. debug adds the traceback of a start-up failure.",
+            ("debug", "info", "warning", "error"),
+        ),
     )
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())
+        return f"ServerArgs({fields})"
+
+    def redacted(self) -> dict[str, Any]:
+        """The fields as a dict, each secret that is set replaced by `<set>`: what may be shown."""
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("secret") and out[f.name] is not None:
+                out[f.name] = REDACTED
+        return out
 
     def validate(self) -> None:
         """Raise ValueError naming the offending flag."""
@@ -219,14 +360,12 @@ class ServerArgs:
             "context_length",
             "chunked_prefill_size",
             "max_prefill_tokens",
+            "max_running_requests",
+            "max_request_body_bytes",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.max_running_requests < 1:
-            raise ValueError(
-                f"--max-running-requests must be >= 1, got {self.max_running_requests}"
-            )
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -246,13 +385,28 @@ class ServerArgs:
                 "compiled pieces would run the compiler's matmuls and fusions)"
             )
 
+    def check_paths(self) -> None:
+        """FileNotFoundError naming the flag when the model or tokenizer path does not exist (a
+        check that needs no torch, so a typo is reported before anything heavy loads)."""
+        for flag, value in (
+            ("--model-path", self.model_path),
+            ("--tokenizer-path", self.tokenizer_path),
+        ):
+            if value is not None and not os.path.exists(resolve_model_path(value)):
+                raise FileNotFoundError(f"{flag} '{value}' does not exist")
+
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field."""
+    def add_cli_args(parser: argparse.ArgumentParser, server: bool = True) -> None:
+        """Add one flag per field; with `server=False`, none for the HTTP front end's fields."""
         for f in dataclasses.fields(ServerArgs):
+            if f.metadata.get("server_only") and not server:
+                continue
             flag = "--" + f.name.replace("_", "-")
             kind = type(f.default) if f.default is not None else _optional_type(f.type)
-            kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
+            help_text = f.metadata["help"]
+            if f.default is not None and kind is not bool and "default" not in help_text.lower():
+                help_text += " Default: %(default)s."
+            kwargs: dict[str, Any] = {"default": f.default, "help": help_text}
             if f.type.startswith("list[int]"):
                 kwargs.update(type=int, nargs="+")
             elif kind is bool:
@@ -265,7 +419,8 @@ class ServerArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        """The fields parsed by `add_cli_args`; those it left out keep their defaults."""
+        return cls(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)})
 
 
 def _optional_type(annotation: str) -> type:

@@ -6,7 +6,9 @@
 
 Every 4xx/5xx body is `{"error": {"message", "type", "param", "code"}}`: bad input 400 (`param`
 names the field), missing or wrong API key 401, unknown model 404 (`model_not_found`), unknown
-route 404, scheduler gone 503. Streams are server-sent events (`data: {...}`, then
+route 404, body over --max-request-body-bytes 413 (before the body is read), scheduler gone 503.
+Tokenization and chat-template rendering run in a worker thread, so the event loop (and /health)
+stays responsive whatever a request carries. Streams are server-sent events (`data: {...}`, then
 `data: [DONE]`); a client that goes away mid-stream aborts its request, which frees its KV.
 With `--api-key`, every route except /health and /metrics needs `Authorization: Bearer <key>`.
 """
@@ -27,7 +29,10 @@ from typing import Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from replaylm.entrypoints.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -105,6 +110,44 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ServiceUnavailableError, unavailable)
     app.add_exception_handler(Exception, internal)
+
+
+class _BodySizeLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 at once, from its
+    Content-Length before anything is read, or (a chunked body) as soon as the bytes received pass
+    the limit, so no handler buffers, parses or tokenizes more than `limit` bytes."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _error(self) -> APIError:
+        return APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.limit} bytes "
+            "(--max-request-body-bytes)",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            err = self._error()
+            await error_response(err.status, str(err), code=err.code)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise self._error()  # answered by the APIError handler, inside the app
+            return message
+
+        await self.app(scope, counted, send)
 
 
 # ---- request parsing ------------------------------------------------------------------------
@@ -322,7 +365,9 @@ class _Serving:
         body = await _parse(request, CompletionRequest)
         self._check_model(body.model)
         with _prompt_param("prompt"):
-            ids = body.prompt if isinstance(body.prompt, list) else self.tm.encode(body.prompt)
+            ids = body.prompt
+            if not isinstance(ids, list):
+                ids = await run_in_threadpool(self.tm.encode, body.prompt)
         params = body.sampling_params(body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
         req = GenerateRequest(ids, params, top_logprobs=body.logprobs)
         stream = await self._start(request, req, "prompt")
@@ -377,7 +422,8 @@ class _Serving:
         body = await _parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         with _prompt_param("messages"):
-            ids = self.tm.encode_chat([m.template_dict() for m in body.messages])
+            messages = [m.template_dict() for m in body.messages]
+            ids = await run_in_threadpool(self.tm.encode_chat, messages)
         max_tokens = body.requested_max_tokens or max(1, self.tm.context_len - len(ids))
         top_k = (body.top_logprobs or 0) if body.logprobs else None
         req = GenerateRequest(ids, body.sampling_params(max_tokens), top_logprobs=top_k)
@@ -451,7 +497,9 @@ class _Serving:
             raise APIError(400, "send exactly one of `text` and `input_ids`", "text")
         prompt_param = "text" if body.text is not None else "input_ids"
         with _prompt_param(prompt_param):
-            ids = body.input_ids if body.input_ids is not None else self.tm.encode(body.text)
+            ids = body.input_ids
+            if ids is None:
+                ids = await run_in_threadpool(self.tm.encode, body.text)
         try:
             params = SamplingParams.from_dict(body.sampling_params)
         except (ValueError, TypeError) as err:
@@ -510,10 +558,12 @@ class _Serving:
 
 def create_app(tokenizer_manager: Any) -> FastAPI:
     """The app serving `tokenizer_manager` (a replaylm TokenizerManager, or any object with its
-    interface: served_model_name, context_len, tokenizer, server_args.api_key, metrics, healthy,
-    encode, encode_chat, generate, health_generate, server_info)."""
+    interface: served_model_name, context_len, tokenizer, server_args (api_key,
+    max_request_body_bytes), metrics, healthy, encode, encode_chat, generate, health_generate,
+    server_info). `encode` and `encode_chat` run in worker threads."""
     app = FastAPI(title="replaylm", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
+    app.add_middleware(_BodySizeLimit, limit=tokenizer_manager.server_args.max_request_body_bytes)
     serving = _Serving(tokenizer_manager)
     auth = [Depends(_require_api_key(tokenizer_manager.server_args.api_key))]
     app.add_api_route("/health", serving.health, methods=["GET"])

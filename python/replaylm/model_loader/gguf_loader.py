@@ -123,6 +123,11 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     return (_hf_tensor(tensor, path, rope_heads) for tensor in reader.tensors)
 
 
+def count_gguf_tensors(path: str) -> int:
+    """Number of tensors in the file (read from its already parsed header)."""
+    return len(_open_reader(path).tensors)
+
+
 def load_gguf_tokenizer(path: str) -> Any:
     """The HF tokenizer transformers builds from the GGUF's vocabulary and chat template."""
     from transformers import AutoTokenizer

@@ -16,7 +16,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from replaylm.model_loader.dummy_weights import fill_dummy_weights
-from replaylm.model_loader.gguf_loader import iter_gguf_weights, read_gguf_config
+from replaylm.model_loader.gguf_loader import (
+    count_gguf_tensors,
+    iter_gguf_weights,
+    read_gguf_config,
+)
 from replaylm.model_loader.model_config import ModelConfig, is_hf_folder
 from replaylm.model_loader.safetensors_loader import (
     count_safetensors_tensors,
@@ -39,7 +43,9 @@ def load_model_config(model_path: str) -> ModelConfig:
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"model path '{model_path}' does not exist")
     if is_gguf_file(model_path):
+        logger.info("reading the GGUF metadata of %s (its vocabulary included)", model_path)
         return ModelConfig.from_dict(read_gguf_config(model_path))
+    logger.info("reading the model config of %s", model_path)
     if is_hf_folder(model_path):
         return ModelConfig.from_json_file(os.path.join(model_path, "config.json"))
     if os.path.isfile(model_path) and model_path.endswith(".json"):
@@ -71,12 +77,21 @@ def load_model(
     (a resolved model path, see `resolve_model_path`)."""
     fmt = resolve_load_format(path, load_format)
     model_cls = get_model_class(config.architecture)
+    logger.info(
+        "building %s (%d layers) on %s in %s",
+        config.architecture,
+        config.num_hidden_layers,
+        device,
+        dtype,
+    )
     with torch.device(device), default_dtype(dtype):
         model = model_cls(config)
     if fmt == "dummy":
+        logger.info("filling random weights (seed %d)", seed)
         fill_dummy_weights(model, seed)
     else:
         weights, count = _checkpoint_tensors(path, fmt)
+        logger.info("loading %d %s tensors from %s", count, fmt, path)
         model.load_weights(tqdm(weights, total=count, desc="Loading weights", unit="tensor"))
     model.eval()
     logger.info(
@@ -92,13 +107,12 @@ def load_model(
     return model
 
 
-def _checkpoint_tensors(
-    path: str, fmt: str
-) -> tuple[Iterator[tuple[str, torch.Tensor]], int | None]:
+def _checkpoint_tensors(path: str, fmt: str) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """The checkpoint's (name, tensor) pairs and how many there are (for the progress bar)."""
     if fmt == "gguf":
         if not is_gguf_file(path):
             raise ValueError(f"--load-format gguf needs a .gguf file, got '{path}'")
-        return iter_gguf_weights(path), None
+        return iter_gguf_weights(path), count_gguf_tensors(path)
     if os.path.isfile(path):
         raise ValueError(f"--load-format safetensors needs an HF folder, got the file '{path}'")
     files = safetensors_files(path)

@@ -2,8 +2,9 @@
 
 It talks to the tokenizer manager over one duplex `multiprocessing` pipe. The manager sends
 `TokenizerInfo` first (its tokenizer loads while the model does); the process sends
-`SchedulerReady` (or `SchedulerFailed`) once, then one `BatchTokenOut` per step that produced
-tokens or aborts. It exits on `ShutdownReq` or when the parent end of the pipe closes.
+`SchedulerReady` (or `SchedulerFailed`, whose error is one line for the user when the model fails
+to load) once, then one `BatchTokenOut` per step that produced tokens or aborts. It exits on
+`ShutdownReq` or when the parent end of the pipe closes.
 
 This module is imported by the HTTP process (to start the child), so it imports nothing heavy at
 the top: torch and the model code load in the child only, while the parent goes on with its own
@@ -13,6 +14,7 @@ start-up (resolving the config, loading the tokenizer).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import signal
@@ -41,6 +43,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+# errors whose messages are written for users (bad paths, checkpoints, flags, out of memory)
+_USER_ERRORS = (ValueError, OSError, RuntimeError)
+
+
+class SchedulerStartError(RuntimeError):
+    """The scheduler process could not load the model; the message is one line for the user."""
 
 
 @dataclass
@@ -52,12 +60,13 @@ class SchedulerProcess:
 
     @classmethod
     def start(cls, args: ServerArgs) -> SchedulerProcess:
-        """Spawn the child; it starts loading the model at once (send it TokenizerInfo next)."""
+        """Spawn the child; it starts loading the model at once (send it TokenizerInfo next).
+        The child gets no secrets: it has no use for them."""
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=run_scheduler_process,
-            args=(args, child_conn),
+            args=(dataclasses.replace(args, api_key=None), child_conn),
             daemon=True,
             name="replaylm-scheduler",
         )
@@ -89,6 +98,7 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s",
     )
+    logger.info("scheduler process started: importing torch and the model code")
     try:
         scheduler = _build_scheduler(args, conn)
         if scheduler is None:
@@ -104,8 +114,9 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
         )
     except (EOFError, BrokenPipeError):
         return  # the parent gave up before the model was ready
-    except Exception:
-        conn.send(SchedulerFailed(traceback.format_exc()))
+    except Exception as err:
+        logger.debug("loading the model failed", exc_info=True)
+        conn.send(SchedulerFailed(one_line_error(err)))
         return
     try:
         _loop(scheduler, conn)
@@ -114,6 +125,15 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
     except Exception:
         logger.exception("scheduler crashed")
         conn.send(SchedulerFailed(traceback.format_exc()))
+
+
+def one_line_error(err: BaseException) -> str:
+    """`err` as one line for the user: its message, after its type's name unless it is one of
+    the errors whose messages are written for users."""
+    message = " ".join(str(err).split())
+    if isinstance(err, _USER_ERRORS) and message:
+        return message
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
 def _build_scheduler(args: ServerArgs, conn: Connection) -> Scheduler | None:

@@ -5,14 +5,14 @@ the child loads the model, and waits for the model; then it tokenizes and valida
 sends them to the scheduler, and turns the scheduler's per-step token outputs into text deltas
 for the HTTP layer. A reader thread receives from the child; it hands each message to the event
 loop, so all request state is touched on the loop's thread only. If the child dies, every pending
-request fails with ServiceUnavailableError and `healthy()` turns False.
+request fails with ServiceUnavailableError and `healthy()` turns False (the server then exits, see
+launch_server). A child that fails to load the model raises SchedulerStartError (one line).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import threading
@@ -37,7 +37,7 @@ from replaylm.runtime.io_struct import (
 )
 from replaylm.runtime.metrics import ServerMetrics
 from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
-from replaylm.runtime.scheduler_process import SchedulerProcess
+from replaylm.runtime.scheduler_process import SchedulerProcess, SchedulerStartError
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
@@ -71,7 +71,7 @@ class TokenizerManager:
     ) -> None:
         """`cuda_graphs`: the resolved CUDA-graph config, reported by `server_info`;
         `scheduler`: a child already started for `server_args` (default: start one now). It is
-        stopped if the tokenizer fails to load."""
+        stopped if the tokenizer or the model fails to load."""
         self.server_args = server_args
         self.cuda_graphs = cuda_graphs
         self.served_model_name = server_args.served_model_name or server_args.model_path
@@ -102,16 +102,21 @@ class TokenizerManager:
         try:
             msg = self._scheduler.conn.recv()
         except EOFError:
-            msg = SchedulerFailed(self._scheduler.exit_reason())
+            self._scheduler.proc.join(5)  # for its exit code
+            msg = SchedulerFailed(f"{self._scheduler.exit_reason()} while loading the model")
         if isinstance(msg, SchedulerFailed):
             self._scheduler.stop(timeout_s=5)
-            raise RuntimeError(f"the scheduler process failed to start:\n{msg.error}")
+            raise SchedulerStartError(msg.error)
         return msg
 
     # ---- public API -----------------------------------------------------------------------
 
     def healthy(self) -> bool:
         return self._dead_reason is None and self._scheduler.proc.is_alive()
+
+    def scheduler_exit_reason(self) -> str:
+        """Why the scheduler process is gone (once `healthy()` is False)."""
+        return self._dead_reason or self._scheduler.exit_reason()
 
     def encode(self, text: str) -> list[int]:
         self._require_tokenizer()
@@ -187,11 +192,8 @@ class TokenizerManager:
 
     def server_info(self) -> dict[str, Any]:
         """Resolved ServerArgs (API key redacted) and the sizes the server runs with."""
-        args = dataclasses.asdict(self.server_args)
-        if args.get("api_key"):
-            args["api_key"] = "<set>"
         return {
-            **args,
+            **self.server_args.redacted(),
             "served_model_name": self.served_model_name,
             "context_len": self.context_len,
             "max_total_tokens": self.max_total_tokens,
@@ -236,16 +238,18 @@ class TokenizerManager:
             try:
                 msg = self._scheduler.conn.recv()
             except (EOFError, OSError):
-                reason = self._scheduler.exit_reason()
+                self._scheduler.proc.join(1)  # for its exit code
+                reason = detail = self._scheduler.exit_reason()
                 break
-            if isinstance(msg, SchedulerFailed):
-                reason = f"the scheduler process crashed:\n{msg.error}"
+            if isinstance(msg, SchedulerFailed):  # its error is a traceback
+                reason = f"the scheduler process crashed: {msg.error.strip().splitlines()[-1]}"
+                detail = f"the scheduler process crashed:\n{msg.error}"
                 break
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._on_batch, msg)
         if not self._closing:
-            logger.error("%s", reason)
-        self._dead_reason = reason.splitlines()[0]
+            logger.error("%s", detail)
+        self._dead_reason = reason
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._fail_all)
 
