@@ -23,6 +23,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need CUDA: skip them, visibly, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def http_server() -> Iterator[ServerProcess]:
     # a context below the KV size, so that too-long prompts are measured against the context

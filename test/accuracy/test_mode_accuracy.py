@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from replaylm.model_executor.cuda_graph.config import (
     MODES,
@@ -45,7 +44,7 @@ from eval_runs import EvalSpec, ask
 from mode_compare import Comparison, EvalRun, compare, write_summary
 from server_process import start_server
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 SPECS = (EvalSpec("gsm8k", 200, 5, 512), EvalSpec("mgsm_en", 250, None, 512))
 PARALLEL = 128  # requests in flight, and the server's --max-running-requests

@@ -8,6 +8,8 @@ import torch
 from replaylm.layers.graph_break import break_point
 from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGraph
 
+pytestmark = pytest.mark.gpu
+
 STREAM = torch.cuda.Stream() if torch.cuda.is_available() else None
 
 

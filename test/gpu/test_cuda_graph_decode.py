@@ -22,6 +22,8 @@ from replaylm.server_args import ServerArgs
 
 from model_parity import divergence_gaps, rel_error
 
+pytestmark = pytest.mark.gpu
+
 LIVE_BATCH_SIZES = [1, 3, 7, 8, 13, 64, 100]
 NEAR_TIE = 0.5  # logits: top-2 gap under which bf16 noise may flip greedy
 TOPICS = [

@@ -15,6 +15,8 @@ import pytest
 
 from replaylm.entrypoints.engine import Engine
 
+pytestmark = pytest.mark.gpu
+
 PARAMS = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
 TOPICS = ["cats", "Rome", "the ocean", "stars", "bread", "rivers", "music", "glass"]
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from model_parity import dummy_runner, rel_error, scripted_logits
+
+pytestmark = pytest.mark.gpu
 
 CONFIG = Path(__file__).resolve().parents[2] / "benchmark" / "configs" / "qwen3-0.6b.json"
 

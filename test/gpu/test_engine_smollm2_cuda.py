@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM
 from replaylm.entrypoints.engine import Engine
 from replaylm.model_loader.builtin_models import resolve_model_path
 
+pytestmark = pytest.mark.gpu
+
 GREEDY = {"temperature": 0.0}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 NEAR_TIE = 0.25  # logits; bf16 noise on SmolLM2's logits is ~0.05-0.1

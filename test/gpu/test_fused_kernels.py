@@ -31,6 +31,8 @@ from replaylm.layers.rotary_embedding import RotaryEmbedding
 
 from model_parity import dummy_runner, native_norm_rope, rel_error, scripted_logits
 
+pytestmark = pytest.mark.gpu
+
 QWEN3 = Path(__file__).resolve().parents[2] / "benchmark" / "configs" / "qwen3-0.6b.json"
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 DTYPES = [torch.bfloat16, torch.float32]

@@ -15,12 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3 = ROOT / "benchmark" / "configs" / "qwen3-0.6b.json"
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 # kernel -> variants: the skinny matmul one per projection (qkv, o, gate-up with SiluAndMul, down,
 # the LM head's float32 logits), RMSNorm with and without the residual add, one of each other

@@ -17,6 +17,8 @@ import pytest
 
 from server_process import start_server
 
+pytestmark = pytest.mark.gpu
+
 DECODE = ("full", "breakable", "tc_piecewise", "disabled")
 PREFILL = ("breakable", "tc_piecewise", "disabled")
 QUESTIONS = [

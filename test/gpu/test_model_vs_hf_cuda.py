@@ -15,6 +15,8 @@ import torch
 from model_parity import chunked_prefill_over_prefix, make_runner, prefill_then_decode, rel_error
 from tiny_checkpoints import TINY_CONFIGS, write_tiny_checkpoint
 
+pytestmark = pytest.mark.gpu
+
 BF16_REL_TOL = 0.05
 
 

@@ -27,10 +27,13 @@ MODES = [
     ("tc_piecewise", "tc_piecewise"),
 ]
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-    reason="needs a GPU of compute capability 9.0+",
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+        reason="needs a GPU of compute capability 9.0+",
+    ),
+]
 
 
 def _logits(

@@ -24,6 +24,8 @@ from replaylm.server_args import ServerArgs
 
 from model_parity import divergence_gaps, rel_error
 
+pytestmark = pytest.mark.gpu
+
 REL_TOL = 2e-2
 NEAR_TIE = 0.5
 

@@ -26,6 +26,8 @@ from replaylm.model_executor.forward_batch import ForwardMode
 
 from attention_cases import make_case, reference, rel_error, store_and_attend
 
+pytestmark = pytest.mark.gpu
+
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -24,6 +24,8 @@ from replaylm.server_args import ServerArgs
 
 from model_parity import rel_error, top2_gap
 
+pytestmark = pytest.mark.gpu
+
 QWEN3 = Path(__file__).resolve().parents[2] / "benchmark" / "configs" / "qwen3-0.6b.json"
 NEAR_TIE = 0.25  # logits; bf16 noise on SmolLM2's logits is ~0.05-0.1
 TOPICS = ["the sea", "a robot", "Paris", "mathematics", "a cat", "winter", "music", "chess"]
