@@ -402,12 +402,14 @@ class ServerArgs:
             if f.metadata.get("server_only") and not server:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            kind = type(f.default) if f.default is not None else _optional_type(f.type)
+            annotation = f.type
+            assert isinstance(annotation, str)  # postponed evaluation: annotations are strings
+            kind = type(f.default) if f.default is not None else _optional_type(annotation)
             help_text = f.metadata["help"]
             if f.default is not None and kind is not bool and "default" not in help_text.lower():
                 help_text += " Default: %(default)s."
             kwargs: dict[str, Any] = {"default": f.default, "help": help_text}
-            if f.type.startswith("list[int]"):
+            if annotation.startswith("list[int]"):
                 kwargs.update(type=int, nargs="+")
             elif kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
@@ -420,7 +422,10 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         """The fields parsed by `add_cli_args`; those it left out keep their defaults."""
-        return cls(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)})
+        values: dict[str, Any] = {
+            f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)
+        }
+        return cls(**values)
 
 
 def _optional_type(annotation: str) -> type:

@@ -17,6 +17,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from replaylm.compilation.piecewise_backend import PiecewiseBackend
 from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.ops import start_forward
 from replaylm.layers.kernels import kernels_in_compiled_code
+
+if TYPE_CHECKING:
+    from replaylm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ class CompiledForward:
     """`model.forward_hidden` compiled with the piecewise backend; compiles on the first call
     (`compile_seconds` is the whole first call: tracing and compiling)."""
 
-    def __init__(self, model: nn.Module, options: TcPiecewiseOptions) -> None:
+    def __init__(self, model: LlamaForCausalLM, options: TcPiecewiseOptions) -> None:
         self.model = model
         self.options = options
         self.backend = PiecewiseBackend(options.compiler, split_ops())
@@ -118,6 +122,7 @@ class CompiledForward:
             raise TcPiecewiseCompileError(_explain(e)) from e
         self.compile_seconds = time.perf_counter() - start
         split = self.backend.split
+        assert split is not None  # the backend has split the graph it compiled
         logger.info(
             "tc_piecewise: compiled the forward in %.1f s (%s, %s kernels): %d attention calls, "
             "%d compute pieces%s",
@@ -149,7 +154,7 @@ def set_compile_cache_dir(path: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(path)
 
 
-def compiled_forward(model: nn.Module, options: TcPiecewiseOptions) -> CompiledForward:
+def compiled_forward(model: LlamaForCausalLM, options: TcPiecewiseOptions) -> CompiledForward:
     """The model's one CompiledForward for `options` (both phases share it)."""
     per_model = _compiled.setdefault(model, {})
     if options not in per_model:

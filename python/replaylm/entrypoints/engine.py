@@ -8,7 +8,7 @@ out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.model_loader.tokenizer import text_decoder
@@ -19,9 +19,17 @@ from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 Prompt = str | list[str] | None
 TokenIds = list[int] | list[list[int]] | None
 ParamsArg = dict[str, Any] | list[dict[str, Any]] | None
+
+
+def _one_prompt(input_ids: list[int] | list[list[int]]) -> TypeIs[list[int]]:
+    """Whether `input_ids` holds one prompt's ids (not one list of ids per prompt)."""
+    return bool(input_ids) and isinstance(input_ids[0], int)
 
 
 class Engine:
@@ -52,6 +60,35 @@ class Engine:
             messages, add_generation_prompt=True, tokenize=True
         )
         return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    @overload
+    def generate(
+        self, prompt: str, sampling_params: ParamsArg = None, input_ids: None = None
+    ) -> dict[str, Any]: ...
+
+    @overload
+    def generate(
+        self, prompt: list[str], sampling_params: ParamsArg = None, input_ids: None = None
+    ) -> list[dict[str, Any]]: ...
+
+    @overload
+    def generate(
+        self, prompt: None = None, sampling_params: ParamsArg = None, *, input_ids: list[int]
+    ) -> dict[str, Any]: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: None = None,
+        sampling_params: ParamsArg = None,
+        *,
+        input_ids: list[list[int]],
+    ) -> list[dict[str, Any]]: ...
+
+    @overload
+    def generate(
+        self, prompt: Prompt = None, sampling_params: ParamsArg = None, input_ids: TokenIds = None
+    ) -> dict[str, Any] | list[dict[str, Any]]: ...
 
     def generate(
         self, prompt: Prompt = None, sampling_params: ParamsArg = None, input_ids: TokenIds = None
@@ -86,8 +123,10 @@ class Engine:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             ids = [self.tokenizer(p)["input_ids"] for p in prompts]
             return isinstance(prompt, str), ids
-        single = bool(input_ids) and isinstance(input_ids[0], int)
-        return single, [list(input_ids)] if single else [list(x) for x in input_ids]
+        assert input_ids is not None  # exactly one of the two is given (checked above)
+        if _one_prompt(input_ids):
+            return True, [list(input_ids)]
+        return False, [list(x) for x in input_ids]
 
     @staticmethod
     def _params(sampling_params: ParamsArg, n: int) -> list[SamplingParams]:
@@ -104,7 +143,7 @@ class Engine:
             len(ids), params.max_new_tokens, runner.context_len, runner.max_total_tokens
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        rid, self._next_rid = str(self._next_rid), self._next_rid + 1
         return Req(rid, list(ids), params, seed, max_new)
 
     def _result(self, req: Req) -> dict[str, Any]:

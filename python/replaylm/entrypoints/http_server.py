@@ -23,7 +23,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -90,26 +90,25 @@ def error_response(
 def _install_error_handlers(app: FastAPI) -> None:
     """Every error, FastAPI's own (unknown route, wrong method) included, gets the body."""
 
+    @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
         return error_response(err.status, str(err), err.param, err.code)
 
+    @app.exception_handler(RequestError)
     async def bad_request(_: Request, err: RequestError) -> JSONResponse:
         return error_response(400, str(err), err.param)
 
+    @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         return error_response(err.status_code, str(err.detail))
 
+    @app.exception_handler(ServiceUnavailableError)
     async def unavailable(_: Request, err: ServiceUnavailableError) -> JSONResponse:
         return error_response(503, str(err))
 
+    @app.exception_handler(Exception)
     async def internal(_: Request, err: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(err).__name__}: {err}")
-
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestError, bad_request)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(ServiceUnavailableError, unavailable)
-    app.add_exception_handler(Exception, internal)
 
 
 class _BodySizeLimit:
@@ -228,14 +227,20 @@ class _EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, body: AsyncGenerator[str, None]) -> None:
+        super().__init__(body)
+        self._body = body  # `body_iterator` is the same object, typed only as an iterable
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            await self._body.aclose()
 
 
-async def _sse(payloads: AsyncGenerator[BaseModel | dict[str, Any], None]) -> AsyncIterator[str]:
+async def _sse(
+    payloads: AsyncGenerator[BaseModel | dict[str, Any], None],
+) -> AsyncGenerator[str, None]:
     """`data: <json>` events, then `data: [DONE]`; a scheduler failure mid-stream is sent as an
     error event (the status line is already out)."""
     try:
@@ -273,22 +278,24 @@ def _usage(out: GenerateOutput) -> UsageInfo:
 
 @dataclass
 class _Result:
-    """A whole (non-streamed) generation."""
+    """A whole (non-streamed) generation; `last` is its final output (finish reason, usage)."""
 
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    last: GenerateOutput | None = None
+    last: GenerateOutput
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
 
     @classmethod
     async def collect(cls, stream: AsyncIterator[GenerateOutput]) -> _Result:
-        res = cls()
+        text, token_ids, logprobs, last = "", [], [], None
         async for out in stream:
-            res.text += out.text
-            res.token_ids += out.token_ids
-            res.logprobs += out.logprobs or []
-            res.last = out
-        return res
+            text += out.text
+            token_ids += out.token_ids
+            logprobs += out.logprobs or []
+            last = out
+        # `_start` awaited the stream's first output before handing it over: never empty
+        assert last is not None
+        return cls(last, text, token_ids, logprobs)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -387,7 +394,7 @@ class _Serving:
 
     async def _completion_chunks(
         self, stream: AsyncIterator[GenerateOutput], body: CompletionRequest, rid: str
-    ) -> AsyncIterator[CompletionResponse]:
+    ) -> AsyncGenerator[CompletionResponse, None]:
         model, offset, last = self.tm.served_model_name, 0, None
         async for out in stream:
             last, logprobs = out, None
@@ -447,7 +454,7 @@ class _Serving:
         body: ChatCompletionRequest,
         rid: str,
         top_k: int | None,
-    ) -> AsyncIterator[ChatCompletionChunk]:
+    ) -> AsyncGenerator[ChatCompletionChunk, None]:
         model, last = self.tm.served_model_name, None
         opening = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
         yield ChatCompletionChunk(id=rid, model=model, choices=[opening])
@@ -497,8 +504,9 @@ class _Serving:
             raise APIError(400, "send exactly one of `text` and `input_ids`", "text")
         prompt_param = "text" if body.text is not None else "input_ids"
         with _prompt_param(prompt_param):
-            ids = body.input_ids
-            if ids is None:
+            if body.input_ids is not None:
+                ids = body.input_ids
+            else:
                 ids = await run_in_threadpool(self.tm.encode, body.text)
         try:
             params = SamplingParams.from_dict(body.sampling_params)
@@ -517,7 +525,7 @@ class _Serving:
 
     async def _native_chunks(
         self, stream: AsyncIterator[GenerateOutput], rid: str
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         async for out in stream:
             meta = self._native_meta(rid, out, out.logprobs)
             yield {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
@@ -568,13 +576,14 @@ def create_app(tokenizer_manager: Any) -> FastAPI:
     auth = [Depends(_require_api_key(tokenizer_manager.server_args.api_key))]
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
-    for path, handler, method in [
+    routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
         ("/v1/completions", serving.completions, "POST"),
         ("/v1/chat/completions", serving.chat_completions, "POST"),
         ("/v1/models", serving.models, "GET"),
         ("/generate", serving.generate, "POST"),
         ("/health_generate", serving.health_generate, "GET"),
         ("/get_server_info", serving.server_info, "GET"),
-    ]:
+    ]
+    for path, handler, method in routes:
         app.add_api_route(path, handler, methods=[method], dependencies=auth)
     return app

@@ -76,8 +76,8 @@ class _SamplingRequest(_Request):
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
         )
 

@@ -116,7 +116,10 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """
     reader = _open_reader(path)
     arch = _architecture(reader, path)
-    heads = int(reader.get_field(Keys.Attention.HEAD_COUNT.format(arch=arch)).contents())
+    head_field = reader.get_field(Keys.Attention.HEAD_COUNT.format(arch=arch))
+    # a required key: `read_gguf_config`, which reads the model's config first, needs it too
+    assert head_field is not None
+    heads = int(head_field.contents())
     kv_field = reader.get_field(Keys.Attention.HEAD_COUNT_KV.format(arch=arch))
     kv_heads = heads if kv_field is None else int(kv_field.contents())
     rope_heads = {".attn_q.": heads, ".attn_k.": kv_heads} if arch in _ROPE_PERMUTED else {}

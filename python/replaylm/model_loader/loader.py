@@ -12,7 +12,6 @@ import os
 from collections.abc import Iterator
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
 from replaylm.model_loader.dummy_weights import fill_dummy_weights
@@ -27,6 +26,7 @@ from replaylm.model_loader.safetensors_loader import (
     iter_safetensors_weights,
     safetensors_files,
 )
+from replaylm.models.llama import LlamaForCausalLM
 from replaylm.models.registry import get_model_class
 from replaylm.server_args import LOAD_FORMATS
 from replaylm.utils import default_dtype
@@ -72,7 +72,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """Build the model of `config` on `device` in `dtype` and fill its weights from `path`
     (a resolved model path, see `resolve_model_path`)."""
     fmt = resolve_load_format(path, load_format)

@@ -51,7 +51,7 @@ class ModelConfig:
             if key not in cfg:
                 raise ValueError(f"config is missing required key '{key}'")
         heads = int(cfg["num_attention_heads"])
-        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_params: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
         rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling") or rope_params or None
         if scaling is not None:

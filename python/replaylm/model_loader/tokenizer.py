@@ -72,14 +72,13 @@ def tokenizer_info(tokenizer: PreTrainedTokenizerBase | None) -> TokenizerInfo:
     if tokenizer is None:
         return TokenizerInfo(has_tokenizer=False, eos_token_id=None)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    shareable = False
+    fast_json = None
     if backend is not None:
         ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
-        shareable = backend.decode(ids, skip_special_tokens=True) == text_decoder(tokenizer)(ids)
+        if backend.decode(ids, skip_special_tokens=True) == text_decoder(tokenizer)(ids):
+            fast_json = backend.to_str()
     return TokenizerInfo(
-        has_tokenizer=True,
-        eos_token_id=tokenizer.eos_token_id,
-        fast_json=backend.to_str() if shareable else None,
+        has_tokenizer=True, eos_token_id=tokenizer.eos_token_id, fast_json=fast_json
     )
 
 

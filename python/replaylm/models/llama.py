@@ -196,10 +196,11 @@ class LlamaForCausalLM(nn.Module):
         return self.compute_logits(self.forward_hidden(input_ids, positions, batch), batch)
 
     def forward_hidden(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None
     ) -> torch.Tensor:
         """Final-norm hidden states `[T, H]` of every token (token-indexed only: no per-request
-        shapes, so a prefill graph can capture it for a token bucket)."""
+        shapes, so a prefill graph can capture it for a token bucket). `batch` is None under
+        tc_piecewise's torch.compile, where attention reads it from `attention_context`."""
         return self.model(input_ids, positions, batch)
 
     def compute_logits(

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from replaylm.models.llama import LlamaForCausalLM
 from replaylm.models.qwen2 import Qwen2ForCausalLM
 from replaylm.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+# every architecture is a LlamaForCausalLM variant, so the engine types its model as one
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     """The class for an architecture; ValueError names it and lists the supported ones."""
     try:
         return MODEL_REGISTRY[architecture]

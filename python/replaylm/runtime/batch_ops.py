@@ -89,11 +89,13 @@ def _create(
 ) -> ForwardBatch:
     """The batch; ForwardBatch.create also records each new token's slot in the request table
     (at its request's row and its position), from the batch's one host-to-device copy."""
+    rows = [r.req_pool_idx for r in reqs if r.req_pool_idx is not None]
+    assert len(rows) == len(reqs)  # prepare_extend gave each a row; decoding ones keep theirs
     return ForwardBatch.create(
         mode,
         new_ids,
         prefix_lens,
-        [r.req_pool_idx for r in reqs],
+        rows,
         slots,
         runner.req_to_token_pool,
         runner.kv_pool,

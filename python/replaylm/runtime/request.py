@@ -26,7 +26,7 @@ class Req:
     are cached (or being written by a step in flight), in order: the host's copy of the request's
     row of the request table, so freeing them reads nothing back from the device."""
 
-    rid: int
+    rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
     seed: int

@@ -250,7 +250,8 @@ class Scheduler:
         free_kv = self.runner.token_allocator.available_size() - len(self.running) - reserved
         free_rows = self.runner.req_to_token_pool.available_size()
         budget = self.max_prefill_tokens
-        reqs, chunks = [], []
+        reqs: list[Req] = []
+        chunks: list[int] = []
         while self.waiting:
             req = self.waiting[0]
             todo = req.num_ids - req.kv_len
@@ -345,13 +346,14 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 def _logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: torch.Tensor) -> _Logprobs | None:
     """Log-probabilities (of the model's distribution) for the requests that asked for them,
     on the device."""
-    wanted = [i for i, r in enumerate(reqs) if r.top_logprobs is not None]
-    if not wanted:
+    top_k = {i: r.top_logprobs for i, r in enumerate(reqs) if r.top_logprobs is not None}
+    if not top_k:
         return None
+    wanted = list(top_k)
     index = torch.tensor(wanted).to(logits.device, non_blocking=True)  # no wait for the stream
     rows = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
     chosen = rows.gather(-1, next_ids.index_select(0, index)[:, None].long())[:, 0]
-    k = max(reqs[i].top_logprobs for i in wanted)
+    k = max(top_k.values())
     top_vals, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
     return _Logprobs(wanted, chosen, top_vals, top_ids)
 

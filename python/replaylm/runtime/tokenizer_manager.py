@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replaylm.model_executor.cuda_graph.config import CudaGraphConfig
 from replaylm.model_loader.tokenizer import load_tokenizer, tokenizer_info
@@ -40,6 +40,9 @@ from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_token
 from replaylm.runtime.scheduler_process import SchedulerProcess, SchedulerStartError
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +122,15 @@ class TokenizerManager:
         return self._dead_reason or self._scheduler.exit_reason()
 
     def encode(self, text: str) -> list[int]:
-        self._require_tokenizer()
-        return list(self.tokenizer(text)["input_ids"])
+        return list(self._require_tokenizer()(text)["input_ids"])
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
-        self._require_tokenizer()
+        tokenizer = self._require_tokenizer()
         try:
-            out = self.tokenizer.apply_chat_template(
+            # tokenized, one conversation: a list of ids or (return_dict) a BatchEncoding of them;
+            # transformers' annotation is the union over every combination of arguments
+            out: Any = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True
             )
         except Exception as err:  # template errors (bad roles, missing content) are input errors
@@ -211,11 +215,13 @@ class TokenizerManager:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _require_tokenizer(self) -> None:
+    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer; RequestError when the model has none."""
         if self.tokenizer is None:
             raise RequestError(
                 "this model has no tokenizer: send input_ids (POST /generate)", "prompt"
             )
+        return self.tokenizer
 
     def _check_alive(self) -> None:
         if self._closing:

@@ -165,7 +165,10 @@ def rope_store_kv(
     """`norm_rope_store` for the next layer of the pass, like `store_kv` (the norm when
     `q_weight` is given). Returns (q, k, `store_kv`'s dummy for `attention`)."""
     ctx = _current()
-    norm = None if q_weight is None else (q_weight, k_weight, eps)
+    norm = None
+    if q_weight is not None:
+        assert k_weight is not None  # the caller unpacks one (q, k, eps) norm: both or neither
+        norm = (q_weight, k_weight, eps)
     q, k = norm_rope_store(
         q, k, v, positions, cos_cache, sin_cache, head_dim, norm, _next_store(ctx), ctx.batch
     )

@@ -8,6 +8,7 @@ machines without triton (CPU) still work.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,7 +69,8 @@ def create_attention_backend(name: str, deterministic: bool = False) -> Attentio
     if deterministic:
         check_deterministic(name)
     try:
-        cls = spec.load()
+        # constructors differ: a backend with batch-invariant kernels takes `deterministic`
+        cls: Callable[..., AttentionBackend] = spec.load()
     except ImportError as e:
         raise ValueError(
             f"attention backend '{name}' cannot be imported ({e}); install what it needs or use "

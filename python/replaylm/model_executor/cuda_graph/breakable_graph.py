@@ -92,6 +92,7 @@ class BreakableCUDAGraph:
 
     def replay(self) -> Any:
         if self.eager:
+            assert self._call is not None, "capture() first"
             fn, args, kwargs = self._call
             _copy_into(self.output, fn(*args, **kwargs))
             return self.output
@@ -116,6 +117,7 @@ class BreakableCUDAGraph:
         self._open.capture_begin(pool=self.pool)
 
     def _end(self) -> None:
+        assert self._open is not None  # every _end follows a _begin
         self._open.capture_end()
         self.segments.append(self._open)
         self._open = None

@@ -353,7 +353,7 @@ def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> 
         given = _check_shapes(args.decode_cuda_graph_bs, list_flag)
         max_given = _check_max(args.decode_cuda_graph_max_bs, max_flag)
         limit, limit_flag = args.max_running_requests, "--max-running-requests"
-        make_default = default_decode_batch_sizes
+        make_default: Callable[[int], tuple[int, ...]] = default_decode_batch_sizes
     else:
         list_flag, max_flag = "--prefill-cuda-graph-tokens", "--prefill-cuda-graph-max-tokens"
         given = _check_shapes(args.prefill_cuda_graph_tokens, list_flag)

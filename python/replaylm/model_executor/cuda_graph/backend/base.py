@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from replaylm.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
+    from replaylm.models.llama import LlamaForCausalLM
     from replaylm.server_args import ServerArgs
 
 ForwardFn = Callable[["ForwardBatch"], torch.Tensor]
@@ -46,7 +46,7 @@ def warm_up(
 class CaptureContext:
     """What a backend sees of the runner that captures with it."""
 
-    model: nn.Module
+    model: LlamaForCausalLM
     memory_pool: Any  # the graph pool every graph of the phase shares (None off CUDA)
     stream: torch.cuda.Stream | None  # the capture stream (None off CUDA)
     max_batch_size: int  # requests of the largest padded batch
@@ -56,6 +56,9 @@ class CaptureContext:
 
 class BaseCudaGraphBackend(ABC):
     mode: str  # its row in `config.MODE_TRAITS`
+
+    def __init__(self, attn_backend: AttentionBackend) -> None:
+        self.attn = attn_backend
 
     @classmethod
     def from_args(cls, attn_backend: AttentionBackend, args: ServerArgs) -> BaseCudaGraphBackend:
@@ -81,7 +84,7 @@ class BaseCudaGraphBackend(ABC):
         """Run the graph of `shape` on `batch` (static buffers already filled, padding
         included); returns the output of the padded batch."""
 
-    def forward_hidden(self, model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
+    def forward_hidden(self, model: LlamaForCausalLM, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states `[T, H]` of `batch`'s tokens, as this backend computes them
         (the part of the forward a backend may transform: tc_piecewise compiles it)."""
         return model.forward_hidden(batch.input_ids, batch.positions, batch)

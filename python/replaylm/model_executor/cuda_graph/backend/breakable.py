@@ -30,7 +30,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     mode = "breakable"
 
     def __init__(self, attn_backend: AttentionBackend, debug: bool = False) -> None:
-        self.attn = attn_backend
+        super().__init__(attn_backend)
         self.debug = debug
         self._graphs: dict[int, BreakableCUDAGraph] = {}
         self._context: CaptureContext | None = None
@@ -49,6 +49,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         self.attn.init_forward_metadata(batch)
         stream = self._context.stream
         if not self.debug:  # the debug switch captures nothing (and runs on any device)
+            assert stream is not None  # capturing: on CUDA, where the runner made the stream
             warm_up(stream, forward_fn, batch, runs=1)
         graph = BreakableCUDAGraph(self._context.memory_pool, stream, eager=self.debug)
         graph.capture(forward_fn, batch)

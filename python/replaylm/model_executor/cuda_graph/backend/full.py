@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replaylm.layers.attention.base import CudaGraphAttentionBackend
+from replaylm.layers.attention.base import AttentionBackend, CudaGraphAttentionBackend
 from replaylm.model_executor.cuda_graph.backend.base import (
     BaseCudaGraphBackend,
     CaptureContext,
@@ -28,14 +28,15 @@ WARMUP_RUNS = 2  # eager runs before capture: lazy init, autotuning, allocator w
 
 class FullCudaGraphBackend(BaseCudaGraphBackend):
     mode = "full"
+    attn: CudaGraphAttentionBackend
 
-    def __init__(self, attn_backend: CudaGraphAttentionBackend) -> None:
+    def __init__(self, attn_backend: AttentionBackend) -> None:
         if not isinstance(attn_backend, CudaGraphAttentionBackend):
             raise ValueError(
                 f"the full CUDA-graph backend needs an attention backend with CUDA-graph hooks; "
                 f"'{attn_backend.name}' has none"
             )
-        self.attn = attn_backend
+        super().__init__(attn_backend)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._context: CaptureContext | None = None
 
@@ -47,6 +48,7 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         assert self._context is not None, "prepare() first"
         self.attn.init_forward_metadata_capture_cuda_graph(batch)
         stream = self._context.stream
+        assert stream is not None  # a full graph is captured on CUDA, where the runner made one
         warm_up(stream, forward_fn, batch, WARMUP_RUNS)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._context.memory_pool, stream=stream):

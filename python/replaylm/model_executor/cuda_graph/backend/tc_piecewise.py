@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from replaylm.compilation.compile_model import (
     CompiledForward,
@@ -31,6 +30,7 @@ from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGr
 
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
+    from replaylm.models.llama import LlamaForCausalLM
     from replaylm.server_args import ServerArgs
 
 
@@ -68,7 +68,8 @@ class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
             with attention_context(batch, self._layers):
                 self.compiled(batch.input_ids, batch.positions)
 
-    def forward_hidden(self, model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
+    def forward_hidden(self, model: LlamaForCausalLM, batch: ForwardBatch) -> torch.Tensor:
+        assert self.compiled is not None, "prepare() first"
         return self.compiled(batch.input_ids, batch.positions)
 
     def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:

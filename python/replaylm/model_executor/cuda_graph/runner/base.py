@@ -67,7 +67,8 @@ class BaseCudaGraphRunner(ABC):
         self.shapes = tuple(sorted(set(shapes)))
         self.max_batch_size, self.max_num_tokens = self.buffer_sizes()
         self.padding_row = model_runner.req_to_token_pool.padding_row
-        self.memory_pool = None  # graph pool handle: owned for as long as graphs may be captured
+        # graph pool handle (torch types it privately): owned for as long as graphs may be captured
+        self.memory_pool: Any = None
         self.capture_stream: torch.cuda.Stream | None = None
         self.capture_seconds = 0.0  # of the last `capture`
         self.capture_bytes = 0  # CUDA memory its graphs kept
