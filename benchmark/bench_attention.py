@@ -18,9 +18,6 @@ split counts: benchmark/tuning/bench_attention_sweep.py.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -38,6 +35,7 @@ from common import (
     copy_bandwidth_gbs,
     decode_attention_bytes,
     graph_ms,
+    json_path_arg,
     median_ms,
     time_decode_attention,
     write_json,
@@ -93,11 +91,7 @@ def bench_store(tokens: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    json_path = json_path_arg(__doc__)
     torch.manual_seed(0)
 
     bandwidth, tflops = copy_bandwidth_gbs(), matmul_tflops()
@@ -199,9 +193,9 @@ def main() -> None:
             "index_put_us": round(stores[0]["index_put_graph_us"], 1),
         },
     ]
-    if args.json:
+    if json_path:
         write_json(
-            args.json,
+            json_path,
             {
                 "copy_GBps": bandwidth,
                 "matmul_TFLOPs": tflops,

@@ -8,6 +8,7 @@ benchmark/tuning/ put benchmark/ on the path first.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import gc
 import json
@@ -128,6 +129,15 @@ def environment() -> dict[str, str | None]:
         "triton": triton.__version__,
         "commit": commit,
     }
+
+
+def json_path_arg(doc: str | None) -> Path | None:
+    """The command line of a script whose one option is `--json PATH` (where its results go)."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    return parser.parse_args().json
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:

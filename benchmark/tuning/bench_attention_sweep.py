@@ -13,7 +13,6 @@ benchmark/tuning/bench_decode_chain.py.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from common import (
     ExtendCase,
     KVCache,
     decode_attention_bytes,
+    json_path_arg,
     median_ms,
     time_decode_attention,
     write_json,
@@ -95,19 +95,15 @@ def sweep() -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    json_path = json_path_arg(__doc__)
     torch.manual_seed(0)
     rows = sweep()
     for r in rows:
         print(
             "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
         )
-    if args.json:
-        write_json(args.json, {"rows": rows})
+    if json_path:
+        write_json(json_path, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -430,3 +430,17 @@ def test_api_key_is_required_except_for_health_and_metrics(keyed_server):
     bad = openai.OpenAI(base_url=f"{keyed_server.base_url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_the_readme_first_example_answers_well(http):
+    """The README's first curl request, sent as written: greedy and short, so a newcomer's
+    first answer is right and quick even on the CPU."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = readme[readme.index("curl http://127.0.0.1:30000/v1/chat/completions") :]
+    body = json.loads(command[command.index("-d '") + 4 : command.index("}'") + 1])
+    assert body["temperature"] == 0 and body["max_tokens"] <= 64
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"

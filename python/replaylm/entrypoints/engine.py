@@ -11,7 +11,7 @@ import random
 from typing import TYPE_CHECKING, Any, overload
 
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
-from replaylm.model_loader.tokenizer import text_decoder
+from replaylm.model_loader.tokenizer import chat_input_ids, text_decoder
 from replaylm.runtime.model_setup import load_runner_and_tokenizer
 from replaylm.runtime.request import Req, truncate_at_stop
 from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
@@ -20,6 +20,7 @@ from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     from typing_extensions import TypeIs
 
 Prompt = str | list[str] | None
@@ -55,11 +56,7 @@ class Engine:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
-        self._require_tokenizer()
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return chat_input_ids(self._require_tokenizer(), messages)
 
     @overload
     def generate(
@@ -108,20 +105,21 @@ class Engine:
         results = [self._result(r) for r in reqs]
         return results[0] if single else results
 
-    def _require_tokenizer(self) -> None:
+    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
         if self.tokenizer is None:
             raise ValueError(
                 f"model '{self.server_args.model_path}' has no tokenizer: pass input_ids, "
                 "or --tokenizer-path"
             )
+        return self.tokenizer
 
     def _inputs(self, prompt: Prompt, input_ids: TokenIds) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
-            self._require_tokenizer()
+            tokenizer = self._require_tokenizer()
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-            ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+            ids = [tokenizer(p)["input_ids"] for p in prompts]
             return isinstance(prompt, str), ids
         assert input_ids is not None  # exactly one of the two is given (checked above)
         if _one_prompt(input_ids):

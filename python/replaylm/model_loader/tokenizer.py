@@ -50,6 +50,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     return None
 
 
+def chat_input_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
+    # tokenized, one conversation: a list of ids or (return_dict) a BatchEncoding of them;
+    # transformers' annotation is the union over every combination of arguments
+    out: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
 def text_decoder(tokenizer: Any) -> Decoder:
     """`ids -> text` without special tokens: what the detokenizer shows and stop strings match."""
 

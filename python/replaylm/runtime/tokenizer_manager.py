@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from replaylm.model_executor.cuda_graph.config import CudaGraphConfig
-from replaylm.model_loader.tokenizer import load_tokenizer, tokenizer_info
+from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer, tokenizer_info
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
 from replaylm.runtime.io_struct import (
@@ -128,14 +128,9 @@ class TokenizerManager:
         """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
         tokenizer = self._require_tokenizer()
         try:
-            # tokenized, one conversation: a list of ids or (return_dict) a BatchEncoding of them;
-            # transformers' annotation is the union over every combination of arguments
-            out: Any = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
+            return chat_input_ids(tokenizer, messages)
         except Exception as err:  # template errors (bad roles, missing content) are input errors
             raise RequestError(f"cannot apply the chat template: {err}", "messages") from err
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Yield output increments until the request finishes; see GenerateOutput.
