@@ -25,12 +25,16 @@ class GenerateRequest:
     """What the HTTP layer asks for: token ids (already tokenized / chat-templated).
 
     `top_logprobs`: None = no logprobs; k >= 0 = the sampled token's logprob plus the k most likely
-    alternatives (k <= MAX_TOP_LOGPROBS) for every generated token.
+    alternatives (k <= MAX_TOP_LOGPROBS) for every generated token. `prompt_logprobs`: the same for
+    every prompt token after the first (the first has none). `n`: independent samples of the
+    prompt, prefilled once; choice i samples with seed `seed + i` when a seed is given.
     """
 
     input_ids: list[int]
     sampling_params: SamplingParams
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -57,6 +61,10 @@ class GenerateOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    index: int = 0  # which of the request's `n` choices this increments
+    # the choice's first increment, when asked: one entry per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
 
 
 # ---- main process -> scheduler process ----------------------------------------------------
@@ -64,12 +72,17 @@ class GenerateOutput:
 
 @dataclass
 class TokenizedGenerateReq:
-    rid: str
+    """`rids`: one per choice (`n` of them), each with its own seed; `grammar`: the compiled
+    structured-output grammar, serialized (xgrammar's JSON), None without a constraint."""
+
+    rids: list[str]
     input_ids: list[int]
     sampling_params: SamplingParams
-    seed: int
+    seeds: list[int]
     max_new_tokens: int
     top_logprobs: int | None
+    prompt_logprobs: int | None = None
+    grammar: str | None = None
 
 
 @dataclass
@@ -121,6 +134,8 @@ class ReqTokenOut:
     logprobs: list[TokenLogprob] | None
     finish_reason: FinishReason | None
     prompt_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0
 
 
 @dataclass

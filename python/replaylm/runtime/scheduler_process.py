@@ -171,10 +171,10 @@ def _loop(scheduler: Scheduler, conn: Connection) -> None:
             if isinstance(msg, TokenizedGenerateReq):
                 scheduler.add(
                     Req(
-                        msg.rid,
+                        msg.rids[0],
                         msg.input_ids,
                         msg.sampling_params,
-                        msg.seed,
+                        msg.seeds[0],
                         msg.max_new_tokens,
                         top_logprobs=msg.top_logprobs,
                     )

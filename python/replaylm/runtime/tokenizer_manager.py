@@ -159,7 +159,7 @@ class TokenizerManager:
         try:
             self._send(
                 TokenizedGenerateReq(
-                    req.rid, list(req.input_ids), params, seed, max_new, req.top_logprobs
+                    [req.rid], list(req.input_ids), params, [seed], max_new, req.top_logprobs
                 )
             )
             while True:
