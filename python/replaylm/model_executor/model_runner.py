@@ -194,6 +194,23 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch)
 
     @torch.inference_mode()
+    def forward_keeping_hidden(
+        self, batch: ForwardBatch, token_index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits plus the final hidden states of the batch's tokens at
+        `token_index` (int64 `[N]`, flat token positions), for prompt logprobs. Always eager:
+        graphs keep only what `forward` returns, and the eager pass is the reference anyway."""
+        self.forward_stats.record("prefill", graph=False, padding_tokens=0)
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model.forward_hidden(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden, batch), hidden.index_select(0, token_index)
+
+    @torch.inference_mode()
+    def token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[N, V]` (float32) of every row of `hidden [N, H]`."""
+        return self.model.logits_processor.project(hidden, self.model.lm_head_weight)
+
+    @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, info: SamplingBatchInfo, steps: torch.Tensor
     ) -> torch.Tensor:

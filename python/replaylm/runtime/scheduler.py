@@ -30,9 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from replaylm.layers.sampler import SamplingBatchInfo
+from replaylm.mem_cache.errors import OutOfKVCacheError, OutOfRequestSlotsError
 from replaylm.model_executor.model_runner import ModelRunner
-from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
+from replaylm.runtime.batch_ops import fork, prepare_decode, prepare_extend, release
 from replaylm.runtime.io_struct import SchedulerStats, TokenLogprob
+from replaylm.runtime.prompt_logprobs import PromptLogprobPlan, prompt_token_logprobs
 from replaylm.runtime.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -45,11 +47,13 @@ RETRACT_RATIO_BUMP = 0.25
 
 @dataclass
 class StepOutput:
-    """What one step did to one request: tokens appended (0 or 1) and whether it finished."""
+    """What one step did to one request: tokens appended (0 or 1) and whether it finished;
+    with its first token, its prompt logprobs when it asked for them."""
 
     req: Req
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -148,13 +152,22 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: object) -> Req | None:
-        """Remove a request wherever it is, free its KV at once; returns it (None if unknown)."""
+        """Remove a request wherever it is, free its KV at once; returns it (None if unknown).
+        A choice not forked yet is dropped from its parent; the pending choices of an aborted
+        parent go on as requests of their own."""
         for queue in (self.running, self.waiting):
             for req in queue:
+                for i, (fork_rid, seed) in enumerate(req.forks):
+                    if fork_rid == rid:
+                        del req.forks[i]
+                        child = req.fork(fork_rid, seed)
+                        child.finish_reason = FinishReason("abort", "aborted by the client")
+                        return child
                 if req.rid == rid:
                     queue.remove(req)
                     release(req, self.runner)
                     req.finish_reason = FinishReason("abort", "aborted by the client")
+                    self.waiting.extendleft(reversed(self._unforked(req)))
                     return req
         return None
 
@@ -186,7 +199,14 @@ class Scheduler:
         prefill = self._admit_prefill()
         if prefill:
             reqs, chunks = prefill
-            logits = self.runner.forward(prepare_extend(reqs, self.runner, chunks))
+            plan = PromptLogprobPlan.build(reqs, chunks)
+            batch = prepare_extend(reqs, self.runner, chunks)
+            if plan is None:
+                logits = self.runner.forward(batch)
+            else:
+                index = torch.tensor(plan.token_index).to(batch.input_ids.device, non_blocking=True)
+                logits, hidden = self.runner.forward_keeping_hidden(batch, index)
+                plan.score(self.runner, hidden)
             outputs = self._read_back()  # while the GPU runs the prefill
             done = [i for i, r in enumerate(reqs) if r.kv_len == r.num_ids]
             for i, req in enumerate(reqs):
@@ -196,7 +216,9 @@ class Scheduler:
                     self.waiting.appendleft(req)  # a chunked prompt: next chunk next step
             done_reqs = [reqs[i] for i in done]
             if done_reqs:
-                outputs += self._apply(self._sample(done_reqs, logits[done]))
+                sample_reqs, rows = self._fork_choices(done_reqs)
+                index = torch.tensor(rows).to(logits.device, non_blocking=True)
+                outputs += self._apply(self._sample(sample_reqs, logits.index_select(0, index)))
             return outputs
         outputs = []
         if self.runner.token_allocator.available_size() < len(self.running):
@@ -241,6 +263,33 @@ class Scheduler:
         in_flight, self._in_flight = self._in_flight, None
         return self._apply(in_flight) if in_flight is not None else []
 
+    def _fork_choices(self, prefilled: list[Req]) -> tuple[list[Req], list[int]]:
+        """Fork the other choices of the `n > 1` requests just prefilled: (the requests to
+        sample, each one's row of the prefill's logits). Choices that cannot get KV now are
+        queued as requests of their own (they prefill their prompt themselves)."""
+        reqs, rows = list(prefilled), list(range(len(prefilled)))
+        for row, parent in enumerate(prefilled):
+            children = self._unforked(parent)
+            if not children:
+                continue
+            try:
+                fork(parent, children, self.runner)
+            except (OutOfKVCacheError, OutOfRequestSlotsError) as err:
+                logger.info("request %s: %s; its other choices prefill alone", parent.rid, err)
+                self.waiting.extendleft(reversed(children))
+                continue
+            self.running += children
+            reqs += children
+            rows += [row] * len(children)
+        return reqs, rows
+
+    @staticmethod
+    def _unforked(req: Req) -> list[Req]:
+        """Take the request's pending choices off it, as requests."""
+        children = [req.fork(rid, seed) for rid, seed in req.forks]
+        req.forks = []
+        return children
+
     def _expected_new_tokens(self, req: Req) -> int:
         return int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
 
@@ -261,17 +310,23 @@ class Scheduler:
             if chunk <= 0 or (needs_row and free_rows == 0):
                 break
             alone = not self.running and not reqs  # always admissible: callers clamp budgets
+            # the choices forked once the prompt is cached each need its KV and a row too
+            forks = len(req.forks) if chunk == todo else 0
+            fork_kv = forks * (req.num_ids + 1 + self._expected_new_tokens(req))
             if (
                 chunk == todo
                 and not alone
-                and (todo + 1 + self._expected_new_tokens(req) > free_kv)
+                and (
+                    todo + 1 + self._expected_new_tokens(req) + fork_kv > free_kv
+                    or needs_row + forks > free_rows
+                )
             ):
                 break  # would finish its prompt with no room to decode: wait
             self.waiting.popleft()
             reqs.append(req)
             chunks.append(chunk)
-            free_kv -= chunk + 1  # + its first decode token
-            free_rows -= needs_row
+            free_kv -= chunk + 1 + fork_kv  # + its first decode token
+            free_rows -= needs_row + forks
             budget -= chunk
             if chunk < todo:
                 break  # one chunked prompt per batch, last
@@ -331,7 +386,12 @@ class Scheduler:
             if req.sampling_params.stop and self.decode_text is not None:
                 text = self.decode_text([*req.output_ids, token])
             req.append_token(token, self.eos_ids, text)
-            outputs.append(StepOutput(req, [token], logprobs[i] if logprobs else None))
+            prompt_logprobs = None
+            if req.prompt_logprobs is not None and len(req.output_ids) == 1:
+                prompt_logprobs = prompt_token_logprobs(req)
+            outputs.append(
+                StepOutput(req, [token], logprobs[i] if logprobs else None, prompt_logprobs)
+            )
             if req.finished:
                 self.running.remove(req)
                 release(req, self.runner)

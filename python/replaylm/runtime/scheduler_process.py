@@ -177,6 +177,8 @@ def _loop(scheduler: Scheduler, conn: Connection) -> None:
                         msg.seeds[0],
                         msg.max_new_tokens,
                         top_logprobs=msg.top_logprobs,
+                        prompt_logprobs=msg.prompt_logprobs,
+                        forks=list(zip(msg.rids[1:], msg.seeds[1:], strict=True)),
                     )
                 )
             elif isinstance(msg, AbortReq) and (req := scheduler.abort(msg.rid)) is not None:
@@ -190,6 +192,7 @@ def _loop(scheduler: Scheduler, conn: Connection) -> None:
                     o.logprobs,
                     o.req.finish_reason,
                     len(o.req.input_ids),
+                    o.prompt_logprobs,
                 )
                 for o in scheduler.step()
             ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import threading
@@ -26,6 +27,7 @@ from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer, toke
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
 from replaylm.runtime.io_struct import (
+    MAX_TOP_LOGPROBS,
     AbortReq,
     BatchTokenOut,
     GenerateOutput,
@@ -49,11 +51,17 @@ logger = logging.getLogger(__name__)
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
+MAX_CHOICES = 128  # OpenAI's limit on `n`
+_MAX_SEED = 2**63 - 1
+
+
 @dataclass
 class _ReqState:
-    """A request in flight: its output queue, detokenizer and timing for metrics."""
+    """One choice in flight: the request's output queue (shared by its choices), the choice's
+    index, detokenizer and timing for metrics."""
 
     queue: asyncio.Queue
+    index: int
     detok: IncrementalDetokenizer | None
     prompt_tokens: int
     created: float = field(default_factory=time.perf_counter)
@@ -133,7 +141,8 @@ class TokenizerManager:
             raise RequestError(f"cannot apply the chat template: {err}", "messages") from err
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """Yield output increments until the request finishes; see GenerateOutput.
+        """Yield output increments until every choice of the request finishes; see
+        GenerateOutput (`index` tells the choices apart; each finishes on its own).
 
         Raises RequestError for bad input and ServiceUnavailableError when the scheduler is
         gone, before yielding anything. Closing the generator early aborts the request.
@@ -148,32 +157,65 @@ class TokenizerManager:
         max_new = clamp_max_new_tokens(
             len(req.input_ids), params.max_new_tokens, self.context_len, self.max_total_tokens
         )
-        if req.rid in self._states:
+        self._check_choices(req.n, len(req.input_ids))
+        for name in ("top_logprobs", "prompt_logprobs"):
+            k = getattr(req, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise RequestError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}", name)
+        rids = [req.rid] + [f"{req.rid}-{i}" for i in range(1, req.n)]
+        if any(rid in self._states for rid in rids):
             raise RequestError(f"request id {req.rid} is already in flight", "rid")
         self._loop = asyncio.get_running_loop()
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
-        state = _ReqState(asyncio.Queue(), detok, len(req.input_ids))
-        self._states[req.rid] = state
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        queue: asyncio.Queue = asyncio.Queue()
+        states = [
+            _ReqState(queue, i, self._detokenizer(params), len(req.input_ids)) for i in range(req.n)
+        ]
+        self._states.update(zip(rids, states, strict=True))
+        if params.seed is not None:  # per-choice seeds: reproducible, and distinct
+            seeds = [(params.seed + i) % (_MAX_SEED + 1) for i in range(req.n)]
+        else:
+            seeds = [self._seed_rng.getrandbits(63) for _ in range(req.n)]
         self.metrics.prompt_tokens.inc(len(req.input_ids))
         try:
             self._send(
                 TokenizedGenerateReq(
-                    [req.rid], list(req.input_ids), params, [seed], max_new, req.top_logprobs
+                    rids,
+                    list(req.input_ids),
+                    params,
+                    seeds,
+                    max_new,
+                    req.top_logprobs,
+                    req.prompt_logprobs,
                 )
             )
-            while True:
-                item = await state.queue.get()
+            unfinished = req.n
+            while unfinished:
+                item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
+                yield dataclasses.replace(item, rid=req.rid)
+                unfinished -= item.finish_reason is not None
         finally:
-            self._states.pop(req.rid, None)
-            if not state.finished and self.healthy():
-                self._send(AbortReq(req.rid))
-                self.metrics.requests.labels("abort").inc()
+            for rid, state in zip(rids, states, strict=True):
+                self._states.pop(rid, None)
+                if not state.finished and self.healthy():
+                    self._send(AbortReq(rid))
+                    self.metrics.requests.labels("abort").inc()
+
+    def _check_choices(self, n: int, prompt_len: int) -> None:
+        """`n` choices each hold a copy of the prompt's KV and a running slot: they must fit."""
+        limit = min(MAX_CHOICES, self.server_args.max_running_requests)
+        if not 1 <= n <= limit:
+            raise RequestError(f"n must be in [1, {limit}], got {n}", "n")
+        if n * (prompt_len + 1) > self.max_total_tokens:
+            raise RequestError(
+                f"n={n} choices of a {prompt_len}-token prompt need {n * (prompt_len + 1)} KV "
+                f"slots; this server's KV cache holds {self.max_total_tokens}",
+                "n",
+            )
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        return IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
 
     async def health_generate(self) -> bool:
         """Generate one token; False if that fails or takes longer than the timeout."""
@@ -295,4 +337,7 @@ class TokenizerManager:
             finish_reason=reason,
             prompt_tokens=out.prompt_tokens,
             completion_tokens=state.completion_tokens,
+            index=state.index,
+            prompt_logprobs=out.prompt_logprobs,
+            cached_tokens=out.cached_tokens,
         )
