@@ -215,7 +215,14 @@ class TokenizerManager:
             )
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
-        return IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            params.stop,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+        )
 
     async def health_generate(self) -> bool:
         """Generate one token; False if that fails or takes longer than the timeout."""
