@@ -36,6 +36,7 @@ class Req:
     kv_slots: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     top_logprobs: int | None = None  # None: no logprobs; k: sampled token's + k alternatives
+    admitted_at: float | None = None  # time.time() of its first admission to a prefill batch
 
     @property
     def kv_len(self) -> int:

@@ -190,6 +190,7 @@ def _loop(scheduler: Scheduler, conn: Connection) -> None:
                     o.logprobs,
                     o.req.finish_reason,
                     len(o.req.input_ids),
+                    admitted_at=o.req.admitted_at,
                 )
                 for o in scheduler.step()
             ]
