@@ -127,7 +127,9 @@ class SchedulerStats:
 
 @dataclass
 class ReqTokenOut:
-    """A request's tokens produced in one step (or its abort / finish)."""
+    """A request's tokens produced in one step (or its abort / finish). `admitted_at`: the
+    wall-clock time (`time.time()`, comparable across processes) of the request's first
+    admission to a prefill batch, for the queue and prefill time metrics."""
 
     rid: str
     new_token_ids: list[int]
@@ -136,6 +138,7 @@ class ReqTokenOut:
     prompt_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0
+    admitted_at: float | None = None
 
 
 @dataclass

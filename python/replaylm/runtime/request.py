@@ -44,6 +44,7 @@ class Req:
     prompt_logprob_chunks: list[PromptLogprobChunk] = field(default_factory=list)
     # the other choices of an `n > 1` request, (rid, seed) each: forked once the prompt is cached
     forks: list[tuple[str, int]] = field(default_factory=list)
+    admitted_at: float | None = None  # time.time() of its first admission to a prefill batch
 
     @property
     def prompt_logprobs_done(self) -> int:
@@ -62,6 +63,7 @@ class Req:
             top_logprobs=self.top_logprobs,
             prompt_logprobs=self.prompt_logprobs,
             prompt_logprob_chunks=self.prompt_logprob_chunks,
+            admitted_at=self.admitted_at,
         )
 
     @property

@@ -23,6 +23,7 @@ back first, so they see every request's tokens.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -323,6 +324,8 @@ class Scheduler:
             ):
                 break  # would finish its prompt with no room to decode: wait
             self.waiting.popleft()
+            if req.admitted_at is None:  # not for a later chunk or after a retraction
+                req.admitted_at = time.time()
             reqs.append(req)
             chunks.append(chunk)
             free_kv -= chunk + 1 + fork_kv  # + its first decode token

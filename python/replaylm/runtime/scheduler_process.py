@@ -192,7 +192,8 @@ def _loop(scheduler: Scheduler, conn: Connection) -> None:
                     o.logprobs,
                     o.req.finish_reason,
                     len(o.req.input_ids),
-                    o.prompt_logprobs,
+                    prompt_logprobs=o.prompt_logprobs,
+                    admitted_at=o.req.admitted_at,
                 )
                 for o in scheduler.step()
             ]

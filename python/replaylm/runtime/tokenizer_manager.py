@@ -65,6 +65,8 @@ class _ReqState:
     detok: IncrementalDetokenizer | None
     prompt_tokens: int
     created: float = field(default_factory=time.perf_counter)
+    created_wall: float = field(default_factory=time.time)  # against the scheduler's times
+    first_token: float | None = None
     last_token: float | None = None
     completion_tokens: int = 0
     sent_chars: int = 0
@@ -200,7 +202,7 @@ class TokenizerManager:
                 self._states.pop(rid, None)
                 if not state.finished and self.healthy():
                     self._send(AbortReq(rid))
-                    self.metrics.requests.labels("abort").inc()
+                    self._observe_end(state, "abort", time.perf_counter())
 
     def _check_choices(self, n: int, prompt_len: int) -> None:
         """`n` choices each hold a copy of the prompt's KV and a running slot: they must fit."""
@@ -315,11 +317,18 @@ class TokenizerManager:
             if state is not None:
                 state.queue.put_nowait(self._increment(state, out, now))
 
+    def _observe_end(self, state: _ReqState, finish_reason: str, now: float) -> None:
+        decode = now - state.first_token if state.first_token is not None else None
+        self.metrics.request_ended(
+            finish_reason, state.prompt_tokens, state.completion_tokens, now - state.created, decode
+        )
+
     def _increment(self, state: _ReqState, out: ReqTokenOut, now: float) -> GenerateOutput:
         """Advance one request by one scheduler output; observe latencies; build the delta."""
         if out.new_token_ids:
             if state.last_token is None:
-                self.metrics.ttft.observe(now - state.created)
+                state.first_token = now
+                self.metrics.first_token(now - state.created, state.created_wall, out.admitted_at)
             else:
                 self.metrics.itl.observe(now - state.last_token)
             state.last_token = now
@@ -334,8 +343,7 @@ class TokenizerManager:
             text, state.sent_chars = full[state.sent_chars :], max(state.sent_chars, len(full))
         if reason is not None:
             state.finished = True
-            self.metrics.requests.labels(reason.type).inc()
-            self.metrics.e2e.observe(now - state.created)
+            self._observe_end(state, reason.type, now)
         return GenerateOutput(
             rid=out.rid,
             text=text,
