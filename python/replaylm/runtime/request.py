@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from replaylm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from replaylm.structured.grammar import RequestGrammar
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Req:
     kv_slots: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     top_logprobs: int | None = None  # None: no logprobs; k: sampled token's + k alternatives
+    grammar: RequestGrammar | None = None  # structured output: the grammar the output follows
 
     @property
     def kv_len(self) -> int:

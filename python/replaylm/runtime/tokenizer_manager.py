@@ -44,6 +44,8 @@ from replaylm.server_args import ServerArgs
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from replaylm.structured.compiler import GrammarCompiler
+
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -81,11 +83,12 @@ class TokenizerManager:
         self._scheduler = scheduler or SchedulerProcess.start(server_args)
         try:
             self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+            info = tokenizer_info(self.tokenizer)
         except BaseException:
             self._scheduler.stop()
             raise
         with contextlib.suppress(OSError):  # a child that failed already says why in _wait_ready
-            self._scheduler.conn.send(tokenizer_info(self.tokenizer))
+            self._scheduler.conn.send(info)
         self.metrics = ServerMetrics()
         self._states: dict[str, _ReqState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,6 +101,11 @@ class TokenizerManager:
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
         self.cuda_graph_capture = ready.cuda_graph_capture
+        self._grammar: GrammarCompiler | None = None  # structured output: None when off
+        if info.grammar_vocabulary is not None:
+            from replaylm.structured.compiler import GrammarCompiler
+
+            self._grammar = GrammarCompiler(info.grammar_vocabulary, self.vocab_size)
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="tm-reader")
         self._reader.start()
 
@@ -148,6 +156,7 @@ class TokenizerManager:
         max_new = clamp_max_new_tokens(
             len(req.input_ids), params.max_new_tokens, self.context_len, self.max_total_tokens
         )
+        grammar = await self._compile_grammar(params)
         if req.rid in self._states:
             raise RequestError(f"request id {req.rid} is already in flight", "rid")
         self._loop = asyncio.get_running_loop()
@@ -159,7 +168,13 @@ class TokenizerManager:
         try:
             self._send(
                 TokenizedGenerateReq(
-                    [req.rid], list(req.input_ids), params, [seed], max_new, req.top_logprobs
+                    [req.rid],
+                    list(req.input_ids),
+                    params,
+                    [seed],
+                    max_new,
+                    req.top_logprobs,
+                    grammar=grammar,
                 )
             )
             while True:
@@ -217,6 +232,24 @@ class TokenizerManager:
                 "this model has no tokenizer: send input_ids (POST /generate)", "prompt"
             )
         return self.tokenizer
+
+    async def _compile_grammar(self, params: SamplingParams) -> str | None:
+        """The request's structured-output grammar, compiled in a worker thread (a schema can
+        take long to compile) and serialized; None without a constraint. RequestError naming
+        the field when it is invalid or the server has no grammar engine."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        if self._grammar is None:
+            raise RequestError(
+                f"{constraint[0]} needs structured output, which this model does not have: "
+                "it has no tokenizer the grammar engine can read",
+                constraint[0],
+            )
+        try:
+            return await asyncio.to_thread(self._grammar.compile, params)
+        except ValueError as err:
+            raise RequestError(str(err), constraint[0]) from err
 
     def _check_alive(self) -> None:
         if self._closing:
