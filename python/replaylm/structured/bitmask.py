@@ -32,7 +32,8 @@ class GrammarMask:
         bitmask = host[:batch]
         if logits.is_cuda:
             bitmask = bitmask.to(logits.device, non_blocking=True)
-            self._copied = self._copied or torch.cuda.Event()
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
             self._copied.record()
         masked = logits.clone()
         xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab, indices=rows)
