@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from typing_extensions import TypeIs
 
+    from replaylm.structured.compiler import GrammarCompiler
+    from replaylm.structured.grammar import RequestGrammar
+
 Prompt = str | list[str] | None
 TokenIds = list[int] | list[list[int]] | None
 ParamsArg = dict[str, Any] | list[dict[str, Any]] | None
@@ -45,6 +48,7 @@ class Engine:
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
         self._decode = text_decoder(self.tokenizer) if self.tokenizer is not None else None
+        self._grammar: GrammarCompiler | None = None  # made for the first constrained request
         self.scheduler = Scheduler(
             self.runner,
             self.eos_token_ids,
@@ -142,7 +146,25 @@ class Engine:
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         rid, self._next_rid = str(self._next_rid), self._next_rid + 1
-        return Req(rid, list(ids), params, seed, max_new)
+        return Req(rid, list(ids), params, seed, max_new, grammar=self._request_grammar(params))
+
+    def _request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        """The grammar of `params`' structured-output constraint (None without one); ValueError
+        naming the field when it is invalid."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        from replaylm.structured.compiler import GrammarCompiler
+        from replaylm.structured.grammar import RequestGrammar
+
+        if self._grammar is None:
+            vocab_size = self.runner.config.vocab_size
+            self._grammar = GrammarCompiler.for_tokenizer(self._require_tokenizer(), vocab_size)
+            if self._grammar is None:
+                raise ValueError(f"{constraint[0]}: the grammar engine cannot read the tokenizer")
+        compiled = self._grammar.compile_grammar(params)
+        assert compiled is not None  # there is a constraint
+        return RequestGrammar.start(compiled, self.eos_token_ids)
 
     def _result(self, req: Req) -> dict[str, Any]:
         text = self._decode(req.output_ids) if self._decode is not None else None

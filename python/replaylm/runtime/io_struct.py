@@ -123,6 +123,8 @@ class SchedulerStats:
     kv_total_tokens: int
     num_retractions: int
     forward_stats: ForwardStats = field(default_factory=ForwardStats)
+    grammar_steps: int = 0  # sampling steps that masked a structured-output request's logits
+    grammar_host_s: float = 0.0  # host time of the grammar engine so far (feeding, bitmasks)
 
 
 @dataclass

@@ -68,6 +68,16 @@ class ServerMetrics:
             ["phase"],
             registry=r,
         )
+        self.grammar_steps = Gauge(
+            "replaylm_grammar_steps",
+            "sampling steps that masked a structured-output request's logits, so far",
+            registry=r,
+        )
+        self.grammar_host_seconds = Gauge(
+            "replaylm_grammar_host_seconds",
+            "host time of the grammar engine (feeding tokens, filling bitmasks), so far",
+            registry=r,
+        )
         self.ttft = self._seconds("time_to_first_token_seconds", "time to first token")
         self.itl = self._seconds("inter_token_latency_seconds", "time between tokens")
         self.e2e = self._seconds(
@@ -132,6 +142,8 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
         self.preemptions.inc(stats.num_retractions - self._preemptions_seen)
         self._preemptions_seen = stats.num_retractions
+        self.grammar_steps.set(stats.grammar_steps)
+        self.grammar_host_seconds.set(stats.grammar_host_s)
         for phase, counts in stats.forward_stats.phases.items():
             self.forward_batches.labels(phase, "graph").set(counts.graph)
             self.forward_batches.labels(phase, "eager").set(counts.eager)

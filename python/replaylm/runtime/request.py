@@ -9,6 +9,7 @@ from replaylm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from replaylm.runtime.prompt_logprobs import PromptLogprobChunk
+    from replaylm.structured.grammar import RequestGrammar
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Req:
     # the other choices of an `n > 1` request, (rid, seed) each: forked once the prompt is cached
     forks: list[tuple[str, int]] = field(default_factory=list)
     admitted_at: float | None = None  # time.time() of its first admission to a prefill batch
+    grammar: RequestGrammar | None = None  # structured output: the grammar the output follows
 
     @property
     def prompt_logprobs_done(self) -> int:
@@ -64,6 +66,7 @@ class Req:
             prompt_logprobs=self.prompt_logprobs,
             prompt_logprob_chunks=self.prompt_logprob_chunks,
             admitted_at=self.admitted_at,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
         )
 
     @property

@@ -18,6 +18,14 @@ that finished in the step being read back was computed once more in the step in 
 token is dropped (a request that reaches `max_new_tokens` is left out of the next step, since
 its end is known). Prefill steps, retraction and an empty running set read the step in flight
 back first, so they see every request's tokens.
+
+Structured output: a request with a grammar (`Req.grammar`) has its logits row masked to the
+tokens the grammar allows next, and finishes when the grammar has accepted a stop token. The mask
+of a decode step depends on the token of the step before it, so under overlap the step is
+launched first and the step in flight's tokens are then fed to the grammars (waiting for their
+host copy only, which is ready long before the new step's forward ends): the host fills the
+bitmask while the GPU runs the forward. A token fed there is not fed again when its step is
+applied. A token the grammar rejects ends its request with an `abort` naming it.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +46,9 @@ from replaylm.runtime.batch_ops import fork, prepare_decode, prepare_extend, rel
 from replaylm.runtime.io_struct import SchedulerStats, TokenLogprob
 from replaylm.runtime.prompt_logprobs import PromptLogprobPlan, prompt_token_logprobs
 from replaylm.runtime.request import FinishReason, Req
+
+if TYPE_CHECKING:
+    from replaylm.structured.bitmask import GrammarMask
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +97,7 @@ class _Sampled:
     logprobs: _Logprobs | None
     ready: torch.cuda.Event | None
     rows: dict[int, int]
+    _tokens: list[int] | None = None
 
     @classmethod
     def start(cls, reqs: list[Req], next_ids: torch.Tensor, logprobs: _Logprobs | None) -> _Sampled:
@@ -99,11 +112,17 @@ class _Sampled:
             reqs, next_ids, host_ids, host_logprobs, ready, {id(r): i for i, r in enumerate(reqs)}
         )
 
+    def tokens(self) -> list[int]:
+        """The token per request, waiting for the copies only."""
+        if self._tokens is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._tokens = self.host_ids.tolist()
+        return self._tokens
+
     def results(self) -> tuple[list[int], list[list[TokenLogprob] | None] | None]:
         """(token per request, logprobs per request or None), waiting for the copies only."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        tokens = self.host_ids.tolist()
+        tokens = self.tokens()
         return tokens, _token_logprobs(self.reqs, tokens, self.logprobs)
 
 
@@ -134,6 +153,9 @@ class Scheduler:
         self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO
         self.overlap = overlap
         self._in_flight: _Sampled | None = None  # a decode step not read back yet
+        self._grammar_mask: GrammarMask | None = None  # made for the first constrained batch
+        self.grammar_steps = 0  # sampling steps with a constrained request
+        self.grammar_host_s = 0.0  # host time spent feeding grammars and filling bitmasks
         logger.info(
             "overlap schedule: %s",
             "on (each decode step is launched before the one before it is read back)"
@@ -185,6 +207,8 @@ class Scheduler:
             kv_total_tokens=total,
             num_retractions=self.num_retractions,
             forward_stats=self.runner.forward_stats,
+            grammar_steps=self.grammar_steps,
+            grammar_host_s=self.grammar_host_s,
         )
 
     def run_to_completion(self) -> None:
@@ -374,8 +398,34 @@ class Scheduler:
         steps = torch.tensor([len(r.output_ids) + (id(r) in pending) for r in reqs]).to(
             logits.device, non_blocking=True
         )
-        next_ids = self.runner.sample(logits, info, steps)
+        next_ids = self.runner.sample(self._constrain(reqs, logits), info, steps)
         return _Sampled.start(reqs, next_ids, _logprobs(reqs, logits, next_ids))
+
+    def _constrain(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the rows of requests with a grammar masked to what it allows next (a
+        copy; `logits` itself when no request has one; logprobs stay the model's). The step in
+        flight's tokens, not applied yet, are fed to the grammars first."""
+        grammars = {i: r.grammar for i, r in enumerate(reqs) if r.grammar is not None}
+        if not grammars:
+            return logits
+        in_flight = self._in_flight
+        pending = in_flight.rows if in_flight is not None else {}
+        fed = [i for i in grammars if id(reqs[i]) in pending]
+        # waits for the step in flight's host copy (no grammar work: outside the timing)
+        tokens = in_flight.tokens() if in_flight is not None and fed else []
+        start = time.perf_counter()
+        for i in fed:
+            grammars[i].feed(len(reqs[i].output_ids), tokens[pending[id(reqs[i])]])
+        live = [i for i, g in grammars.items() if not g.done]
+        if live:
+            if self._grammar_mask is None:
+                from replaylm.structured.bitmask import GrammarMask
+
+                self._grammar_mask = GrammarMask()
+            logits = self._grammar_mask.apply(logits, live, [grammars[i] for i in live])
+        self.grammar_steps += 1
+        self.grammar_host_s += time.perf_counter() - start
+        return logits
 
     def _apply(self, sampled: _Sampled) -> list[StepOutput]:
         """Append the sampled tokens (skipping requests that finished or were aborted since the
@@ -385,10 +435,17 @@ class Scheduler:
         for i, (req, token) in enumerate(zip(sampled.reqs, tokens, strict=True)):
             if req.finished:
                 continue
+            if req.grammar is not None and not self._feed_grammar(req, token):
+                outputs.append(StepOutput(req, [], None))
+                self.running.remove(req)
+                release(req, self.runner)
+                continue
             text = None
             if req.sampling_params.stop and self.decode_text is not None:
                 text = self.decode_text([*req.output_ids, token])
             req.append_token(token, self.eos_ids, text)
+            if not req.finished and req.grammar is not None and req.grammar.terminated:
+                req.finish_reason = FinishReason("stop", token)  # a stop token under ignore_eos
             prompt_logprobs = None
             if req.prompt_logprobs is not None and len(req.output_ids) == 1:
                 prompt_logprobs = prompt_token_logprobs(req)
@@ -399,6 +456,20 @@ class Scheduler:
                 self.running.remove(req)
                 release(req, self.runner)
         return outputs
+
+    def _feed_grammar(self, req: Req, token: int) -> bool:
+        """Feed the request's next token to its grammar (unless the overlap schedule did);
+        False, with the request finished, when the grammar rejects it (never emitted)."""
+        assert req.grammar is not None
+        start = time.perf_counter()
+        req.grammar.feed(len(req.output_ids), token)
+        self.grammar_host_s += time.perf_counter() - start
+        if req.grammar.rejected is None:
+            return True
+        req.finish_reason = FinishReason(
+            "abort", f"the grammar engine rejected token {token}: the output cannot go on"
+        )
+        return False
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

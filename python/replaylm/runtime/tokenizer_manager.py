@@ -46,6 +46,8 @@ from replaylm.server_args import ServerArgs
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from replaylm.structured.compiler import GrammarCompiler
+
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -91,11 +93,12 @@ class TokenizerManager:
         self._scheduler = scheduler or SchedulerProcess.start(server_args)
         try:
             self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+            info = tokenizer_info(self.tokenizer)
         except BaseException:
             self._scheduler.stop()
             raise
         with contextlib.suppress(OSError):  # a child that failed already says why in _wait_ready
-            self._scheduler.conn.send(tokenizer_info(self.tokenizer))
+            self._scheduler.conn.send(info)
         self.metrics = ServerMetrics()
         self._states: dict[str, _ReqState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -108,6 +111,11 @@ class TokenizerManager:
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
         self.cuda_graph_capture = ready.cuda_graph_capture
+        self._grammar: GrammarCompiler | None = None  # structured output: None when off
+        if info.grammar_vocabulary is not None:
+            from replaylm.structured.compiler import GrammarCompiler
+
+            self._grammar = GrammarCompiler(info.grammar_vocabulary, self.vocab_size)
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="tm-reader")
         self._reader.start()
 
@@ -164,6 +172,7 @@ class TokenizerManager:
             k = getattr(req, name)
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise RequestError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}", name)
+        grammar = await self._compile_grammar(params)
         rids = [req.rid] + [f"{req.rid}-{i}" for i in range(1, req.n)]
         if any(rid in self._states for rid in rids):
             raise RequestError(f"request id {req.rid} is already in flight", "rid")
@@ -188,6 +197,7 @@ class TokenizerManager:
                     max_new,
                     req.top_logprobs,
                     req.prompt_logprobs,
+                    grammar,
                 )
             )
             unfinished = req.n
@@ -268,6 +278,24 @@ class TokenizerManager:
                 "this model has no tokenizer: send input_ids (POST /generate)", "prompt"
             )
         return self.tokenizer
+
+    async def _compile_grammar(self, params: SamplingParams) -> str | None:
+        """The request's structured-output grammar, compiled in a worker thread (a schema can
+        take long to compile) and serialized; None without a constraint. RequestError naming
+        the field when it is invalid or the server has no grammar engine."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        if self._grammar is None:
+            raise RequestError(
+                f"{constraint[0]} needs structured output, which this model does not have: "
+                "it has no tokenizer the grammar engine can read",
+                constraint[0],
+            )
+        try:
+            return await asyncio.to_thread(self._grammar.compile, params)
+        except ValueError as err:
+            raise RequestError(str(err), constraint[0]) from err
 
     def _check_alive(self) -> None:
         if self._closing:
