@@ -196,6 +196,7 @@ class Scheduler:
                     self.waiting.appendleft(req)  # a chunked prompt: next chunk next step
             done_reqs = [reqs[i] for i in done]
             if done_reqs:
+                self.runner.logit_adjuster.init_requests(done_reqs)  # before their first sample
                 outputs += self._apply(self._sample(done_reqs, logits[done]))
             return outputs
         outputs = []
@@ -313,10 +314,10 @@ class Scheduler:
             logits.device,
         )
         pending = pending or {}
-        steps = torch.tensor([len(r.output_ids) + (id(r) in pending) for r in reqs]).to(
-            logits.device, non_blocking=True
-        )
-        next_ids = self.runner.sample(logits, info, steps)
+        num_out = [len(r.output_ids) + (id(r) in pending) for r in reqs]
+        steps = torch.tensor(num_out).to(logits.device, non_blocking=True)
+        adjust = self.runner.logit_adjuster.adjustments(reqs, num_out, self.eos_ids)
+        next_ids = self.runner.sample(logits, info, steps, adjust)
         return _Sampled.start(reqs, next_ids, _logprobs(reqs, logits, next_ids))
 
     def _apply(self, sampled: _Sampled) -> list[StepOutput]:
