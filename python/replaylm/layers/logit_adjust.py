@@ -67,10 +67,6 @@ def _on_device(data: list[Any], dtype: torch.dtype, device: torch.device) -> tor
     return host.to(device, non_blocking=True)
 
 
-def _adjusts(params: SamplingParams, num_out: int) -> bool:
-    return num_out < params.min_tokens or bool(params.logit_bias) or params.has_penalties
-
-
 def apply_penalties(
     logits: torch.Tensor,
     counts: torch.Tensor,
@@ -206,7 +202,10 @@ class LogitAdjuster:
         `num_out[i]` tokens out before this step's; None when nothing changes any row. Two
         copies to the device (its integers, its floats), whatever the batch holds."""
         params = [r.sampling_params for r in reqs]
-        if not any(_adjusts(p, n) for p, n in zip(params, num_out, strict=True)):
+        if not any(
+            n < p.min_tokens or p.logit_bias or p.has_penalties
+            for p, n in zip(params, num_out, strict=True)
+        ):
             return None
         ints: list[int] = []
         floats: list[float] = []
