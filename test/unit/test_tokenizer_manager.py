@@ -50,6 +50,10 @@ def test_bad_input_is_rejected_before_anything_is_queued(manager):
     with pytest.raises(RequestError) as err:
         asyncio.run(_collect(manager, [5], temperature=-1.0))
     assert err.value.param == "temperature"
+    for field, value in (("logit_bias", {320: 1.0}), ("stop_token_ids", [320])):  # vocab 320
+        with pytest.raises(RequestError, match="outside the vocabulary") as err:
+            asyncio.run(_collect(manager, [5], **{field: value}))
+        assert err.value.param == field
 
 
 def test_closing_the_stream_aborts_and_frees_kv(manager):

@@ -14,7 +14,7 @@ from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.model_loader.tokenizer import chat_input_ids, text_decoder
 from replaylm.runtime.model_setup import load_runner_and_tokenizer
 from replaylm.runtime.request import Req, truncate_at_stop
-from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
+from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
 from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
@@ -141,6 +141,7 @@ class Engine:
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
         runner = self.runner
         check_input_ids(ids, runner.config.vocab_size, runner.context_len, runner.max_total_tokens)
+        check_vocab_ids(params, runner.config.vocab_size)
         max_new = clamp_max_new_tokens(
             len(ids), params.max_new_tokens, runner.context_len, runner.max_total_tokens
         )

@@ -242,6 +242,8 @@ class Scheduler:
             done_reqs = [reqs[i] for i in done]
             if done_reqs:
                 sample_reqs, rows = self._fork_choices(done_reqs)
+                # their first sample: penalty state from their prompt (and output, if re-admitted)
+                self.runner.logit_adjuster.init_requests(sample_reqs)
                 index = torch.tensor(rows).to(logits.device, non_blocking=True)
                 outputs += self._apply(self._sample(sample_reqs, logits.index_select(0, index)))
             return outputs
@@ -395,10 +397,10 @@ class Scheduler:
             logits.device,
         )
         pending = pending or {}
-        steps = torch.tensor([len(r.output_ids) + (id(r) in pending) for r in reqs]).to(
-            logits.device, non_blocking=True
-        )
-        next_ids = self.runner.sample(self._constrain(reqs, logits), info, steps)
+        num_out = [len(r.output_ids) + (id(r) in pending) for r in reqs]
+        steps = torch.tensor(num_out).to(logits.device, non_blocking=True)
+        adjust = self.runner.logit_adjuster.adjustments(reqs, num_out, self.eos_ids)
+        next_ids = self.runner.sample(self._constrain(reqs, logits), info, steps, adjust)
         return _Sampled.start(reqs, next_ids, _logprobs(reqs, logits, next_ids))
 
     def _constrain(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:

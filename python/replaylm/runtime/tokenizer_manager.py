@@ -38,7 +38,7 @@ from replaylm.runtime.io_struct import (
     TokenizedGenerateReq,
 )
 from replaylm.runtime.metrics import ServerMetrics
-from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
+from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
 from replaylm.runtime.scheduler_process import SchedulerProcess, SchedulerStartError
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
@@ -164,6 +164,7 @@ class TokenizerManager:
         except ValueError as err:
             raise RequestError(str(err), str(err).split(" ", 1)[0]) from err
         check_input_ids(req.input_ids, self.vocab_size, self.context_len, self.max_total_tokens)
+        check_vocab_ids(params, self.vocab_size)
         max_new = clamp_max_new_tokens(
             len(req.input_ids), params.max_new_tokens, self.context_len, self.max_total_tokens
         )
