@@ -75,7 +75,7 @@ class ChatRoute:
             n=body.num_choices,
         )
         stream = await start_choices(self.ctx.tm, request, [req], "messages")
-        view = _ChatView(self.ctx, body, f"chatcmpl-{req.rid}")
+        view = _ChatView(self.ctx, body, f"chatcmpl-{req.rid}", len(ids))
         if body.stream:
             return EventStream(view.chunks(stream))
         results, usage = await unless_disconnected(request, collect(stream))
@@ -85,8 +85,10 @@ class ChatRoute:
 class _ChatView:
     """One request's choices as the API shows them."""
 
-    def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, rid: str) -> None:
-        self.ctx, self.body, self.rid = ctx, body, rid
+    def __init__(
+        self, ctx: ServingContext, body: ChatCompletionRequest, rid: str, prompt_len: int
+    ) -> None:
+        self.ctx, self.body, self.rid, self.prompt_len = ctx, body, rid, prompt_len
         last = body.messages[-1]
         # vLLM's echo: a reply continuing the assistant's last message starts with its text
         self.echo = last.text if body.echo and last.role == "assistant" else ""
@@ -132,9 +134,14 @@ class _ChatView:
     async def chunks(
         self, stream: AsyncIterator[ChoiceOutput]
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
+        # no output yet: its usage is the prompt's alone
+        start = UsageInfo(
+            prompt_tokens=self.prompt_len, completion_tokens=0, total_tokens=self.prompt_len
+        )
         for index in range(self.body.num_choices):
             opening = DeltaMessage(role="assistant", content=self.echo)
-            yield self._chunk([ChatStreamChoice(index=index, delta=opening)])
+            choice = ChatStreamChoice(index=index, delta=opening)
+            yield self._chunk([choice], start if self.body.continuous_usage else None)
         usage = UsageCounter()
         async for c in stream:
             choice_usage = usage.add(c)
