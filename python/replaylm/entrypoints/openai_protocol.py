@@ -22,7 +22,6 @@ from replaylm.runtime.io_struct import MAX_TOP_LOGPROBS
 from replaylm.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_CHOICES = 128  # OpenAI's bound on `n`
 
 PositiveInt = Annotated[int, Field(ge=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
@@ -126,7 +125,7 @@ class SamplingRequest(RequestModel):
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    n: PositiveInt | None = None  # the tokenizer manager bounds it
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None

@@ -4,6 +4,7 @@ the output budget the HTTP layer checks a requested `max_tokens` against."""
 from __future__ import annotations
 
 from replaylm.runtime.errors import RequestError
+from replaylm.sampling_params import SamplingParams
 
 
 def _limit(context_len: int, kv_tokens: int) -> tuple[int, str]:
@@ -48,6 +49,17 @@ def check_max_new_tokens(
             f"({requested} > {limit} - {prompt_len})",
             param,
         )
+
+
+def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Raise RequestError naming `logit_bias` or `stop_token_ids` when one holds a token id
+    outside the vocabulary (validated params: the ids are ints >= 0)."""
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        bad = sorted(t for t in ids if t >= vocab_size)
+        if bad:
+            raise RequestError(
+                f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})", name
+            )
 
 
 def clamp_max_new_tokens(prompt_len: int, requested: int, context_len: int, kv_tokens: int) -> int:
