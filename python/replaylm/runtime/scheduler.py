@@ -244,8 +244,11 @@ class Scheduler:
                 sample_reqs, rows = self._fork_choices(done_reqs)
                 # their first sample: penalty state from their prompt (and output, if re-admitted)
                 self.runner.logit_adjuster.init_requests(sample_reqs)
-                index = torch.tensor(rows).to(logits.device, non_blocking=True)
-                outputs += self._apply(self._sample(sample_reqs, logits.index_select(0, index)))
+                done_logits = logits[done]
+                if len(sample_reqs) > len(done_reqs):  # forked choices share their parent's row
+                    index = torch.tensor(rows).to(logits.device, non_blocking=True)
+                    done_logits = done_logits.index_select(0, index)
+                outputs += self._apply(self._sample(sample_reqs, done_logits))
             return outputs
         outputs = []
         if self.runner.token_allocator.available_size() < len(self.running):
@@ -291,9 +294,9 @@ class Scheduler:
         return self._apply(in_flight) if in_flight is not None else []
 
     def _fork_choices(self, prefilled: list[Req]) -> tuple[list[Req], list[int]]:
-        """Fork the other choices of the `n > 1` requests just prefilled: (the requests to
-        sample, each one's row of the prefill's logits). Choices that cannot get KV now are
-        queued as requests of their own (they prefill their prompt themselves)."""
+        """Fork the other choices of the `n > 1` requests just prefilled. Returns the requests
+        to sample and, for each, the index in `prefilled` whose logits it samples from. Choices
+        that cannot get KV now are queued as requests of their own (they prefill alone)."""
         reqs, rows = list(prefilled), list(range(len(prefilled)))
         for row, parent in enumerate(prefilled):
             children = self._unforked(parent)
