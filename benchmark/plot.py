@@ -155,24 +155,28 @@ def _up_to(row: dict[str, Any], key: str, upper: str) -> tuple[float, float]:
     return 0.0, row[upper] - row[key]
 
 
-def _serving_run(row: dict[str, Any]) -> tuple[Any, int | None]:
-    """A bench_serving summary row's run: (request rate, max concurrency or None)."""
-    return row["request_rate"], row.get("max_concurrency")
+ServingRun = tuple[str, Any, int | None]
 
 
-def serving_runs(docs: list[Doc]) -> list[tuple[Any, int | None]]:
-    """Every (rate, max concurrency) run in the docs, by rate then concurrency (uncapped last)."""
+def _serving_run(row: dict[str, Any]) -> ServingRun:
+    """A bench_serving summary row's run: (workload, request rate, max concurrency or None)."""
+    return row.get("workload", "plain"), row["request_rate"], row.get("max_concurrency")
+
+
+def serving_runs(docs: list[Doc]) -> list[ServingRun]:
+    """Every run in the docs, by workload, rate, then concurrency (uncapped last)."""
     return sorted(
         {_serving_run(r) for _, doc in docs for r in doc["summary"]},
-        key=lambda run: (_rate(run[0]), run[1] or math.inf),
+        key=lambda run: (run[0], _rate(run[1]), run[2] or math.inf),
     )
 
 
-def _serving_label(run: tuple[Any, int | None]) -> str:
-    rate, concurrency = run
+def _serving_label(run: ServingRun) -> str:
+    workload, rate, concurrency = run
+    prefix = "" if workload == "plain" else f"{workload}\n"
     if concurrency and math.isinf(_rate(rate)):
-        return f"{concurrency} in flight"  # all sent at once, the concurrency is what bounds
-    return f"{rate} req/s" + (f",\n{concurrency} in flight" if concurrency else "")
+        return f"{prefix}{concurrency} in flight"  # all sent at once, the concurrency bounds
+    return prefix + f"{rate} req/s" + (f",\n{concurrency} in flight" if concurrency else "")
 
 
 def plot_serving(docs: list[Doc], out: Path) -> list[Path]:

@@ -66,7 +66,9 @@ def serving_doc(bench_serving, scale: float) -> dict:
         )
     ] * 2
     summary = [
-        bench_serving.summarize(args, "m", rate, concurrency, results, 1.0 * scale)
+        bench_serving.summarize(
+            args, "m", "plain", rate, concurrency, bench_serving.RunResult(results, 1.0 * scale)
+        )
         for rate, concurrency in ((math.inf, None), (4.0, None), (math.inf, 8))
     ]
     return {"config": {}, "summary": summary, "requests": []}
@@ -189,7 +191,11 @@ def test_serving_runs_are_grouped_by_rate_then_concurrency():
     plot = import_script("benchmark/plot.py")
     bench_serving = import_script("benchmark/bench_serving.py")
     docs = [("a", serving_doc(bench_serving, 1.0)), ("b", serving_doc(bench_serving, 2.0))]
-    assert plot.serving_runs(docs) == [(4.0, None), ("inf", 8), ("inf", None)]
+    assert plot.serving_runs(docs) == [
+        ("plain", 4.0, None),
+        ("plain", "inf", 8),
+        ("plain", "inf", None),
+    ]
 
 
 def test_only_missing_inputs_write_nothing(tmp_path, capsys):
@@ -225,6 +231,7 @@ def test_one_batch_series_name_their_kernel_variant():
 def test_serving_groups_are_labelled_by_what_bounds_them():
     pytest.importorskip("matplotlib")
     plot = import_script("benchmark/plot.py")
-    assert plot._serving_label(("inf", 32)) == "32 in flight"
-    assert plot._serving_label((4.0, None)) == "4.0 req/s"
-    assert plot._serving_label((4.0, 8)) == "4.0 req/s,\n8 in flight"
+    assert plot._serving_label(("plain", "inf", 32)) == "32 in flight"
+    assert plot._serving_label(("plain", 4.0, None)) == "4.0 req/s"
+    assert plot._serving_label(("plain", 4.0, 8)) == "4.0 req/s,\n8 in flight"
+    assert plot._serving_label(("json_schema", "inf", 8)) == "json_schema\n8 in flight"
