@@ -50,11 +50,19 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     return None
 
 
-def chat_input_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
+def chat_input_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template, ready for a reply;
+    `tools` (OpenAI function tools) go to templates that offer them to the model."""
     # tokenized, one conversation: a list of ids or (return_dict) a BatchEncoding of them;
     # transformers' annotation is the union over every combination of arguments
-    out: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    offered: list[Any] | None = tools  # transformers also takes functions
+    out: Any = tokenizer.apply_chat_template(
+        messages, tools=offered, add_generation_prompt=True, tokenize=True
+    )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
