@@ -1,7 +1,8 @@
 """Online serving benchmark against any OpenAI-compatible server (streaming requests).
 
     python benchmark/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 \\
-        [--request-rate 4 8 inf] [--max-concurrency 4 32] [--endpoint completions|chat] \\
+        [--request-rate 4 8 inf] [--max-concurrency 4 32] \\
+        [--endpoint completions|chat|generate] [--workload plain json_schema] \\
         [--dataset random | PATH.jsonl | URL] [--json out.json]
 
 Prompts: `random` sends token-id prompts of random length (uniform in
@@ -11,9 +12,19 @@ OpenAI servers); a dataset file or URL (JSON lines or a JSON list) supplies text
 `--dataset-field` (default: the first of question, prompt, text), each asking for
 `--dataset-output-len` tokens. Arrivals are Poisson at each `--request-rate` (req/s; `inf` sends
 all at once), optionally capped at `--max-concurrency` requests in flight (several values: a run
-for each, under every rate).
+for each, under every rate). `--endpoint generate` sends them to the native `POST /generate`
+(replaylm, SGLang) with `sampling_params`.
 
-Per run (rate x concurrency) it prints a table: request and token throughput, TTFT,
+Workloads (`--workload`, several: a run of each, same prompts): `plain` sampling, and
+`json_schema`, structured output where every request asks for the same JSON schema
+(`--json-schema PATH`, default a small record schema): in `sampling_params.json_schema` on
+`/generate`, as an OpenAI `response_format` on the OpenAI routes. On replaylm EOS still ends a
+structured request once its JSON is complete (the grammar allows nothing else), so its outputs are
+shorter than asked: compare token throughput. Its rows count the outputs that parse as JSON and,
+from the server's `/metrics` where it has them (replaylm), the grammar engine's host time per
+step.
+
+Per run (workload x rate x concurrency) it prints a table: request and token throughput, TTFT,
 inter-token latency (the gap between streamed chunks that carry text), time per output token and
 end-to-end latency (mean / p50 / p90 / p99). `--json` writes `{"config", "summary": [one flat
 dict per run], "requests": [...]}`.
@@ -40,6 +51,20 @@ from common import write_json
 
 DATASET_FIELDS = ("question", "prompt", "text")
 PERCENTILES = (50, 90, 99)
+WORKLOADS = ("plain", "json_schema")
+RECORD_SCHEMA = {  # the default structured-output workload: a short record
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "format": "email"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "email", "tags", "active"],
+    "additionalProperties": False,
+}
+GRAMMAR_METRICS = ("replaylm_grammar_steps", "replaylm_grammar_host_seconds")
 
 
 @dataclass
@@ -58,6 +83,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    valid_json: bool | None = None  # structured output: whether the whole text parses
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -102,7 +128,21 @@ def dataset_specs(args: argparse.Namespace, rng: random.Random) -> list[RequestS
 # ---- one request --------------------------------------------------------------------------------
 
 
-def payload(args: argparse.Namespace, model: str, spec: RequestSpec) -> dict[str, Any]:
+def payload(
+    args: argparse.Namespace, model: str, spec: RequestSpec, schema: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The request body; `schema`: the JSON schema its output must follow (None: plain)."""
+    if args.endpoint == "generate":
+        params: dict[str, Any] = {
+            "max_new_tokens": spec.output_len,
+            "temperature": args.temperature,
+        }
+        if args.ignore_eos:
+            params["ignore_eos"] = True
+        if schema is not None:
+            params["json_schema"] = json.dumps(schema)
+        prompt_key = "input_ids" if isinstance(spec.prompt, list) else "text"
+        return {prompt_key: spec.prompt, "sampling_params": params, "stream": True}
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": spec.output_len,
@@ -116,23 +156,44 @@ def payload(args: argparse.Namespace, model: str, spec: RequestSpec) -> dict[str
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
+    if schema is not None:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": schema, "strict": True},
+        }
     return body
 
 
 def chunk_text(event: dict[str, Any]) -> str:
+    if "choices" not in event:  # native /generate: the text new since the last event
+        return event.get("text") or ""
     text = ""
     for choice in event.get("choices") or []:
         text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
     return text
 
 
+def chunk_usage(event: dict[str, Any]) -> dict[str, Any] | None:
+    """The token counts an event carries (OpenAI `usage`; native `meta_info`, cumulative)."""
+    return event.get("usage") or event.get("meta_info")
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 async def send(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], spec: RequestSpec
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], spec: RequestSpec, structured: bool
 ) -> RequestResult:
-    """Stream one request; TTFT is the first chunk with text, ITL the gaps between such chunks."""
+    """Stream one request; TTFT is the first chunk with text, ITL the gaps between such chunks.
+    `structured`: check that the whole text parses as JSON."""
     res = RequestResult(ok=False, input_len=spec.input_len)
     start = last = time.perf_counter()
-    chunks, usage = 0, None
+    chunks, usage, texts = 0, None, []
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -145,8 +206,9 @@ async def send(
                 if "error" in event:
                     res.error = str(event["error"])
                     return res
-                usage = event.get("usage") or usage
-                if chunk_text(event):
+                usage = chunk_usage(event) or usage
+                if text := chunk_text(event):
+                    texts.append(text)
                     now = time.perf_counter()
                     if res.ttft is None:
                         res.ttft = now - start
@@ -160,11 +222,41 @@ async def send(
     res.output_len = usage["completion_tokens"] if usage else chunks
     if usage:
         res.input_len = usage["prompt_tokens"]
+    if structured:
+        res.valid_json = _parses("".join(texts))
     res.ok = True
     return res
 
 
+async def grammar_counters(client: httpx.AsyncClient, base_url: str) -> tuple[float, float] | None:
+    """(steps, host seconds) of the server's grammar engine so far; None when its /metrics
+    has no such series (another server)."""
+    try:
+        response = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    values = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in GRAMMAR_METRICS:
+            values[name] = float(value)
+    if len(values) < len(GRAMMAR_METRICS):
+        return None
+    steps, seconds = (values[n] for n in GRAMMAR_METRICS)
+    return steps, seconds
+
+
 # ---- a run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    results: list[RequestResult]
+    duration: float
+    grammar_steps: float | None = None  # the grammar engine's steps during the run
+    grammar_host_s: float | None = None  # and its host time
 
 
 async def run(
@@ -174,17 +266,21 @@ async def run(
     rate: float,
     concurrency: int | None,
     rng: random.Random,
-) -> tuple[list[RequestResult], float]:
-    """Send every spec (Poisson arrivals at `rate`, at most `concurrency` in flight when set);
-    return the results and the wall time."""
-    path = "chat/completions" if args.endpoint == "chat" else "completions"
-    url = f"{args.base_url.rstrip('/')}/v1/{path}"
+    schema: dict[str, Any] | None,
+) -> RunResult:
+    """Send every spec (Poisson arrivals at `rate`, at most `concurrency` in flight when set),
+    asking for `schema` when given; the results, the wall time and the grammar engine's work."""
+    base = args.base_url.rstrip("/")
+    path = {"chat": "v1/chat/completions", "completions": "v1/completions", "generate": "generate"}
+    url = f"{base}/{path[args.endpoint]}"
+    structured = schema is not None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=concurrency or len(specs) + 1)
     gate = asyncio.Semaphore(concurrency or len(specs))
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         for spec in specs[: args.warmup]:
-            await send(client, url, payload(args, model, spec), spec)
+            await send(client, url, payload(args, model, spec, schema), spec, structured)
+        counters = await grammar_counters(client, base)
         bar = tqdm(
             total=len(specs),
             desc=f"rate {rate}, max concurrency {concurrency}",
@@ -193,7 +289,8 @@ async def run(
 
         async def one(spec: RequestSpec) -> RequestResult:
             async with gate:
-                result = await send(client, url, payload(args, model, spec), spec)
+                body = payload(args, model, spec, schema)
+                result = await send(client, url, body, spec, structured)
             bar.update(1)
             return result
 
@@ -206,7 +303,12 @@ async def run(
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
-    return list(results), duration
+        after = await grammar_counters(client, base)
+    out = RunResult(list(results), duration)
+    if counters is not None and after is not None:
+        out.grammar_steps = after[0] - counters[0]
+        out.grammar_host_s = after[1] - counters[1]
+    return out
 
 
 def _stats(name: str, values_s: list[float]) -> dict[str, float | None]:
@@ -220,11 +322,12 @@ def _stats(name: str, values_s: list[float]) -> dict[str, float | None]:
 def summarize(
     args: argparse.Namespace,
     model: str,
+    workload: str,
     rate: float,
     concurrency: int | None,
-    results: list[RequestResult],
-    duration: float,
+    run_result: RunResult,
 ) -> dict[str, Any]:
+    results, duration = run_result.results, run_result.duration
     ok = [r for r in results if r.ok]
     inputs = sum(r.input_len or 0 for r in ok)
     outputs = sum(r.output_len for r in ok)
@@ -234,9 +337,11 @@ def summarize(
         if r.ttft is not None and r.output_len > 1
     ]
     shown_rate = rate if math.isfinite(rate) else "inf"
+    steps, host_s = run_result.grammar_steps, run_result.grammar_host_s
     row = {
-        "name": f"serving rate={shown_rate} max_concurrency={concurrency}",
+        "name": f"serving {workload} rate={shown_rate} max_concurrency={concurrency}",
         "model": model,
+        "workload": workload,
         "endpoint": args.endpoint,
         "dataset": args.dataset,
         "request_rate": shown_rate,
@@ -254,6 +359,9 @@ def summarize(
         **_stats("itl", [gap for r in ok for gap in r.itl]),
         **_stats("tpot", tpot),
         **_stats("e2e", [r.latency for r in ok]),
+        "valid_json": sum(bool(r.valid_json) for r in ok) if workload == "json_schema" else None,
+        "grammar_steps": steps,
+        "grammar_host_ms_per_step": host_s / steps * 1e3 if host_s is not None and steps else None,
     }
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
@@ -282,7 +390,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--model", default=None, help="default: the first of GET /v1/models")
-    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    parser.add_argument(
+        "--endpoint",
+        choices=("completions", "chat", "generate"),
+        default="completions",
+        help="generate: the native POST /generate",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        nargs="+",
+        default=["plain"],
+        help="plain sampling and/or structured output (the same JSON schema for every request)",
+    )
+    parser.add_argument(
+        "--json-schema", type=Path, default=None, help="the json_schema workload's schema file"
+    )
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--dataset", default="random", help="random, or a JSON(L) file or URL")
     parser.add_argument("--dataset-field", default=None)
@@ -328,24 +451,33 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     specs = random_specs(args, rng) if args.dataset == "random" else dataset_specs(args, rng)
+    schema = json.loads(args.json_schema.read_text()) if args.json_schema else RECORD_SCHEMA
     model = asyncio.run(resolve_model(args))
     summary, requests = [], []
-    for rate, concurrency in itertools.product(args.request_rate, args.max_concurrency):
-        results, duration = asyncio.run(run(args, model, specs, rate, concurrency, rng))
-        row = summarize(args, model, rate, concurrency, results, duration)
+    runs = itertools.product(args.workload, args.request_rate, args.max_concurrency)
+    for workload, rate, concurrency in runs:
+        wanted = schema if workload == "json_schema" else None
+        result = asyncio.run(run(args, model, specs, rate, concurrency, rng, wanted))
+        row = summarize(args, model, workload, rate, concurrency, result)
         print_table(row)
-        errors = [r.error for r in results if not r.ok]
+        errors = [r.error for r in result.results if not r.ok]
         if errors:
             print(f"{len(errors)} requests failed; the first: {errors[0]}")
         summary.append(row)
         requests += [
-            {"request_rate": row["request_rate"], "max_concurrency": concurrency, **asdict(r)}
-            for r in results
+            {
+                "workload": workload,
+                "request_rate": row["request_rate"],
+                "max_concurrency": concurrency,
+                **asdict(r),
+            }
+            for r in result.results
         ]
     if args.json:
         config = {
             **vars(args),
             "json": str(args.json),
+            "json_schema": schema,
             "request_rate": [str(r) for r in args.request_rate],
         }
         write_json(args.json, {"config": config, "summary": summary, "requests": requests})

@@ -178,6 +178,22 @@ def dummy_runner(
     )
 
 
+def build_runner(model_path: str, device: str, max_bs: int, tokens_per_req: int) -> ModelRunner:
+    """A runner of `model_path` (a `.json` config: dummy weights) on `device`, default modes,
+    whose KV pool and request table hold `max_bs` requests of `tokens_per_req` tokens."""
+    return ModelRunner(
+        ServerArgs(
+            model_path=model_path,
+            load_format="dummy" if model_path.endswith(".json") else "auto",
+            device=device,
+            max_running_requests=max_bs,
+            context_length=tokens_per_req,
+            max_total_tokens=max_bs * tokens_per_req + 64,
+            chunked_prefill_size=2048,
+        )
+    )
+
+
 def synthetic_requests(n: int, length: int) -> list[Req]:
     """`n` requests of `length` prompt tokens each, distinct and deterministic."""
     return [

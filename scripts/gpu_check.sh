@@ -6,9 +6,10 @@
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention matmul
 #   decode_chain one_batch one_batch_native decode_host one_batch_kernels one_batch_det profile
-#   startup offline offline_bs1 serving; one_batch_native: Qwen3-0.6B over the fused kernels and
-#   over the layers' torch code (what Inductor's fusion gives tc_piecewise); offline and
-#   offline_bs1: offline throughput with the overlap schedule and without (offline_bs1: one
+#   startup offline offline_bs1 sampling serving; sampling: decode ms per step with penalties
+#   and logit_bias off and on at bs 1 and 64; one_batch_native: Qwen3-0.6B over the fused
+#   kernels and over the layers' torch code (what Inductor's fusion gives tc_piecewise); offline
+#   and offline_bs1: offline throughput with the overlap schedule and without (offline_bs1: one
 #   request, full decode graphs: the per-token step of a server); the tuning tools of
 #   benchmark/tuning/: decode_host: host time of a server-like decode step;
 #   decode_chain: attention slices and launches, matmul configs and fusions inside a
@@ -84,7 +85,7 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
                      '{"small_batch_matmul": "triton"}')
     for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch one_batch_native \
                   decode_host one_batch_kernels one_batch_det profile startup offline offline_bs1 \
-                  serving}; do
+                  sampling serving}; do
         case $bench in
             serving) for modes in ${GPU_CHECK_SERVING_MODES:-full/breakable breakable/breakable \
                                    tc_piecewise/tc_piecewise}; do bench_serving_local "$modes"; done ;;

@@ -30,27 +30,11 @@ from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
-from replaylm.server_args import ServerArgs
 
-from common import config_path, write_json
+from common import build_runner, config_path, write_json
 
 DEFAULT_MODEL = config_path("qwen3-0.6b")
 WARMUP = 20
-
-
-def build_runner(model_path: str, device: str, max_bs: int, tokens_per_req: int) -> ModelRunner:
-    """A runner whose KV pool and request table hold `max_bs` requests of `tokens_per_req`."""
-    return ModelRunner(
-        ServerArgs(
-            model_path=model_path,
-            load_format="dummy" if model_path.endswith(".json") else "auto",
-            device=device,
-            max_running_requests=max_bs,
-            context_length=tokens_per_req,
-            max_total_tokens=max_bs * tokens_per_req + 64,
-            chunked_prefill_size=2048,
-        )
-    )
 
 
 def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) -> dict[str, float]:

@@ -50,3 +50,14 @@ def test_stop_string_is_never_released(tokenizer):
         released = detok.releasable()
     assert "The answer is 42. ".startswith(released) and len(released) >= 10
     assert detok.final_text("STOP") == "The answer is 42. "
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_shown_only_when_asked(tokenizer, skip):
+    """`skip_special_tokens=False` streams the chat markers too, as decoding all at once does."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi there"}], tokenize=True, return_dict=False
+    )
+    streamed, _ = _stream(IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip), ids)
+    assert streamed == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_start|>" in streamed) is not skip

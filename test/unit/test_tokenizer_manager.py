@@ -50,6 +50,10 @@ def test_bad_input_is_rejected_before_anything_is_queued(manager):
     with pytest.raises(RequestError) as err:
         asyncio.run(_collect(manager, [5], temperature=-1.0))
     assert err.value.param == "temperature"
+    for field, value in (("logit_bias", {320: 1.0}), ("stop_token_ids", [320])):  # vocab 320
+        with pytest.raises(RequestError, match="outside the vocabulary") as err:
+            asyncio.run(_collect(manager, [5], **{field: value}))
+        assert err.value.param == field
 
 
 def test_closing_the_stream_aborts_and_frees_kv(manager):
@@ -83,3 +87,36 @@ def test_child_death_is_reported_not_hung(manager):
     assert not manager.healthy()
     with pytest.raises(ServiceUnavailableError):
         asyncio.run(_collect(manager, [5]))
+
+
+def test_choices_of_one_request_are_told_apart_by_index(manager):
+    """n=3: every choice streams its own tokens under one request id; greedy choices agree,
+    seeded sampled ones follow seed, seed + 1, seed + 2; the prompt logprobs come once a choice."""
+
+    async def run(n: int, **params) -> dict[int, list]:
+        req = GenerateRequest(
+            [5, 6, 7, 8], SamplingParams(**{**GREEDY, **params}), prompt_logprobs=2, n=n
+        )
+        by_choice: dict[int, list] = {}
+        async for out in manager.generate(req):
+            assert out.rid == req.rid
+            by_choice.setdefault(out.index, []).append(out)
+        return by_choice
+
+    def tokens(outs: list) -> list[int]:
+        return [t for o in outs for t in o.token_ids]
+
+    greedy = asyncio.run(run(3, max_new_tokens=5))
+    assert sorted(greedy) == [0, 1, 2]
+    assert len({tuple(tokens(outs)) for outs in greedy.values()}) == 1
+    for outs in greedy.values():
+        assert outs[-1].finish_reason.type == "length"
+        assert [o.prompt_logprobs is not None for o in outs] == [True] + [False] * 4
+        assert len(outs[0].prompt_logprobs) == 4 and outs[0].prompt_logprobs[0] is None
+    sampled = asyncio.run(run(3, max_new_tokens=8, temperature=1.0, seed=40))
+    singles = [asyncio.run(run(1, max_new_tokens=8, temperature=1.0, seed=s)) for s in (40, 41, 42)]
+    assert [tokens(sampled[i]) for i in range(3)] == [tokens(s[0]) for s in singles]
+    assert len({tuple(tokens(outs)) for outs in sampled.values()}) > 1
+    with pytest.raises(RequestError) as err:
+        asyncio.run(run(5, max_new_tokens=2))  # more choices than running slots
+    assert err.value.param == "n"

@@ -14,7 +14,7 @@ from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.model_loader.tokenizer import chat_input_ids, text_decoder
 from replaylm.runtime.model_setup import load_runner_and_tokenizer
 from replaylm.runtime.request import Req, truncate_at_stop
-from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
+from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
 from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
@@ -22,6 +22,9 @@ from replaylm.server_args import ServerArgs
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from typing_extensions import TypeIs
+
+    from replaylm.structured.compiler import GrammarCompiler
+    from replaylm.structured.grammar import RequestGrammar
 
 Prompt = str | list[str] | None
 TokenIds = list[int] | list[list[int]] | None
@@ -45,6 +48,7 @@ class Engine:
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
         self._decode = text_decoder(self.tokenizer) if self.tokenizer is not None else None
+        self._grammar: GrammarCompiler | None = None  # made for the first constrained request
         self.scheduler = Scheduler(
             self.runner,
             self.eos_token_ids,
@@ -137,12 +141,31 @@ class Engine:
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
         runner = self.runner
         check_input_ids(ids, runner.config.vocab_size, runner.context_len, runner.max_total_tokens)
+        check_vocab_ids(params, runner.config.vocab_size)
         max_new = clamp_max_new_tokens(
             len(ids), params.max_new_tokens, runner.context_len, runner.max_total_tokens
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         rid, self._next_rid = str(self._next_rid), self._next_rid + 1
-        return Req(rid, list(ids), params, seed, max_new)
+        return Req(rid, list(ids), params, seed, max_new, grammar=self._request_grammar(params))
+
+    def _request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        """The grammar of `params`' structured-output constraint (None without one); ValueError
+        naming the field when it is invalid."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        from replaylm.structured.compiler import GrammarCompiler
+        from replaylm.structured.grammar import RequestGrammar
+
+        if self._grammar is None:
+            vocab_size = self.runner.config.vocab_size
+            self._grammar = GrammarCompiler.for_tokenizer(self._require_tokenizer(), vocab_size)
+            if self._grammar is None:
+                raise ValueError(f"{constraint[0]}: the grammar engine cannot read the tokenizer")
+        compiled = self._grammar.compile_grammar(params)
+        assert compiled is not None  # there is a constraint
+        return RequestGrammar.start(compiled, self.eos_token_ids)
 
     def _result(self, req: Req) -> dict[str, Any]:
         text = self._decode(req.output_ids) if self._decode is not None else None

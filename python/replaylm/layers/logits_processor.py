@@ -37,4 +37,10 @@ class LogitsProcessor(MatmulLayer):
         if not batch.forward_mode.is_decode():
             last = batch.extend_start_loc + batch.extend_seq_lens - 1
             hidden = hidden[last]
+        return self.project(hidden, lm_head_weight, out)
+
+    def project(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits `[N, V]` (float32) of every row of `hidden [N, H]`."""
         return linear(hidden, lm_head_weight, None, self.matmul, out_dtype=torch.float32, out=out)

@@ -38,5 +38,11 @@ class KVPool:
         self.k_buffers[layer_id][slots] = k.to(self.dtype)
         self.v_buffers[layer_id][slots] = v.to(self.dtype)
 
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots `src` into slots `dst` (int64 `[T]` each) in every layer."""
+        for buffers in (self.k_buffers, self.v_buffers):
+            for buf in buffers:
+                buf.index_copy_(0, dst, buf.index_select(0, src))
+
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)

@@ -21,6 +21,7 @@ from replaylm.layers.kernels import (
     use_triton_kernels,
 )
 from replaylm.layers.linear import AUTO_SKINNY_MAX_BYTES, set_matmul
+from replaylm.layers.logit_adjust import LogitAdjuster, LogitAdjustments
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -90,6 +91,10 @@ class ModelRunner:
         backend = resolve_attention_backend(args.attention_backend, self.device.type)
         self.attn_backend = create_attention_backend(backend, args.deterministic)
         self.sampler = Sampler()
+        # penalty state per request-table row, allocated when a penalised request first comes
+        self.logit_adjuster = LogitAdjuster(
+            args.max_running_requests, self.config.vocab_size, self.device
+        )
         logger.info(
             "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s, "
             "matmul %s%s%s",
@@ -194,8 +199,36 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch)
 
     @torch.inference_mode()
+    def forward_keeping_hidden(
+        self, batch: ForwardBatch, token_index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits plus the final hidden states of the batch's tokens at
+        `token_index` (int64 `[N]`, flat token positions), for prompt logprobs. Always eager:
+        graphs keep only what `forward` returns, and the eager pass is the reference anyway."""
+        self.forward_stats.record("prefill", graph=False, padding_tokens=0)
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model.forward_hidden(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden, batch), hidden.index_select(0, token_index)
+
+    @torch.inference_mode()
+    def token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[N, V]` (float32) of every row of `hidden [N, H]`."""
+        return self.model.logits_processor.project(hidden, self.model.lm_head_weight)
+
+    @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, info: SamplingBatchInfo, steps: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        steps: torch.Tensor,
+        adjust: LogitAdjustments | None = None,
     ) -> torch.Tensor:
-        """Next token id per request (`[B]` int64); `steps` = tokens each request generated."""
-        return self.sampler(logits, info, steps)
+        """Next token id per request (`[B]` int64); `steps` = tokens each request generated.
+        `adjust` (penalties, logit_bias, min_tokens; see `logit_adjuster`) changes the logits
+        the sampler sees, not `logits` itself (logprobs stay the model's), and counts the
+        sampled ids for the penalties."""
+        if adjust is None:
+            return self.sampler(logits, info, steps)
+        next_ids = self.sampler(adjust.apply(logits), info, steps)
+        adjust.record(next_ids)
+        return next_ids

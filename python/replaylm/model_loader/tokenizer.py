@@ -25,12 +25,15 @@ class TokenizerInfo:
     `has_tokenizer` False: the model takes token ids only. `fast_json`: the tokenizers-library
     definition, which decodes stop-string text exactly as the manager's tokenizer does; None with
     a tokenizer means the scheduler loads the tokenizer itself. `eos_token_id` joins the model
-    config's EOS ids.
+    config's EOS ids. `grammar_vocabulary`: the vocabulary as the grammar engine sees it
+    (`structured.vocabulary`), which structured-output grammars are compiled against; None: no
+    structured output.
     """
 
     has_tokenizer: bool
     eos_token_id: int | None
     fast_json: str | None = None
+    grammar_vocabulary: str | None = None
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
@@ -93,8 +96,13 @@ def tokenizer_info(tokenizer: PreTrainedTokenizerBase | None) -> TokenizerInfo:
         ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
         if backend.decode(ids, skip_special_tokens=True) == text_decoder(tokenizer)(ids):
             fast_json = backend.to_str()
+    from replaylm.structured.vocabulary import describe_vocabulary  # imports xgrammar: only here
+
     return TokenizerInfo(
-        has_tokenizer=True, eos_token_id=tokenizer.eos_token_id, fast_json=fast_json
+        has_tokenizer=True,
+        eos_token_id=tokenizer.eos_token_id,
+        fast_json=fast_json,
+        grammar_vocabulary=describe_vocabulary(tokenizer),
     )
 
 

@@ -1,7 +1,8 @@
 """Turning requests into ForwardBatches: KV-slot allocation, request-table writes, release.
 
-The scheduler forms every batch through these functions, so KV slots, request-table rows and each
-request's host copy of its slots (`Req.kv_slots`) always change together.
+The scheduler forms every batch (and forks every `n > 1` request) through these functions, so KV
+slots, request-table rows and each request's host copy of its slots (`Req.kv_slots`) always change
+together.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
+from replaylm.model_executor.packed_inputs import send_packed
 
 if TYPE_CHECKING:
     from replaylm.model_executor.model_runner import ModelRunner
@@ -65,6 +67,27 @@ def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
         runner,
         runner.decode_inputs(len(reqs)),
     )
+
+
+def fork(parent: Req, children: list[Req], runner: ModelRunner) -> None:
+    """Give each child its own request-table row and a device copy of the parent's cached KV,
+    so the children decode on from the parent's prefill without computing it again. Raises
+    OutOfKVCacheError / OutOfRequestSlotsError with every request untouched."""
+    n, table = parent.kv_len, runner.req_to_token_pool
+    slots = runner.token_allocator.alloc(n * len(children))
+    try:
+        rows = table.alloc(len(children))
+    except Exception:
+        runner.token_allocator.free(slots)
+        raise
+    index = [row * table.row_width + j for row in rows for j in range(n)]
+    wide, dst32 = send_packed(table.device, parent.kv_slots * len(children) + slots + index, slots)
+    src, dst, table_index = wide.split(len(slots))
+    runner.kv_pool.copy(src, dst)
+    table.write(table_index, dst32)
+    for i, (child, row) in enumerate(zip(children, rows, strict=True)):
+        child.req_pool_idx = row
+        child.kv_slots = slots[i * n : (i + 1) * n]
 
 
 def release(req: Req, runner: ModelRunner) -> None:

@@ -21,8 +21,20 @@ class IncrementalDetokenizer:
     `final_text(matched)` cuts at a matched stop string.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        """The two flags are the tokenizer's decode options (the second has an effect on slow
+        tokenizers only, as in transformers)."""
         self.tokenizer = tokenizer
+        self._options = {
+            "skip_special_tokens": skip_special_tokens,
+            "spaces_between_special_tokens": spaces_between_special_tokens,
+        }
         self.ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0  # start of the context window
@@ -30,7 +42,7 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, **self._options)
 
     def _pending(self) -> tuple[str, str]:
         """(text of the context window, text of the window plus the unread tokens)."""

@@ -123,11 +123,15 @@ class SchedulerStats:
     kv_total_tokens: int
     num_retractions: int
     forward_stats: ForwardStats = field(default_factory=ForwardStats)
+    grammar_steps: int = 0  # sampling steps that masked a structured-output request's logits
+    grammar_host_s: float = 0.0  # host time of the grammar engine so far (feeding, bitmasks)
 
 
 @dataclass
 class ReqTokenOut:
-    """A request's tokens produced in one step (or its abort / finish)."""
+    """A request's tokens produced in one step (or its abort / finish). `admitted_at`: the
+    wall-clock time (`time.time()`, comparable across processes) of the request's first
+    admission to a prefill batch, for the queue and prefill time metrics."""
 
     rid: str
     new_token_ids: list[int]
@@ -136,6 +140,7 @@ class ReqTokenOut:
     prompt_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0
+    admitted_at: float | None = None
 
 
 @dataclass

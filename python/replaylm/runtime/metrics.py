@@ -1,10 +1,14 @@
 """Prometheus metrics of the server (`GET /metrics`), kept in the main process.
 
-Request, token and latency series are observed by the tokenizer manager as outputs arrive; the
-scheduler's gauges (queue, running, KV usage) are refreshed from the stats it sends every step.
+Request, token and latency series are observed by the tokenizer manager as outputs arrive, once
+per request (per choice) when its first token arrives and when it ends; the scheduler's gauges
+(queue, running, KV usage) and counters (preemptions) are refreshed from the stats it sends every
+step. The README's metrics table documents every series; a test keeps the two equal.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -12,12 +16,17 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 
 from replaylm.runtime.io_struct import SchedulerStats
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# no `*_created` twin of every counter and histogram: Prometheus detects counter resets itself
+disable_created_metrics()
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1 .. 500k
 
 
 class ServerMetrics:
@@ -26,7 +35,10 @@ class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "replaylm_requests", "finished requests", ["finish_reason"], registry=r
+            "replaylm_requests",
+            "requests ended, by finish reason (stop, length, abort)",
+            ["finish_reason"],
+            registry=r,
         )
         self.prompt_tokens = Counter("replaylm_prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter(
@@ -37,7 +49,12 @@ class ServerMetrics:
         self.kv_used = Gauge("replaylm_kv_used_tokens", "KV cache slots in use", registry=r)
         self.kv_total = Gauge("replaylm_kv_total_tokens", "KV cache slots", registry=r)
         self.kv_usage = Gauge("replaylm_kv_usage_ratio", "KV slots in use / all", registry=r)
-        self.retractions = Gauge("replaylm_retractions", "requests retracted so far", registry=r)
+        self.preemptions = Counter(
+            "replaylm_num_preemptions",
+            "requests retracted (preempted) to free KV slots, to be recomputed",
+            registry=r,
+        )
+        self._preemptions_seen = 0
         self.forward_batches = Gauge(
             "replaylm_forward_batches",
             "forward passes so far, by phase and by path "
@@ -51,24 +68,71 @@ class ServerMetrics:
             ["phase"],
             registry=r,
         )
-        self.ttft = Histogram(
-            "replaylm_time_to_first_token_seconds",
-            "time to first token",
-            buckets=_LATENCY_BUCKETS,
+        self.grammar_steps = Gauge(
+            "replaylm_grammar_steps",
+            "sampling steps that masked a structured-output request's logits, so far",
             registry=r,
         )
-        self.itl = Histogram(
-            "replaylm_inter_token_latency_seconds",
-            "time between tokens",
-            buckets=_LATENCY_BUCKETS,
+        self.grammar_host_seconds = Gauge(
+            "replaylm_grammar_host_seconds",
+            "host time of the grammar engine (feeding tokens, filling bitmasks), so far",
             registry=r,
         )
-        self.e2e = Histogram(
-            "replaylm_e2e_request_latency_seconds",
-            "request latency",
-            buckets=_LATENCY_BUCKETS,
+        self.ttft = self._seconds("time_to_first_token_seconds", "time to first token")
+        self.itl = self._seconds("inter_token_latency_seconds", "time between tokens")
+        self.e2e = self._seconds(
+            "e2e_request_latency_seconds", "time from arrival to the request's end"
+        )
+        self.queue_time = self._seconds(
+            "request_queue_time_seconds", "time from arrival to first admission to a prefill"
+        )
+        self.prefill_time = self._seconds(
+            "request_prefill_time_seconds", "time from first admission to the first token"
+        )
+        self.decode_time = self._seconds(
+            "request_decode_time_seconds", "time from the first token to the request's end"
+        )
+        self.request_prompt_tokens = Histogram(
+            "replaylm_request_prompt_tokens",
+            "prompt tokens per request",
+            buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+        self.request_generation_tokens = Histogram(
+            "replaylm_request_generation_tokens",
+            "generated tokens per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+
+    def _seconds(self, name: str, documentation: str) -> Histogram:
+        return Histogram(
+            f"replaylm_{name}", documentation, buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
+
+    def first_token(self, ttft: float, arrived_wall: float, admitted_wall: float | None) -> None:
+        """A request's first token: its TTFT, split at its admission into queue and prefill time.
+        The admission is stamped in the scheduler process, so both halves use the wall clock."""
+        self.ttft.observe(ttft)
+        if admitted_wall is not None:
+            self.queue_time.observe(max(admitted_wall - arrived_wall, 0.0))
+            self.prefill_time.observe(max(time.time() - admitted_wall, 0.0))
+
+    def request_ended(
+        self,
+        finish_reason: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        e2e: float,
+        decode: float | None,
+    ) -> None:
+        """A request's end, finished or aborted; `decode` is None when it had no token."""
+        self.requests.labels(finish_reason).inc()
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        self.e2e.observe(e2e)
+        if decode is not None:
+            self.decode_time.observe(decode)
 
     def set_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -76,7 +140,10 @@ class ServerMetrics:
         self.kv_used.set(stats.kv_used_tokens)
         self.kv_total.set(stats.kv_total_tokens)
         self.kv_usage.set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
-        self.retractions.set(stats.num_retractions)
+        self.preemptions.inc(stats.num_retractions - self._preemptions_seen)
+        self._preemptions_seen = stats.num_retractions
+        self.grammar_steps.set(stats.grammar_steps)
+        self.grammar_host_seconds.set(stats.grammar_host_s)
         for phase, counts in stats.forward_stats.phases.items():
             self.forward_batches.labels(phase, "graph").set(counts.graph)
             self.forward_batches.labels(phase, "eager").set(counts.eager)

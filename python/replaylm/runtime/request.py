@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from replaylm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from replaylm.runtime.prompt_logprobs import PromptLogprobChunk
+    from replaylm.structured.grammar import RequestGrammar
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,34 @@ class Req:
     kv_slots: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     top_logprobs: int | None = None  # None: no logprobs; k: sampled token's + k alternatives
+    # None: none; k: each prompt token's logprob (after the first) + k alternatives
+    prompt_logprobs: int | None = None
+    prompt_logprob_chunks: list[PromptLogprobChunk] = field(default_factory=list)
+    # the other choices of an `n > 1` request, (rid, seed) each: forked once the prompt is cached
+    forks: list[tuple[str, int]] = field(default_factory=list)
+    admitted_at: float | None = None  # time.time() of its first admission to a prefill batch
+    grammar: RequestGrammar | None = None  # structured output: the grammar the output follows
+
+    @property
+    def prompt_logprobs_done(self) -> int:
+        """Prompt positions whose next token's logprob is computed (each predicts the next)."""
+        chunks = self.prompt_logprob_chunks
+        return chunks[-1].end if chunks else 0
+
+    def fork(self, rid: str, seed: int) -> Req:
+        """A new choice of this request: same prompt and settings, its own id and seed."""
+        return Req(
+            rid,
+            self.input_ids,
+            self.sampling_params,
+            seed,
+            self.max_new_tokens,
+            top_logprobs=self.top_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprob_chunks=self.prompt_logprob_chunks,
+            admitted_at=self.admitted_at,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
+        )
 
     @property
     def kv_len(self) -> int:

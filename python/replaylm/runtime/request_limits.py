@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from replaylm.runtime.errors import RequestError
+from replaylm.sampling_params import SamplingParams
 
 
 def check_input_ids(ids: list[int], vocab_size: int, context_len: int, kv_tokens: int) -> None:
@@ -20,6 +21,17 @@ def check_input_ids(ids: list[int], vocab_size: int, context_len: int, kv_tokens
         )
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
         raise RequestError(f"input_ids must be ints in [0, {vocab_size})", "input_ids")
+
+
+def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Raise RequestError naming `logit_bias` or `stop_token_ids` when one holds a token id
+    outside the vocabulary (validated params: the ids are ints >= 0)."""
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        bad = sorted(t for t in ids if t >= vocab_size)
+        if bad:
+            raise RequestError(
+                f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})", name
+            )
 
 
 def clamp_max_new_tokens(prompt_len: int, requested: int, context_len: int, kv_tokens: int) -> int:

@@ -18,22 +18,37 @@ that finished in the step being read back was computed once more in the step in 
 token is dropped (a request that reaches `max_new_tokens` is left out of the next step, since
 its end is known). Prefill steps, retraction and an empty running set read the step in flight
 back first, so they see every request's tokens.
+
+Structured output: a request with a grammar (`Req.grammar`) has its logits row masked to the
+tokens the grammar allows next, and finishes when the grammar has accepted a stop token. The mask
+of a decode step depends on the token of the step before it, so under overlap the step is
+launched first and the step in flight's tokens are then fed to the grammars (waiting for their
+host copy only, which is ready long before the new step's forward ends): the host fills the
+bitmask while the GPU runs the forward. A token fed there is not fed again when its step is
+applied. A token the grammar rejects ends its request with an `abort` naming it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from replaylm.layers.sampler import SamplingBatchInfo
+from replaylm.mem_cache.errors import OutOfKVCacheError, OutOfRequestSlotsError
 from replaylm.model_executor.model_runner import ModelRunner
-from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
+from replaylm.runtime.batch_ops import fork, prepare_decode, prepare_extend, release
 from replaylm.runtime.io_struct import SchedulerStats, TokenLogprob
+from replaylm.runtime.prompt_logprobs import PromptLogprobPlan, prompt_token_logprobs
 from replaylm.runtime.request import FinishReason, Req
+
+if TYPE_CHECKING:
+    from replaylm.structured.bitmask import GrammarMask
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +60,13 @@ RETRACT_RATIO_BUMP = 0.25
 
 @dataclass
 class StepOutput:
-    """What one step did to one request: tokens appended (0 or 1) and whether it finished."""
+    """What one step did to one request: tokens appended (0 or 1) and whether it finished;
+    with its first token, its prompt logprobs when it asked for them."""
 
     req: Req
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -80,6 +97,7 @@ class _Sampled:
     logprobs: _Logprobs | None
     ready: torch.cuda.Event | None
     rows: dict[int, int]
+    _tokens: list[int] | None = None
 
     @classmethod
     def start(cls, reqs: list[Req], next_ids: torch.Tensor, logprobs: _Logprobs | None) -> _Sampled:
@@ -94,11 +112,17 @@ class _Sampled:
             reqs, next_ids, host_ids, host_logprobs, ready, {id(r): i for i, r in enumerate(reqs)}
         )
 
+    def tokens(self) -> list[int]:
+        """The token per request, waiting for the copies only."""
+        if self._tokens is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._tokens = self.host_ids.tolist()
+        return self._tokens
+
     def results(self) -> tuple[list[int], list[list[TokenLogprob] | None] | None]:
         """(token per request, logprobs per request or None), waiting for the copies only."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        tokens = self.host_ids.tolist()
+        tokens = self.tokens()
         return tokens, _token_logprobs(self.reqs, tokens, self.logprobs)
 
 
@@ -129,6 +153,9 @@ class Scheduler:
         self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO
         self.overlap = overlap
         self._in_flight: _Sampled | None = None  # a decode step not read back yet
+        self._grammar_mask: GrammarMask | None = None  # made for the first constrained batch
+        self.grammar_steps = 0  # sampling steps with a constrained request
+        self.grammar_host_s = 0.0  # host time spent feeding grammars and filling bitmasks
         logger.info(
             "overlap schedule: %s",
             "on (each decode step is launched before the one before it is read back)"
@@ -148,13 +175,22 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: object) -> Req | None:
-        """Remove a request wherever it is, free its KV at once; returns it (None if unknown)."""
+        """Remove a request wherever it is, free its KV at once; returns it (None if unknown).
+        A choice not forked yet is dropped from its parent; the pending choices of an aborted
+        parent go on as requests of their own."""
         for queue in (self.running, self.waiting):
             for req in queue:
+                for i, (fork_rid, seed) in enumerate(req.forks):
+                    if fork_rid == rid:
+                        del req.forks[i]
+                        child = req.fork(fork_rid, seed)
+                        child.finish_reason = FinishReason("abort", "aborted by the client")
+                        return child
                 if req.rid == rid:
                     queue.remove(req)
                     release(req, self.runner)
                     req.finish_reason = FinishReason("abort", "aborted by the client")
+                    self.waiting.extendleft(reversed(self._unforked(req)))
                     return req
         return None
 
@@ -171,6 +207,8 @@ class Scheduler:
             kv_total_tokens=total,
             num_retractions=self.num_retractions,
             forward_stats=self.runner.forward_stats,
+            grammar_steps=self.grammar_steps,
+            grammar_host_s=self.grammar_host_s,
         )
 
     def run_to_completion(self) -> None:
@@ -186,7 +224,14 @@ class Scheduler:
         prefill = self._admit_prefill()
         if prefill:
             reqs, chunks = prefill
-            logits = self.runner.forward(prepare_extend(reqs, self.runner, chunks))
+            plan = PromptLogprobPlan.build(reqs, chunks)
+            batch = prepare_extend(reqs, self.runner, chunks)
+            if plan is None:
+                logits = self.runner.forward(batch)
+            else:
+                index = torch.tensor(plan.token_index).to(batch.input_ids.device, non_blocking=True)
+                logits, hidden = self.runner.forward_keeping_hidden(batch, index)
+                plan.score(self.runner, hidden)
             outputs = self._read_back()  # while the GPU runs the prefill
             done = [i for i, r in enumerate(reqs) if r.kv_len == r.num_ids]
             for i, req in enumerate(reqs):
@@ -196,7 +241,11 @@ class Scheduler:
                     self.waiting.appendleft(req)  # a chunked prompt: next chunk next step
             done_reqs = [reqs[i] for i in done]
             if done_reqs:
-                outputs += self._apply(self._sample(done_reqs, logits[done]))
+                sample_reqs, rows = self._fork_choices(done_reqs)
+                # their first sample: penalty state from their prompt (and output, if re-admitted)
+                self.runner.logit_adjuster.init_requests(sample_reqs)
+                index = torch.tensor(rows).to(logits.device, non_blocking=True)
+                outputs += self._apply(self._sample(sample_reqs, logits.index_select(0, index)))
             return outputs
         outputs = []
         if self.runner.token_allocator.available_size() < len(self.running):
@@ -241,6 +290,33 @@ class Scheduler:
         in_flight, self._in_flight = self._in_flight, None
         return self._apply(in_flight) if in_flight is not None else []
 
+    def _fork_choices(self, prefilled: list[Req]) -> tuple[list[Req], list[int]]:
+        """Fork the other choices of the `n > 1` requests just prefilled: (the requests to
+        sample, each one's row of the prefill's logits). Choices that cannot get KV now are
+        queued as requests of their own (they prefill their prompt themselves)."""
+        reqs, rows = list(prefilled), list(range(len(prefilled)))
+        for row, parent in enumerate(prefilled):
+            children = self._unforked(parent)
+            if not children:
+                continue
+            try:
+                fork(parent, children, self.runner)
+            except (OutOfKVCacheError, OutOfRequestSlotsError) as err:
+                logger.info("request %s: %s; its other choices prefill alone", parent.rid, err)
+                self.waiting.extendleft(reversed(children))
+                continue
+            self.running += children
+            reqs += children
+            rows += [row] * len(children)
+        return reqs, rows
+
+    @staticmethod
+    def _unforked(req: Req) -> list[Req]:
+        """Take the request's pending choices off it, as requests."""
+        children = [req.fork(rid, seed) for rid, seed in req.forks]
+        req.forks = []
+        return children
+
     def _expected_new_tokens(self, req: Req) -> int:
         return int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
 
@@ -261,17 +337,25 @@ class Scheduler:
             if chunk <= 0 or (needs_row and free_rows == 0):
                 break
             alone = not self.running and not reqs  # always admissible: callers clamp budgets
+            # the choices forked once the prompt is cached each need its KV and a row too
+            forks = len(req.forks) if chunk == todo else 0
+            fork_kv = forks * (req.num_ids + 1 + self._expected_new_tokens(req))
             if (
                 chunk == todo
                 and not alone
-                and (todo + 1 + self._expected_new_tokens(req) > free_kv)
+                and (
+                    todo + 1 + self._expected_new_tokens(req) + fork_kv > free_kv
+                    or needs_row + forks > free_rows
+                )
             ):
                 break  # would finish its prompt with no room to decode: wait
             self.waiting.popleft()
+            if req.admitted_at is None:  # not for a later chunk or after a retraction
+                req.admitted_at = time.time()
             reqs.append(req)
             chunks.append(chunk)
-            free_kv -= chunk + 1  # + its first decode token
-            free_rows -= needs_row
+            free_kv -= chunk + 1 + fork_kv  # + its first decode token
+            free_rows -= needs_row + forks
             budget -= chunk
             if chunk < todo:
                 break  # one chunked prompt per batch, last
@@ -313,11 +397,37 @@ class Scheduler:
             logits.device,
         )
         pending = pending or {}
-        steps = torch.tensor([len(r.output_ids) + (id(r) in pending) for r in reqs]).to(
-            logits.device, non_blocking=True
-        )
-        next_ids = self.runner.sample(logits, info, steps)
+        num_out = [len(r.output_ids) + (id(r) in pending) for r in reqs]
+        steps = torch.tensor(num_out).to(logits.device, non_blocking=True)
+        adjust = self.runner.logit_adjuster.adjustments(reqs, num_out, self.eos_ids)
+        next_ids = self.runner.sample(self._constrain(reqs, logits), info, steps, adjust)
         return _Sampled.start(reqs, next_ids, _logprobs(reqs, logits, next_ids))
+
+    def _constrain(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the rows of requests with a grammar masked to what it allows next (a
+        copy; `logits` itself when no request has one; logprobs stay the model's). The step in
+        flight's tokens, not applied yet, are fed to the grammars first."""
+        grammars = {i: r.grammar for i, r in enumerate(reqs) if r.grammar is not None}
+        if not grammars:
+            return logits
+        in_flight = self._in_flight
+        pending = in_flight.rows if in_flight is not None else {}
+        fed = [i for i in grammars if id(reqs[i]) in pending]
+        # waits for the step in flight's host copy (no grammar work: outside the timing)
+        tokens = in_flight.tokens() if in_flight is not None and fed else []
+        start = time.perf_counter()
+        for i in fed:
+            grammars[i].feed(len(reqs[i].output_ids), tokens[pending[id(reqs[i])]])
+        live = [i for i, g in grammars.items() if not g.done]
+        if live:
+            if self._grammar_mask is None:
+                from replaylm.structured.bitmask import GrammarMask
+
+                self._grammar_mask = GrammarMask()
+            logits = self._grammar_mask.apply(logits, live, [grammars[i] for i in live])
+        self.grammar_steps += 1
+        self.grammar_host_s += time.perf_counter() - start
+        return logits
 
     def _apply(self, sampled: _Sampled) -> list[StepOutput]:
         """Append the sampled tokens (skipping requests that finished or were aborted since the
@@ -327,15 +437,41 @@ class Scheduler:
         for i, (req, token) in enumerate(zip(sampled.reqs, tokens, strict=True)):
             if req.finished:
                 continue
+            if req.grammar is not None and not self._feed_grammar(req, token):
+                outputs.append(StepOutput(req, [], None))
+                self.running.remove(req)
+                release(req, self.runner)
+                continue
             text = None
             if req.sampling_params.stop and self.decode_text is not None:
                 text = self.decode_text([*req.output_ids, token])
             req.append_token(token, self.eos_ids, text)
-            outputs.append(StepOutput(req, [token], logprobs[i] if logprobs else None))
+            if not req.finished and req.grammar is not None and req.grammar.terminated:
+                req.finish_reason = FinishReason("stop", token)  # a stop token under ignore_eos
+            prompt_logprobs = None
+            if req.prompt_logprobs is not None and len(req.output_ids) == 1:
+                prompt_logprobs = prompt_token_logprobs(req)
+            outputs.append(
+                StepOutput(req, [token], logprobs[i] if logprobs else None, prompt_logprobs)
+            )
             if req.finished:
                 self.running.remove(req)
                 release(req, self.runner)
         return outputs
+
+    def _feed_grammar(self, req: Req, token: int) -> bool:
+        """Feed the request's next token to its grammar (unless the overlap schedule did);
+        False, with the request finished, when the grammar rejects it (never emitted)."""
+        assert req.grammar is not None
+        start = time.perf_counter()
+        req.grammar.feed(len(req.output_ids), token)
+        self.grammar_host_s += time.perf_counter() - start
+        if req.grammar.rejected is None:
+            return True
+        req.finish_reason = FinishReason(
+            "abort", f"the grammar engine rejected token {token}: the output cannot go on"
+        )
+        return False
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,11 @@ from replaylm.runtime.io_struct import (
 )
 from replaylm.runtime.request import Req
 from replaylm.server_args import ServerArgs
+from replaylm.structured.loader import GrammarLoader
 
 if TYPE_CHECKING:
     from replaylm.runtime.scheduler import Scheduler
+    from replaylm.structured.grammar import RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +102,10 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
     )
     logger.info("scheduler process started: importing torch and the model code")
     try:
-        scheduler = _build_scheduler(args, conn)
-        if scheduler is None:
+        built = _build_scheduler(args, conn)
+        if built is None:
             return  # shut down before it was ready
+        scheduler, grammars = built
         runner = scheduler.runner
         conn.send(
             SchedulerReady(
@@ -119,7 +122,7 @@ def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
         conn.send(SchedulerFailed(one_line_error(err)))
         return
     try:
-        _loop(scheduler, conn)
+        _loop(scheduler, conn, grammars)
     except (EOFError, BrokenPipeError):
         logger.info("parent process gone; scheduler exiting")
     except Exception:
@@ -136,8 +139,11 @@ def one_line_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
-def _build_scheduler(args: ServerArgs, conn: Connection) -> Scheduler | None:
-    """Load the model, then take the manager's TokenizerInfo; None if it sent ShutdownReq."""
+def _build_scheduler(
+    args: ServerArgs, conn: Connection
+) -> tuple[Scheduler, GrammarLoader | None] | None:
+    """Load the model, then take the manager's TokenizerInfo; the scheduler and the loader of
+    structured-output grammars (None: no structured output), or None if it sent ShutdownReq."""
     from replaylm.model_executor.model_runner import ModelRunner
     from replaylm.runtime.model_setup import eos_token_ids
     from replaylm.runtime.scheduler import Scheduler
@@ -149,17 +155,21 @@ def _build_scheduler(args: ServerArgs, conn: Connection) -> Scheduler | None:
     if not isinstance(info, TokenizerInfo):
         raise TypeError(f"expected TokenizerInfo first, got {type(info).__name__}")
     decode = scheduler_decoder(info, args.tokenizer_path or args.model_path)
-    return Scheduler(
+    eos = eos_token_ids(runner, info.eos_token_id)
+    scheduler = Scheduler(
         runner,
-        eos_token_ids(runner, info.eos_token_id),
+        eos,
         decode,
         args.chunked_prefill_size,
         args.max_prefill_tokens,
         overlap=not args.disable_overlap_schedule,
     )
+    vocabulary = info.grammar_vocabulary
+    grammars = GrammarLoader(vocabulary, runner.config.vocab_size, eos) if vocabulary else None
+    return scheduler, grammars
 
 
-def _loop(scheduler: Scheduler, conn: Connection) -> None:
+def _loop(scheduler: Scheduler, conn: Connection, grammars: GrammarLoader | None) -> None:
     while True:
         aborted: list[Req] = []
         timeout = 0.0 if scheduler.has_work else IDLE_POLL_S
@@ -177,6 +187,9 @@ def _loop(scheduler: Scheduler, conn: Connection) -> None:
                         msg.seeds[0],
                         msg.max_new_tokens,
                         top_logprobs=msg.top_logprobs,
+                        prompt_logprobs=msg.prompt_logprobs,
+                        forks=list(zip(msg.rids[1:], msg.seeds[1:], strict=True)),
+                        grammar=_load_grammar(msg.grammar, grammars),
                     )
                 )
             elif isinstance(msg, AbortReq) and (req := scheduler.abort(msg.rid)) is not None:
@@ -190,8 +203,18 @@ def _loop(scheduler: Scheduler, conn: Connection) -> None:
                     o.logprobs,
                     o.req.finish_reason,
                     len(o.req.input_ids),
+                    prompt_logprobs=o.prompt_logprobs,
+                    admitted_at=o.req.admitted_at,
                 )
                 for o in scheduler.step()
             ]
         if outputs or aborted:
             conn.send(BatchTokenOut(outputs, scheduler.stats()))
+
+
+def _load_grammar(serialized: str | None, grammars: GrammarLoader | None) -> RequestGrammar | None:
+    if serialized is None:
+        return None
+    if grammars is None:  # the manager compiles grammars only with a grammar vocabulary
+        raise RuntimeError("a request came with a grammar, but structured output is off")
+    return grammars.load(serialized)

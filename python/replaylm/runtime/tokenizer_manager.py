@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import threading
@@ -26,6 +27,7 @@ from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer, toke
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
 from replaylm.runtime.io_struct import (
+    MAX_TOP_LOGPROBS,
     AbortReq,
     BatchTokenOut,
     GenerateOutput,
@@ -36,7 +38,7 @@ from replaylm.runtime.io_struct import (
     TokenizedGenerateReq,
 )
 from replaylm.runtime.metrics import ServerMetrics
-from replaylm.runtime.request_limits import check_input_ids, clamp_max_new_tokens
+from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
 from replaylm.runtime.scheduler_process import SchedulerProcess, SchedulerStartError
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
@@ -44,19 +46,29 @@ from replaylm.server_args import ServerArgs
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from replaylm.structured.compiler import GrammarCompiler
+
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
+MAX_CHOICES = 128  # OpenAI's limit on `n`
+_MAX_SEED = 2**63 - 1
+
+
 @dataclass
 class _ReqState:
-    """A request in flight: its output queue, detokenizer and timing for metrics."""
+    """One choice in flight: the request's output queue (shared by its choices), the choice's
+    index, detokenizer and timing for metrics."""
 
     queue: asyncio.Queue
+    index: int
     detok: IncrementalDetokenizer | None
     prompt_tokens: int
     created: float = field(default_factory=time.perf_counter)
+    created_wall: float = field(default_factory=time.time)  # against the scheduler's times
+    first_token: float | None = None
     last_token: float | None = None
     completion_tokens: int = 0
     sent_chars: int = 0
@@ -81,11 +93,12 @@ class TokenizerManager:
         self._scheduler = scheduler or SchedulerProcess.start(server_args)
         try:
             self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+            info = tokenizer_info(self.tokenizer)
         except BaseException:
             self._scheduler.stop()
             raise
         with contextlib.suppress(OSError):  # a child that failed already says why in _wait_ready
-            self._scheduler.conn.send(tokenizer_info(self.tokenizer))
+            self._scheduler.conn.send(info)
         self.metrics = ServerMetrics()
         self._states: dict[str, _ReqState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,6 +111,11 @@ class TokenizerManager:
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
         self.cuda_graph_capture = ready.cuda_graph_capture
+        self._grammar: GrammarCompiler | None = None  # structured output: None when off
+        if info.grammar_vocabulary is not None:
+            from replaylm.structured.compiler import GrammarCompiler
+
+            self._grammar = GrammarCompiler(info.grammar_vocabulary, self.vocab_size)
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="tm-reader")
         self._reader.start()
 
@@ -133,7 +151,8 @@ class TokenizerManager:
             raise RequestError(f"cannot apply the chat template: {err}", "messages") from err
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """Yield output increments until the request finishes; see GenerateOutput.
+        """Yield output increments until every choice of the request finishes; see
+        GenerateOutput (`index` tells the choices apart; each finishes on its own).
 
         Raises RequestError for bad input and ServiceUnavailableError when the scheduler is
         gone, before yielding anything. Closing the generator early aborts the request.
@@ -145,35 +164,78 @@ class TokenizerManager:
         except ValueError as err:
             raise RequestError(str(err), str(err).split(" ", 1)[0]) from err
         check_input_ids(req.input_ids, self.vocab_size, self.context_len, self.max_total_tokens)
+        check_vocab_ids(params, self.vocab_size)
         max_new = clamp_max_new_tokens(
             len(req.input_ids), params.max_new_tokens, self.context_len, self.max_total_tokens
         )
-        if req.rid in self._states:
+        self._check_choices(req.n, len(req.input_ids))
+        for name in ("top_logprobs", "prompt_logprobs"):
+            k = getattr(req, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise RequestError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}", name)
+        grammar = await self._compile_grammar(params)
+        rids = [req.rid] + [f"{req.rid}-{i}" for i in range(1, req.n)]
+        if any(rid in self._states for rid in rids):
             raise RequestError(f"request id {req.rid} is already in flight", "rid")
         self._loop = asyncio.get_running_loop()
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
-        state = _ReqState(asyncio.Queue(), detok, len(req.input_ids))
-        self._states[req.rid] = state
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        queue: asyncio.Queue = asyncio.Queue()
+        states = [
+            _ReqState(queue, i, self._detokenizer(params), len(req.input_ids)) for i in range(req.n)
+        ]
+        self._states.update(zip(rids, states, strict=True))
+        if params.seed is not None:  # per-choice seeds: reproducible, and distinct
+            seeds = [(params.seed + i) % (_MAX_SEED + 1) for i in range(req.n)]
+        else:
+            seeds = [self._seed_rng.getrandbits(63) for _ in range(req.n)]
         self.metrics.prompt_tokens.inc(len(req.input_ids))
         try:
             self._send(
                 TokenizedGenerateReq(
-                    [req.rid], list(req.input_ids), params, [seed], max_new, req.top_logprobs
+                    rids,
+                    list(req.input_ids),
+                    params,
+                    seeds,
+                    max_new,
+                    req.top_logprobs,
+                    req.prompt_logprobs,
+                    grammar,
                 )
             )
-            while True:
-                item = await state.queue.get()
+            unfinished = req.n
+            while unfinished:
+                item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
+                yield dataclasses.replace(item, rid=req.rid)
+                unfinished -= item.finish_reason is not None
         finally:
-            self._states.pop(req.rid, None)
-            if not state.finished and self.healthy():
-                self._send(AbortReq(req.rid))
-                self.metrics.requests.labels("abort").inc()
+            for rid, state in zip(rids, states, strict=True):
+                self._states.pop(rid, None)
+                if not state.finished and self.healthy():
+                    self._send(AbortReq(rid))
+                    self._observe_end(state, "abort", time.perf_counter())
+
+    def _check_choices(self, n: int, prompt_len: int) -> None:
+        """`n` choices each hold a copy of the prompt's KV and a running slot: they must fit."""
+        limit = min(MAX_CHOICES, self.server_args.max_running_requests)
+        if not 1 <= n <= limit:
+            raise RequestError(f"n must be in [1, {limit}], got {n}", "n")
+        if n * (prompt_len + 1) > self.max_total_tokens:
+            raise RequestError(
+                f"n={n} choices of a {prompt_len}-token prompt need {n * (prompt_len + 1)} KV "
+                f"slots; this server's KV cache holds {self.max_total_tokens}",
+                "n",
+            )
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            params.stop,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+        )
 
     async def health_generate(self) -> bool:
         """Generate one token; False if that fails or takes longer than the timeout."""
@@ -217,6 +279,24 @@ class TokenizerManager:
                 "this model has no tokenizer: send input_ids (POST /generate)", "prompt"
             )
         return self.tokenizer
+
+    async def _compile_grammar(self, params: SamplingParams) -> str | None:
+        """The request's structured-output grammar, compiled in a worker thread (a schema can
+        take long to compile) and serialized; None without a constraint. RequestError naming
+        the field when it is invalid or the server has no grammar engine."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        if self._grammar is None:
+            raise RequestError(
+                f"{constraint[0]} needs structured output, which this model does not have: "
+                "it has no tokenizer the grammar engine can read",
+                constraint[0],
+            )
+        try:
+            return await asyncio.to_thread(self._grammar.compile, params)
+        except ValueError as err:
+            raise RequestError(str(err), constraint[0]) from err
 
     def _check_alive(self) -> None:
         if self._closing:
@@ -266,11 +346,18 @@ class TokenizerManager:
             if state is not None:
                 state.queue.put_nowait(self._increment(state, out, now))
 
+    def _observe_end(self, state: _ReqState, finish_reason: str, now: float) -> None:
+        decode = now - state.first_token if state.first_token is not None else None
+        self.metrics.request_ended(
+            finish_reason, state.prompt_tokens, state.completion_tokens, now - state.created, decode
+        )
+
     def _increment(self, state: _ReqState, out: ReqTokenOut, now: float) -> GenerateOutput:
         """Advance one request by one scheduler output; observe latencies; build the delta."""
         if out.new_token_ids:
             if state.last_token is None:
-                self.metrics.ttft.observe(now - state.created)
+                state.first_token = now
+                self.metrics.first_token(now - state.created, state.created_wall, out.admitted_at)
             else:
                 self.metrics.itl.observe(now - state.last_token)
             state.last_token = now
@@ -285,8 +372,7 @@ class TokenizerManager:
             text, state.sent_chars = full[state.sent_chars :], max(state.sent_chars, len(full))
         if reason is not None:
             state.finished = True
-            self.metrics.requests.labels(reason.type).inc()
-            self.metrics.e2e.observe(now - state.created)
+            self._observe_end(state, reason.type, now)
         return GenerateOutput(
             rid=out.rid,
             text=text,
@@ -295,4 +381,7 @@ class TokenizerManager:
             finish_reason=reason,
             prompt_tokens=out.prompt_tokens,
             completion_tokens=state.completion_tokens,
+            index=state.index,
+            prompt_logprobs=out.prompt_logprobs,
+            cached_tokens=out.cached_tokens,
         )

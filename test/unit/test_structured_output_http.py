@@ -1,0 +1,147 @@
+"""Structured output through a real server (built-in SmolLM2 on the CPU, see conftest.py): the
+native /generate route's `json_schema`, a 400 naming the field for an invalid grammar or a model
+without a tokenizer, the grammar engine's metrics, and bench_serving's structured-output workload
+end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from tiny_checkpoints import write_tiny_checkpoint
+
+TIMEOUT_S = 120
+BENCH_SERVING = Path(__file__).resolve().parents[2] / "benchmark" / "bench_serving.py"
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 12}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+}
+
+
+@pytest.fixture(scope="module")
+def http(http_server):
+    with httpx.Client(base_url=http_server.base_url, timeout=TIMEOUT_S) as c:
+        yield c
+
+
+def _grammar_metrics(http: httpx.Client) -> tuple[float, float]:
+    values = {}
+    for line in http.get("/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("replaylm_grammar_steps", "replaylm_grammar_host_seconds"):
+            values[name] = float(value)
+    return values["replaylm_grammar_steps"], values["replaylm_grammar_host_seconds"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_with_a_json_schema_returns_valid_json(http, stream):
+    steps, seconds = _grammar_metrics(http)
+    body = {
+        "text": "Q: What is the capital of France? Reply in JSON.\nA:",
+        "sampling_params": {
+            "max_new_tokens": 40,
+            "temperature": 0,
+            "json_schema": json.dumps(ANSWER),
+        },
+        "stream": stream,
+    }
+    if stream:
+        with http.stream("POST", "/generate", json=body) as response:
+            assert response.status_code == 200
+            events = [
+                json.loads(line[len("data: ") :])
+                for line in response.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
+        text = "".join(e["text"] for e in events)
+        meta = events[-1]["meta_info"]
+    else:
+        response = http.post("/generate", json=body)
+        assert response.status_code == 200, response.text
+        text, meta = response.json()["text"], response.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "stop"
+    jsonschema.validate(json.loads(text), ANSWER)
+    after_steps, after_seconds = _grammar_metrics(http)
+    assert after_steps >= steps + meta["completion_tokens"] and after_seconds > seconds
+
+
+@pytest.mark.parametrize(
+    ("field", "text"), [("json_schema", '{"type": 3}'), ("regex", "(a"), ("ebnf", "root ::=")]
+)
+def test_an_invalid_grammar_is_a_400_naming_the_field(http, field, text):
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 4, field: text}}
+    response = http.post("/generate", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"invalid {field}: ")
+    assert "\n" not in error["message"] and ".cc:" not in error["message"]
+
+
+def test_a_model_without_a_tokenizer_refuses_a_grammar(server_factory, tmp_path):
+    write_tiny_checkpoint("qwen2", tmp_path)
+    server = server_factory("--model-path", str(tmp_path), "--max-total-tokens", "256")
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "regex": "[0-9]+"}}
+    response = httpx.post(f"{server.base_url}/generate", json=body, timeout=TIMEOUT_S)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "regex"
+    plain = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
+    assert httpx.post(f"{server.base_url}/generate", json=plain, timeout=TIMEOUT_S).is_success
+
+
+def test_bench_serving_structured_workload(http_server, tmp_path):
+    questions = ["Is the sky blue?", "Is fire cold?", "Is water wet?"]
+    dataset = tmp_path / "questions.jsonl"
+    dataset.write_text(
+        "".join(json.dumps({"prompt": f"Q: {q} Answer in JSON.\nA:"}) + "\n" for q in questions)
+    )
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(ANSWER))
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_SERVING),
+            "--base-url",
+            http_server.base_url,
+            "--endpoint",
+            "generate",
+            "--workload",
+            "plain",
+            "json_schema",
+            "--json-schema",
+            str(schema),
+            "--dataset",
+            str(dataset),
+            "--dataset-output-len",
+            "40",
+            "--num-prompts",
+            "3",
+            "--warmup",
+            "0",
+            "--max-concurrency",
+            "3",
+            "--disable-tqdm",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    doc = json.loads(out.read_text())
+    plain, structured = doc["summary"]
+    assert (plain["workload"], structured["workload"]) == ("plain", "json_schema")
+    for row in (plain, structured):
+        assert row["completed"] == 3 and row["failed"] == 0 and row["output_token_throughput"] > 0
+    assert plain["total_output_tokens"] == 3 * 40  # EOS ignored
+    assert plain["valid_json"] is None and plain["grammar_steps"] == 0
+    assert structured["valid_json"] == 3
+    assert structured["grammar_steps"] > 0 and structured["grammar_host_ms_per_step"] > 0
+    assert doc["config"]["json_schema"] == ANSWER
