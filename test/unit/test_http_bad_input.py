@@ -36,12 +36,27 @@ CASES = {
         "max_tokens",
         "integer",
     ),
-    "max_tokens zero": (
+    "max_tokens zero without echo": (
         "/v1/completions",
         _completion(max_tokens=0),
         400,
         "max_tokens",
-        "greater than or equal to 1",
+        "0 is allowed only with echo",
+    ),
+    "max_tokens over the context": (
+        "/v1/completions",
+        _completion(max_tokens=5000),
+        400,
+        "max_tokens",
+        r"5000 tokens requested, but the context length is 2048 and the prompt has 1 tokens, "
+        r"which leaves room for 2047",
+    ),
+    "max_completion_tokens over the context": (
+        "/v1/chat/completions",
+        _chat(max_completion_tokens=3000),
+        400,
+        "max_completion_tokens",
+        r"3000 tokens requested, .* room for \d{4} \(3000 > 2048 - \d+\)",
     ),
     "max_tokens negative": (
         "/v1/chat/completions",
@@ -86,7 +101,7 @@ CASES = {
         "top_p",
         "less than or equal to 1",
     ),
-    "top_k zero": ("/v1/completions", _completion(top_k=0), 400, "top_k", "-1"),
+    "top_k below -1": ("/v1/completions", _completion(top_k=-2), 400, "top_k", "-1"),
     "min_p above one": ("/v1/completions", _completion(min_p=2), 400, "min_p", "1"),
     "seed negative": ("/v1/completions", _completion(seed=-1), 400, "seed", "0"),
     "stop wrong type": ("/v1/completions", _completion(stop=5), 400, "stop", "string"),
@@ -98,9 +113,149 @@ CASES = {
         "greater than or equal to 0",
     ),
     "stream not a bool": ("/v1/completions", _completion(stream="yes"), 400, "stream", "bool"),
-    "n above one": ("/v1/completions", _completion(n=2), 400, "n", "n=1"),
-    "n above one (chat)": ("/v1/chat/completions", _chat(n=3), 400, "n", "n=1"),
-    "unknown field": ("/v1/completions", _completion(best_of=3), 400, "best_of", "unsupported"),
+    "n zero": ("/v1/completions", _completion(n=0), 400, "n", "greater than or equal to 1"),
+    "n above the bound (chat)": (
+        "/v1/chat/completions",
+        _chat(n=1000),
+        400,
+        "n",
+        r"n must be in \[1, \d+\], got 1000",
+    ),
+    "n as string": ("/v1/chat/completions", _chat(n="2"), 400, "n", "integer"),
+    "best_of above n": ("/v1/completions", _completion(best_of=3), 400, "best_of", "equal n"),
+    "suffix": ("/v1/completions", _completion(suffix="end"), 400, "suffix", "not supported"),
+    "echo not a bool": ("/v1/completions", _completion(echo="yes"), 400, "echo", "bool"),
+    "penalty out of range": (
+        "/v1/completions",
+        _completion(presence_penalty=3),
+        400,
+        "presence_penalty",
+        "less than or equal to 2",
+    ),
+    "penalty as string": (
+        "/v1/chat/completions",
+        _chat(frequency_penalty="0"),
+        400,
+        "frequency_penalty",
+        "number",
+    ),
+    "repetition_penalty zero": (
+        "/v1/completions",
+        _completion(repetition_penalty=0),
+        400,
+        "repetition_penalty",
+        "greater than 0",
+    ),
+    "logit_bias key not a token id": (
+        "/v1/completions",
+        _completion(logit_bias={"hello": 5}),
+        400,
+        "logit_bias",
+        "token ids",
+    ),
+    "logit_bias value out of range": (
+        "/v1/chat/completions",
+        _chat(logit_bias={"5": 101}),
+        400,
+        "logit_bias",
+        "less than or equal to 100",
+    ),
+    "min_tokens above max_tokens": (
+        "/v1/completions",
+        _completion(min_tokens=5),
+        400,
+        "min_tokens",
+        "max_new_tokens=2",
+    ),
+    "response_format json_schema without schema": (
+        "/v1/chat/completions",
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        400,
+        "response_format.json_schema.schema",
+        "schema",
+    ),
+    "response_format unknown type": (
+        "/v1/chat/completions",
+        _chat(response_format={"type": "xml"}),
+        400,
+        "response_format.type",
+        "'json_schema'",
+    ),
+    "two constraints": (
+        "/v1/completions",
+        _completion(regex="a+", json_schema={"type": "object"}),
+        400,
+        "regex",
+        "cannot be combined with json_schema",
+    ),
+    "prompt_logprobs with stream": (
+        "/v1/completions",
+        _completion(prompt_logprobs=1, stream=True),
+        400,
+        "prompt_logprobs",
+        "stream",
+    ),
+    "tool calls asked for": (
+        "/v1/chat/completions",
+        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tools",
+        "not available yet",
+    ),
+    "tool_choice names an undeclared function": (
+        "/v1/chat/completions",
+        _chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+        400,
+        "tool_choice",
+        "'f'",
+    ),
+    "tool_choice required without tools": (
+        "/v1/chat/completions",
+        _chat(tool_choice="required"),
+        400,
+        "tool_choice",
+        "needs tools",
+    ),
+    "functions asked for": (
+        "/v1/chat/completions",
+        _chat(functions=[{"name": "f"}]),
+        400,
+        "functions",
+        "not available yet",
+    ),
+    "audio output": (
+        "/v1/chat/completions",
+        _chat(modalities=["text", "audio"]),
+        400,
+        "modalities",
+        "audio",
+    ),
+    "store true": ("/v1/chat/completions", _chat(store=True), 400, "store", "keeps no outputs"),
+    "image content": (
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "messages[0].content[0].type",
+        "'image_url' are not supported",
+    ),
+    "continue_final_message with add_generation_prompt": (
+        "/v1/chat/completions",
+        _chat(
+            messages=[*CHAT, {"role": "assistant", "content": "Hel"}],
+            continue_final_message=True,
+            add_generation_prompt=True,
+        ),
+        400,
+        "continue_final_message",
+        "cannot both be true",
+    ),
+    "continue_final_message after a user message": (
+        "/v1/chat/completions",
+        _chat(continue_final_message=True),
+        400,
+        "continue_final_message",
+        "assistant",
+    ),
     "logprobs above 20": ("/v1/completions", _completion(logprobs=21), 400, "logprobs", "20"),
     "top_logprobs without logprobs": (
         "/v1/chat/completions",
@@ -122,7 +277,7 @@ CASES = {
         _completion(prompt=5),
         400,
         "prompt",
-        "string or a list of token ids",
+        "a string, a list of token ids",
     ),
     "empty prompt": ("/v1/completions", _completion(prompt=""), 400, "prompt", "empty"),
     "empty token prompt": ("/v1/completions", _completion(prompt=[]), 400, "prompt", "empty"),
@@ -133,12 +288,26 @@ CASES = {
         "prompt",
         "empty",
     ),
-    "several prompts": (
+    "prompt list mixing strings and ids": (
         "/v1/completions",
-        _completion(prompt=["a", "b"]),
+        _completion(prompt=["a", 5]),
         400,
         "prompt",
-        "several prompts",
+        "a list of strings or of token-id lists",
+    ),
+    "one of several prompts empty": (
+        "/v1/completions",
+        _completion(prompt=["a", ""]),
+        400,
+        "prompt",
+        "empty",
+    ),
+    "one of several prompts too long": (
+        "/v1/completions",
+        _completion(prompt=["a", [5] * 2048]),
+        400,
+        "prompt",
+        "prompt has 2048 tokens",
     ),
     "token id outside the vocab": (
         "/v1/completions",
@@ -234,6 +403,35 @@ CASES = {
         "beam_width",
     ),
     "generate: empty text": ("/generate", {"text": ""}, 400, "text", "empty"),
+    "generate: unknown field": (
+        "/generate",
+        {"text": "a", "beam_width": 2},
+        400,
+        "beam_width",
+        "unsupported parameter",
+    ),
+    "tokenize: both prompt and messages": (
+        "/tokenize",
+        {"prompt": "a", "messages": CHAT},
+        400,
+        "prompt",
+        "exactly one",
+    ),
+    "tokenize: unknown model": ("/tokenize", {"prompt": "a", "model": "x"}, 404, "model", "`x`"),
+    "detokenize: id outside the vocabulary": (
+        "/detokenize",
+        {"tokens": [1, 49152]},
+        400,
+        "tokens",
+        "49152 is outside the vocabulary",
+    ),
+    "detokenize: negative id": (
+        "/detokenize",
+        {"tokens": [-1]},
+        400,
+        "tokens[0]",
+        "greater than or equal to 0",
+    ),
     "unknown route": ("/v1/embeddings", {"input": "x"}, 404, None, "Not Found"),
 }
 
@@ -263,6 +461,35 @@ def test_bad_input_gets_an_openai_error_body(http, case):
         assert error["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize(
+    "content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data"]
+)
+def test_a_body_declared_as_other_than_json_is_415(http, content_type):
+    body = b'{"prompt": "Hello", "max_tokens": 2}'  # JSON, but not declared so
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/generate"):
+        response = http.post(path, content=body, headers={"content-type": content_type})
+        assert response.status_code == 415, response.text
+        error = response.json()["error"]
+        assert error["code"] == "unsupported_media_type"
+        assert error["type"] == "invalid_request_error" and content_type in error["message"]
+    form = http.post("/v1/completions", data={"prompt": "Hello", "max_tokens": "2"})
+    assert form.status_code == 415
+
+
+def test_json_without_content_type_or_with_a_charset_is_accepted(http):
+    body = b'{"prompt": "Hello", "max_tokens": 2}'
+    for headers in ({}, {"content-type": "application/json; charset=utf-8"}):
+        response = http.post("/v1/completions", content=body, headers=headers)
+        assert response.status_code == 200, response.text
+
+
+def test_unknown_model_id_is_404(http):
+    response = http.get("/v1/models/gpt-4")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+    assert response.json()["error"]["param"] == "model"
+
+
 def test_wrong_method_is_405_with_the_body(http):
     response = http.get("/v1/completions")
     assert response.status_code == 405
@@ -275,8 +502,11 @@ def test_openai_client_sees_the_errors(http_server):
         client.completions.create(model=MODEL, prompt="Hello", temperature=-1)
     assert err.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
-    assert err.value.body["param"] == "n"
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4000)
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Hello", suffix="!")
+    assert err.value.body["param"] == "suffix"
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="nope", messages=CHAT)
     assert err.value.code == "model_not_found"

@@ -56,17 +56,28 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
 def chat_input_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+    tools: list[Any] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` through the tokenizer's chat template, ready for a reply;
-    `tools` (OpenAI function tools) go to templates that offer them to the model."""
-    # tokenized, one conversation: a list of ids or (return_dict) a BatchEncoding of them;
-    # transformers' annotation is the union over every combination of arguments
-    offered: list[Any] | None = tools  # transformers also takes functions
-    out: Any = tokenizer.apply_chat_template(
-        messages, tools=offered, add_generation_prompt=True, tokenize=True
+    """Token ids of `messages` through the tokenizer's chat template, by default ready for a
+    reply. `continue_final_message`: the last message is left open for the model to continue
+    (no generation prompt then); `add_special_tokens`: the tokenizer's own special tokens (BOS)
+    on top of what the template writes; `tools`: the declared tools, as HF templates take them;
+    `template_kwargs`: further variables for the template (such as Qwen3's `enable_thinking`)."""
+    text = tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+        **(template_kwargs or {}),
     )
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+    # what apply_chat_template(tokenize=True) does, with the special tokens made a choice
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def text_decoder(tokenizer: Any) -> Decoder:

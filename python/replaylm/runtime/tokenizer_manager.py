@@ -139,14 +139,16 @@ class TokenizerManager:
         """Why the scheduler process is gone (once `healthy()` is False)."""
         return self._dead_reason or self._scheduler.exit_reason()
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._require_tokenizer()(text)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tokenizer = self._require_tokenizer()
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""
+    def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """Token ids of `messages` through the tokenizer's chat template, by default ready for a
+        reply; `options`: chat_input_ids' keyword options."""
         tokenizer = self._require_tokenizer()
         try:
-            return chat_input_ids(tokenizer, messages)
+            return chat_input_ids(tokenizer, messages, **options)
         except Exception as err:  # template errors (bad roles, missing content) are input errors
             raise RequestError(f"cannot apply the chat template: {err}", "messages") from err
 

@@ -1,0 +1,167 @@
+"""Generation of a request's choices: each prompt is one GenerateRequest of `n` choices (the
+tokenizer manager yields every choice's outputs, tagged with its `index`); the prompts run
+concurrently and their outputs are merged into one stream, each tagged with its index in the
+response (`prompt_index * n + choice`, OpenAI's order). Whole results and usage are built
+from that stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from replaylm.entrypoints.http_parsing import prompt_param
+from replaylm.entrypoints.http_streaming import unless_disconnected
+from replaylm.entrypoints.openai_responses import PromptTokensDetails, UsageInfo
+from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest, TokenLogprob
+
+
+@dataclass
+class ChoiceOutput:
+    """One output increment of the choice at `index` in the response."""
+
+    index: int
+    prompt_index: int
+    out: GenerateOutput
+
+
+async def start_choices(
+    tm: Any, request: Request, reqs: list[GenerateRequest], param: str
+) -> AsyncGenerator[ChoiceOutput, None]:
+    """Start every request and wait for each one's first output, so that bad input raises
+    here (RequestError, reported under `param`), before a (streaming) response has begun."""
+    gens = [tm.generate(req) for req in reqs]
+    try:
+        with prompt_param(param):
+            firsts = await unless_disconnected(request, _first_outputs(gens))
+    except BaseException:
+        for gen in gens:
+            await gen.aclose()
+        raise
+    return _merge(reqs, gens, firsts)
+
+
+async def _first_outputs(gens: list[AsyncGenerator[GenerateOutput, None]]) -> list[GenerateOutput]:
+    """Every generator's first output; when one fails, the others are cancelled (aborted)."""
+
+    async def first(gen: AsyncGenerator[GenerateOutput, None]) -> GenerateOutput:
+        return await gen.__anext__()
+
+    tasks = [asyncio.ensure_future(first(gen)) for gen in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merge(
+    reqs: list[GenerateRequest],
+    gens: list[AsyncGenerator[GenerateOutput, None]],
+    firsts: list[GenerateOutput],
+) -> AsyncGenerator[ChoiceOutput, None]:
+    """The outputs of all `gens` as they come. Closing this generator closes them all (which
+    aborts what is still running)."""
+    queue: asyncio.Queue[tuple[int, GenerateOutput | Exception | None]] = asyncio.Queue()
+    for p, out in enumerate(firsts):
+        queue.put_nowait((p, out))
+
+    async def pump(p: int, gen: AsyncGenerator[GenerateOutput, None]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((p, out))
+        except Exception as err:  # the scheduler went away: the consumer raises it
+            queue.put_nowait((p, err))
+        else:
+            queue.put_nowait((p, None))
+
+    tasks = [asyncio.create_task(pump(p, gen)) for p, gen in enumerate(gens)]
+    try:
+        running = len(gens)
+        while running:
+            p, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield ChoiceOutput(p * reqs[p].n + item.index, p, item)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for gen in gens:
+            await gen.aclose()
+
+
+@dataclass
+class ChoiceResult:
+    """A whole (non-streamed) choice; `last` is its final output (finish reason, usage)."""
+
+    index: int
+    prompt_index: int
+    last: GenerateOutput
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def add(self, out: GenerateOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.last = out
+
+
+async def collect(stream: AsyncIterator[ChoiceOutput]) -> tuple[list[ChoiceResult], UsageInfo]:
+    """Every choice in full, in index order, and the request's usage."""
+    results: dict[int, ChoiceResult] = {}
+    usage = UsageCounter()
+    async for c in stream:
+        usage.add(c)
+        if c.index not in results:
+            results[c.index] = ChoiceResult(c.index, c.prompt_index, c.out)
+        results[c.index].add(c.out)
+    return [results[i] for i in sorted(results)], usage.total()
+
+
+def finish_reason(out: GenerateOutput) -> str | None:
+    return out.finish_reason.type if out.finish_reason is not None else None
+
+
+def _usage(prompt: int, completion: int, cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+class UsageCounter:
+    """Token counts as outputs arrive: each prompt counted once however many choices it has
+    (OpenAI's usage for `n`), each choice's output tokens."""
+
+    def __init__(self) -> None:
+        self._prompts: dict[int, tuple[int, int]] = {}  # prompt index -> (tokens, cached)
+        self._completions: dict[int, int] = {}  # choice index -> tokens so far
+
+    def add(self, c: ChoiceOutput) -> UsageInfo:
+        """Count `c`; returns its choice's usage so far (vLLM's continuous usage stats)."""
+        self._prompts[c.prompt_index] = (c.out.prompt_tokens, c.out.cached_tokens)
+        self._completions[c.index] = c.out.completion_tokens
+        return _usage(c.out.prompt_tokens, c.out.completion_tokens, c.out.cached_tokens)
+
+    def total(self) -> UsageInfo:
+        prompts = self._prompts.values()
+        return _usage(
+            sum(tokens for tokens, _ in prompts),
+            sum(self._completions.values()),
+            sum(cached for _, cached in prompts),
+        )

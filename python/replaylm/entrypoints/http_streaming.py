@@ -1,0 +1,85 @@
+"""Response plumbing: JSON bodies, server-sent event streams that abort their request when the
+client goes away, and awaiting work unless the client disconnects first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from replaylm.entrypoints.http_errors import APIError, error_payload
+from replaylm.runtime.errors import ServiceUnavailableError
+
+T = TypeVar("T")
+
+
+def json_response(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events (`data: <json>`, then `data: [DONE]`) from `payloads`. The body
+    generator is closed however the stream ends, so a client that disconnects aborts the
+    request at once (not when the generator is garbage-collected); a scheduler failure
+    mid-stream is sent as an error event (the status line is already out)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, payloads: AsyncGenerator[BaseModel | dict[str, Any], None]) -> None:
+        self._body = _sse(payloads)
+        super().__init__(self._body)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()
+
+
+async def _sse(
+    payloads: AsyncGenerator[BaseModel | dict[str, Any], None],
+) -> AsyncGenerator[str, None]:
+    try:
+        async for payload in payloads:
+            yield f"data: {_dump(payload)}\n\n"
+    except ServiceUnavailableError as err:
+        yield f"data: {error_payload(503, str(err)).model_dump_json()}\n\n"
+    finally:
+        await payloads.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _dump(payload: BaseModel | dict[str, Any]) -> str:
+    if isinstance(payload, BaseModel):
+        return payload.model_dump_json()
+    return json.dumps(payload, ensure_ascii=False)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it (cancelling a generation aborts
+    the request, which frees its KV at once) and raise APIError(499)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise APIError(499, "the client disconnected before the response was ready")
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away (once the body is read, `receive` has nothing else)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,84 @@
+"""What every route shares: the tokenizer manager, the served model's name and card, the system
+fingerprint, token decoding for logprobs, and output budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import time
+from typing import Any
+
+import replaylm
+from replaylm.entrypoints.http_errors import APIError
+from replaylm.entrypoints.openai_responses import ModelCard
+from replaylm.runtime.request_limits import check_max_new_tokens, output_room
+from replaylm.server_args import ServerArgs
+
+
+def system_fingerprint(tm: Any) -> str:
+    """A stable id of what serves: replaylm's version, the model, its sizes and every server
+    setting that can change outputs (not the network ones, nor the log level)."""
+    args = tm.server_args.redacted()
+    settings = {
+        f.name: args[f.name]
+        for f in dataclasses.fields(ServerArgs)
+        if not f.metadata.get("server_only") and f.name != "log_level"
+    }
+    identity = {
+        "replaylm": replaylm.__version__,
+        "model": tm.served_model_name,
+        "context_len": tm.context_len,
+        "vocab_size": tm.vocab_size,
+        "settings": settings,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
+    return f"fp_{digest.hexdigest()[:12]}"
+
+
+class ServingContext:
+    """The state the routes share, bound to one TokenizerManager."""
+
+    def __init__(self, tm: Any) -> None:
+        self.tm = tm
+        self.created = int(time.time())
+        self.fingerprint = system_fingerprint(tm)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
+
+    @property
+    def model_name(self) -> str:
+        return self.tm.served_model_name
+
+    def _decode_token(self, token_id: int) -> str:
+        if self.tm.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tm.tokenizer.decode([token_id])
+
+    def check_model(self, name: str | None) -> None:
+        """APIError(404, `model_not_found`) for a model this server does not serve."""
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                "model",
+                "model_not_found",
+            )
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(
+            id=self.model_name, created=self.created, max_model_len=self.tm.context_len
+        )
+
+    def output_budget(
+        self, prompt_len: int, requested: int | None, param: str, default_cap: int | None = None
+    ) -> int:
+        """`requested` output tokens (RequestError naming `param` when the prompt leaves less
+        room); without one, the room the prompt leaves, cut to `default_cap`."""
+        context_len, kv_tokens = self.tm.context_len, self.tm.max_total_tokens
+        if requested is not None:
+            check_max_new_tokens(prompt_len, requested, context_len, kv_tokens, param)
+            return requested
+        room = output_room(prompt_len, context_len, kv_tokens)
+        # a prompt that leaves no room is the tokenizer manager's error to report
+        return max(1, room if default_cap is None else min(default_cap, room))

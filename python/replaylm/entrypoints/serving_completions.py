@@ -1,0 +1,179 @@
+"""`POST /v1/completions`: one or several prompts, `n` choices each, `echo`, legacy-format
+logprobs, vLLM's `prompt_logprobs`; whole or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from replaylm.entrypoints.choices import (
+    ChoiceOutput,
+    ChoiceResult,
+    UsageCounter,
+    collect,
+    finish_reason,
+    start_choices,
+)
+from replaylm.entrypoints.http_parsing import parse_body, prompt_param
+from replaylm.entrypoints.http_streaming import EventStream, json_response, unless_disconnected
+from replaylm.entrypoints.logprob_format import completion_logprobs, prompt_logprobs
+from replaylm.entrypoints.openai_protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
+from replaylm.entrypoints.openai_responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    UsageInfo,
+)
+from replaylm.entrypoints.serving_common import ServingContext
+from replaylm.runtime.io_struct import GenerateRequest, TokenLogprob
+
+Entries = list[tuple[int, TokenLogprob | None]]
+
+
+class CompletionsRoute:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def handle(self, request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        self.ctx.check_model(body.model)
+        with prompt_param("prompt"):
+            prompt_ids = await run_in_threadpool(self._encode, body)
+        reqs = [self._generate_request(body, ids) for ids in prompt_ids]
+        stream = await start_choices(self.ctx.tm, request, reqs, "prompt")
+        texts = await run_in_threadpool(self._prompt_texts, body, prompt_ids) if body.echo else []
+        view = _CompletionView(self.ctx, body, prompt_ids, texts, f"cmpl-{reqs[0].rid}")
+        if body.stream:
+            return EventStream(view.chunks(stream))
+        results, usage = await unless_disconnected(request, collect(stream))
+        return json_response(view.response(results, usage))
+
+    def _encode(self, body: CompletionRequest) -> list[list[int]]:
+        special = body.add_special_tokens is not False
+        return [
+            p if isinstance(p, list) else self.ctx.tm.encode(p, add_special_tokens=special)
+            for p in body.prompts
+        ]
+
+    def _prompt_texts(self, body: CompletionRequest, prompt_ids: list[list[int]]) -> list[str]:
+        """The prompts as `echo` returns them: as sent, or token ids decoded."""
+        tokenizer = self.ctx.tm.tokenizer
+        return [
+            p if isinstance(p, str) else tokenizer.decode(ids) if tokenizer is not None else ""
+            for p, ids in zip(body.prompts, prompt_ids, strict=True)
+        ]
+
+    def _generate_request(self, body: CompletionRequest, ids: list[int]) -> GenerateRequest:
+        if body.max_tokens == 0:  # echo alone: one token is generated and left out
+            max_new = 1
+        else:
+            max_new = self.ctx.output_budget(
+                len(ids), body.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS
+            )
+        asked = [body.prompt_logprobs, body.logprobs if body.echo else None]
+        wanted = [k for k in asked if k is not None]
+        return GenerateRequest(
+            ids,
+            body.sampling_params(max_new, "max_tokens"),
+            top_logprobs=body.logprobs,
+            prompt_logprobs=max(wanted) if wanted else None,
+            n=body.num_choices,
+        )
+
+
+class _CompletionView:
+    """One request's choices as the API shows them."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        body: CompletionRequest,
+        prompt_ids: list[list[int]],
+        prompt_texts: list[str],
+        rid: str,
+    ) -> None:
+        self.ctx, self.body, self.rid = ctx, body, rid
+        self.prompt_ids, self.prompt_texts = prompt_ids, prompt_texts
+        self.n = body.num_choices
+
+    def _response(
+        self, choices: list[CompletionChoice], usage: UsageInfo | None = None
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.rid,
+            model=self.ctx.model_name,
+            system_fingerprint=self.ctx.fingerprint,
+            choices=choices,
+            usage=usage,
+        )
+
+    def _content(
+        self,
+        prompt_index: int,
+        text: str,
+        logprobs: list[TokenLogprob],
+        prompt_lps: list[TokenLogprob | None] | None,
+        first: bool,
+    ) -> tuple[str, Entries]:
+        """A choice's text and logprob entries: the output's, after the prompt's in the
+        choice's first increment under `echo`."""
+        entries: Entries = [(lp.token_id, lp) for lp in logprobs]
+        if self.body.max_tokens == 0:
+            text, entries = "", []
+        if self.body.echo and first:
+            ids = self.prompt_ids[prompt_index]
+            lps = prompt_lps if prompt_lps is not None else [None] * len(ids)
+            text = self.prompt_texts[prompt_index] + text
+            entries = list(zip(ids, lps, strict=True)) + entries
+        return text, entries
+
+    def _logprobs(self, entries: Entries, offset: int) -> tuple[CompletionLogprobs | None, int]:
+        if self.body.logprobs is None:
+            return None, offset
+        return completion_logprobs(entries, self.body.logprobs, offset, self.ctx.token_text)
+
+    def response(self, results: list[ChoiceResult], usage: UsageInfo) -> CompletionResponse:
+        choices = []
+        for r in results:
+            text, entries = self._content(
+                r.prompt_index, r.text, r.logprobs, r.prompt_logprobs, first=True
+            )
+            logprobs, _ = self._logprobs(entries, 0)
+            prompt_lps = None
+            if self.body.prompt_logprobs is not None:
+                k = self.body.prompt_logprobs
+                prompt_lps = prompt_logprobs(r.prompt_logprobs, k, self.ctx.token_text)
+            choices.append(
+                CompletionChoice(
+                    index=r.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason(r.last),
+                    prompt_logprobs=prompt_lps,
+                )
+            )
+        return self._response(choices, usage)
+
+    async def chunks(
+        self, stream: AsyncIterator[ChoiceOutput]
+    ) -> AsyncGenerator[CompletionResponse, None]:
+        usage = UsageCounter()
+        offsets: dict[int, int] = {}  # choice index -> characters sent so far
+        async for c in stream:
+            choice_usage = usage.add(c)
+            first = c.index not in offsets
+            text, entries = self._content(
+                c.prompt_index, c.out.text, c.out.logprobs or [], c.out.prompt_logprobs, first
+            )
+            logprobs, offsets[c.index] = self._logprobs(entries, offsets.get(c.index, 0))
+            reason = finish_reason(c.out)
+            if text or entries or reason:
+                choice = CompletionChoice(
+                    index=c.index, text=text, logprobs=logprobs, finish_reason=reason
+                )
+                yield self._response([choice], choice_usage if self.body.continuous_usage else None)
+        if self.body.include_usage:
+            yield self._response([], usage.total())

@@ -1,0 +1,75 @@
+"""`POST /generate`, the native route: SGLang-style `{"text" | "input_ids", "sampling_params"}`
+-> `{"text", "output_ids", "meta_info"}`, whole or one such object per increment."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from replaylm.entrypoints.choices import ChoiceOutput, collect, start_choices
+from replaylm.entrypoints.http_errors import APIError
+from replaylm.entrypoints.http_parsing import parse_body, prompt_param
+from replaylm.entrypoints.http_streaming import EventStream, unless_disconnected
+from replaylm.entrypoints.openai_protocol import NativeGenerateRequest
+from replaylm.entrypoints.serving_common import ServingContext
+from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest, TokenLogprob
+from replaylm.sampling_params import SamplingParams
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class NativeGenerateRoute:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def handle(self, request: Request) -> Response:
+        """Stream: `text` and `output_ids` new since the previous event."""
+        body = await parse_body(request, NativeGenerateRequest)
+        if (body.text is None) == (body.input_ids is None):
+            raise APIError(400, "send exactly one of `text` and `input_ids`", "text")
+        param = "text" if body.text is not None else "input_ids"
+        with prompt_param(param):
+            if body.input_ids is not None:
+                ids = body.input_ids
+            else:
+                ids = await run_in_threadpool(self.ctx.tm.encode, body.text)
+        try:
+            params = SamplingParams.from_dict(body.sampling_params)
+        except (ValueError, TypeError) as err:
+            name = str(err).split(" ", 1)[0]
+            field = f"sampling_params.{name}" if name in _SAMPLING_FIELDS else "sampling_params"
+            raise APIError(400, str(err), field) from err
+        top_k = body.top_logprobs_num if body.return_logprob else None
+        req = GenerateRequest(ids, params, top_logprobs=top_k)
+        stream = await start_choices(self.ctx.tm, request, [req], param)
+        if body.stream:
+            return EventStream(_chunks(stream, req.rid))
+        results, _ = await unless_disconnected(request, collect(stream))
+        res = results[0]
+        meta = _meta(req.rid, res.last, res.logprobs if top_k is not None else None)
+        return JSONResponse({"text": res.text, "output_ids": res.token_ids, "meta_info": meta})
+
+
+async def _chunks(
+    stream: AsyncIterator[ChoiceOutput], rid: str
+) -> AsyncGenerator[dict[str, Any], None]:
+    async for c in stream:
+        meta = _meta(rid, c.out, c.out.logprobs)
+        yield {"text": c.out.text, "output_ids": c.out.token_ids, "meta_info": meta}
+
+
+def _meta(rid: str, out: GenerateOutput, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
+    }
+    if logprobs is not None:
+        meta["output_token_logprobs"] = [dataclasses.asdict(lp) for lp in logprobs]
+    return meta
