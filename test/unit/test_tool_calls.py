@@ -75,8 +75,10 @@ def with_template(tokenizer: Any, name: str) -> Any:
     return tokenizer
 
 
-def rendered(tools: ChatTools, messages: list[dict], request: ToolRequest | None) -> str:
-    return tools.tokenizer.decode(tools.input_ids(messages, request))
+def rendered(tokenizer: Any, messages: list[dict], request: ToolRequest | None) -> str:
+    """The prompt text of `messages` with `request`'s tools, as the chat route renders it."""
+    messages, offered = ChatTools(tokenizer).prompt(messages, request)
+    return tokenizer.decode(chat_input_ids(tokenizer, messages, tools=offered))
 
 
 # ---- the request's tool settings ----------------------------------------------------------
@@ -139,7 +141,7 @@ def test_formats_from_chat_templates(smollm2: Any) -> None:
 def test_the_format_is_logged_once_with_its_reason(smollm2: Any, caplog: Any) -> None:
     with caplog.at_level(logging.INFO, logger="replaylm.entrypoints.tool_calls"):
         tools = ChatTools(smollm2)
-        tools.input_ids(CONVERSATION, tool_request(TOOLS, None, None))
+        tools.prompt(CONVERSATION, tool_request(TOOLS, None, None))
     assert [r.getMessage() for r in caplog.records] == [
         "tool calls use the fallback prompt and JSON calls: the chat template takes no tools"
     ]
@@ -149,8 +151,7 @@ def test_the_format_is_logged_once_with_its_reason(smollm2: Any, caplog: Any) ->
 
 
 def test_fallback_prompt_calls_and_results_as_text(smollm2: Any) -> None:
-    tools = ChatTools(smollm2)
-    text = rendered(tools, CONVERSATION, tool_request(TOOLS, None, None))
+    text = rendered(smollm2, CONVERSATION, tool_request(TOOLS, None, None))
     assert text.startswith("<|im_start|>system\nYou can call these functions:\n")
     assert json.dumps(TOOLS[0]["function"]) in text
     assert '{"name": <function name>, "parameters": <its arguments' in text
@@ -163,9 +164,8 @@ def test_fallback_prompt_calls_and_results_as_text(smollm2: Any) -> None:
 
 
 def test_fallback_keeps_the_system_message_and_adds_the_tools(smollm2: Any) -> None:
-    tools = ChatTools(smollm2)
     messages = [{"role": "system", "content": "Be brief."}, *CONVERSATION]
-    text = rendered(tools, messages, tool_request(TOOLS, "required", None))
+    text = rendered(smollm2, messages, tool_request(TOOLS, "required", None))
     assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions:")
 
 
@@ -177,7 +177,7 @@ def test_fallback_results_of_one_round_share_a_user_message(smollm2: Any) -> Non
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
         {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
     ]
-    text = rendered(ChatTools(smollm2), messages, None)
+    text = rendered(smollm2, messages, None)
     assert "You can call" not in text  # no tools offered
     assert '\nChecking.\n{"name": "get_weather", "parameters": {"city": "Paris"' in text
     assert '; {"name": "get_time", "parameters": {}}<|im_end|>' in text
@@ -186,13 +186,13 @@ def test_fallback_results_of_one_round_share_a_user_message(smollm2: Any) -> Non
 
 def test_without_tools_the_prompt_is_the_plain_chat_prompt(smollm2: Any) -> None:
     messages = [{"role": "user", "content": "Hi"}]
-    assert ChatTools(smollm2).input_ids(messages, None) == chat_input_ids(smollm2, messages)
+    assert ChatTools(smollm2).prompt(messages, None) == (messages, None)
 
 
 def test_qwen_style_template_gets_tools_calls_and_results(smollm2: Any) -> None:
-    tools = ChatTools(with_template(smollm2, "qwen_tool_call.jinja"))
-    assert tools.format is ToolFormat.TAGGED
-    text = rendered(tools, CONVERSATION, tool_request(TOOLS, None, None))
+    qwen = with_template(smollm2, "qwen_tool_call.jinja")
+    assert ChatTools(qwen).format is ToolFormat.TAGGED
+    text = rendered(qwen, CONVERSATION, tool_request(TOOLS, None, None))
     assert "<tools>\n" + json.dumps(TOOLS[0]) in text
     # arguments reach the template as an object, written as JSON (not as a quoted string)
     assert (
@@ -200,14 +200,14 @@ def test_qwen_style_template_gets_tools_calls_and_results(smollm2: Any) -> None:
         "\n</tool_call><|im_end|>" in text
     )
     assert "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>" in text
-    none = rendered(tools, CONVERSATION, tool_request(TOOLS, "none", None))
+    none = rendered(qwen, CONVERSATION, tool_request(TOOLS, "none", None))
     assert "<tools>" not in none and "<tool_response>" in none
 
 
 def test_llama_style_template_gets_tools_calls_and_results(smollm2: Any) -> None:
-    tools = ChatTools(with_template(smollm2, "llama3_json.jinja"))
-    assert tools.format is ToolFormat.JSON
-    text = rendered(tools, CONVERSATION, tool_request(TOOLS, NAMED, None))
+    llama = with_template(smollm2, "llama3_json.jinja")
+    assert ChatTools(llama).format is ToolFormat.JSON
+    text = rendered(llama, CONVERSATION, tool_request(TOOLS, NAMED, None))
     assert "Environment: ipython" in text and json.dumps(TOOLS[1], indent=4) in text
     assert (
         '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", '

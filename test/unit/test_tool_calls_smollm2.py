@@ -11,6 +11,7 @@ import pytest
 
 from replaylm.entrypoints.engine import Engine
 from replaylm.entrypoints.tool_calls import ChatTools, tool_request
+from replaylm.model_loader.tokenizer import chat_input_ids
 
 SCHEMAS = {
     "get_weather": {
@@ -47,7 +48,9 @@ def forced_calls(engine: Engine, choice: Any, parallel: bool) -> list[dict[str, 
     assert request is not None
     params = {"max_new_tokens": 96, "temperature": 0.0}
     params["structural_tag"] = tools.structural_tag(request)
-    out = engine.generate(input_ids=tools.input_ids(QUESTION, request), sampling_params=params)
+    messages, offered = tools.prompt(QUESTION, request)
+    ids = chat_input_ids(engine.tokenizer, messages, tools=offered)
+    out = engine.generate(input_ids=ids, sampling_params=params)
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]  # the call ended
     parsed = tools.parse(out["text"], request)
     assert parsed.content is None, out["text"]

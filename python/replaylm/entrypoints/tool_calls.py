@@ -2,7 +2,8 @@
 
     tools = ChatTools(tokenizer)                # once per served model; logs the format chosen
     request = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-    ids = tools.input_ids(messages, request)    # request None: no tools offered
+    messages, offered = tools.prompt(messages, request)     # request None: no tools offered
+    ids = chat_input_ids(tokenizer, messages, tools=offered)
     params.structural_tag = tools.structural_tag(request)   # "required" / a named function
     tools.parse(text, request) / tools.parser(request)      # -> content and tool_calls
 
@@ -33,7 +34,6 @@ from replaylm.entrypoints.tool_call_parser import (
     ToolFormat,
 )
 from replaylm.entrypoints.tool_prompt import fallback_messages, template_messages
-from replaylm.model_loader.tokenizer import chat_input_ids
 from replaylm.runtime.errors import RequestError
 
 if TYPE_CHECKING:
@@ -139,7 +139,6 @@ class ChatTools:
     """Tool calls through one tokenizer's chat template."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
         self.format, reason = detect_tool_format(getattr(tokenizer, "chat_template", None))
         how = (
             "the fallback prompt and JSON calls"
@@ -148,13 +147,14 @@ class ChatTools:
         )
         logger.info("tool calls use %s: %s", how, reason)
 
-    def input_ids(self, messages: list[dict[str, Any]], request: ToolRequest | None) -> list[int]:
-        """Token ids of the conversation, with `request`'s tools offered to the model."""
+    def prompt(
+        self, messages: list[dict[str, Any]], request: ToolRequest | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The conversation and the tools to render through the chat template (chat_input_ids'
+        `messages` and `tools`), with `request`'s tools offered to the model (None: none)."""
         if self.format is ToolFormat.FALLBACK:
-            messages = fallback_messages(messages, request)
-            return chat_input_ids(self.tokenizer, messages)
-        tools = request.tools if request is not None else None
-        return chat_input_ids(self.tokenizer, template_messages(messages), tools=tools)
+            return fallback_messages(messages, request), None
+        return template_messages(messages), request.tools if request is not None else None
 
     def structural_tag(self, request: ToolRequest | None) -> str | None:
         """The constraint (xgrammar structural tag JSON) forcing calls; None where not forced."""

@@ -85,4 +85,6 @@ def fallback_messages(
 
 def _fallback_call(function: dict[str, Any]) -> str:
     arguments = function.get("arguments") or "{}"
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
     return f'{{"name": "{function["name"]}", "parameters": {arguments}}}'
