@@ -27,7 +27,12 @@ SCHEMAS = [
         "Describe a person as JSON with a name and an age.",
     ),
     (
-        {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 5},
+        {
+            "type": "array",
+            "items": {"enum": ["red", "green", "blue"]},
+            "minItems": 1,
+            "maxItems": 5,
+        },
         "List some colours as a JSON array.",
     ),
     (

@@ -342,15 +342,18 @@ def test_min_tokens_holds_eos_back(http):
 def test_json_response_formats_give_valid_json(http):
     schema = {
         "type": "object",
-        "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
+        "properties": {"colour": {"type": "string", "maxLength": 12}, "count": {"type": "integer"}},
         "required": ["colour", "count"],
         "additionalProperties": False,
     }
     fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}
-    reply = chat(http, max_tokens=60, response_format=fmt)
-    value = json.loads(reply["choices"][0]["message"]["content"])
+    ask = [{"role": "user", "content": "Give a colour and a number as JSON."}]
+    reply = chat(http, max_tokens=60, messages=ask, response_format=fmt)["choices"][0]
+    assert reply["finish_reason"] == "stop"
+    value = json.loads(reply["message"]["content"])
     assert set(value) == {"colour", "count"} and isinstance(value["count"], int)
-    obj = chat(http, max_tokens=60, response_format={"type": "json_object"})
+    ask = [{"role": "user", "content": 'Answer with {"sky": "<colour>"}: what colour is the sky?'}]
+    obj = chat(http, max_tokens=60, messages=ask, response_format={"type": "json_object"})
     assert isinstance(json.loads(obj["choices"][0]["message"]["content"]), dict)
 
 

@@ -2,7 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions                    (OpenAI; serving_*)
     GET /v1/models, GET /v1/models/{id}
-    POST /tokenize, POST /detokenize                                    (vLLM's shapes)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info               (vLLM's shapes)
     POST /generate                                                      (native)
     GET /health, GET /health_generate, GET /get_server_info, GET /metrics
 
@@ -57,6 +57,7 @@ def create_app(tokenizer_manager: Any) -> FastAPI:
         ("/v1/models/{model_id:path}", ops.model, "GET"),
         ("/tokenize", tokenize.tokenize, "POST"),
         ("/detokenize", tokenize.detokenize, "POST"),
+        ("/tokenizer_info", tokenize.tokenizer_info, "GET"),
         ("/generate", NativeGenerateRoute(ctx).handle, "POST"),
         ("/health_generate", ops.health_generate, "GET"),
         ("/get_server_info", ops.server_info, "GET"),

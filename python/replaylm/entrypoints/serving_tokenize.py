@@ -1,12 +1,15 @@
-"""`POST /tokenize` and `POST /detokenize`, with vLLM's shapes: the server's own encoding of a
-prompt (or of chat messages, as the chat route renders them) and the text of token ids."""
+"""`POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`, with vLLM's shapes: the
+server's own encoding of a prompt (or of chat messages, as the chat route renders them), the text
+of token ids, and the tokenizer's special tokens and chat template (what remote-tokenizer clients
+such as lm-eval-harness's read)."""
 
 from __future__ import annotations
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from replaylm.entrypoints.http_errors import APIError
 from replaylm.entrypoints.http_parsing import parse_body, prompt_param
 from replaylm.entrypoints.http_streaming import json_response
 from replaylm.entrypoints.openai_chat_protocol import TokenizeRequest
@@ -60,3 +63,20 @@ class TokenizeRoutes:
             )
         text = await run_in_threadpool(tm.tokenizer.decode, body.tokens)
         return json_response(DetokenizeResponse(prompt=text))
+
+    async def tokenizer_info(self) -> Response:
+        """`{"tokenizer_class", "eos_token", "bos_token", "pad_token", "chat_template",
+        "model_max_length"}`; 404 when the model has no tokenizer."""
+        tokenizer = self.ctx.tm.tokenizer
+        if tokenizer is None:
+            raise APIError(404, "this model has no tokenizer")
+        return JSONResponse(
+            {
+                "tokenizer_class": type(tokenizer).__name__,
+                "eos_token": tokenizer.eos_token,
+                "bos_token": tokenizer.bos_token,
+                "pad_token": tokenizer.pad_token,
+                "chat_template": tokenizer.chat_template,
+                "model_max_length": self.ctx.tm.context_len,
+            }
+        )
