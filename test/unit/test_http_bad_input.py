@@ -195,12 +195,23 @@ CASES = {
         "prompt_logprobs",
         "stream",
     ),
-    "tool calls asked for": (
+    "a tool's name out of OpenAI's characters": (
         "/v1/chat/completions",
-        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        _chat(tools=[{"type": "function", "function": {"name": "get weather"}}]),
         400,
         "tools",
-        "not available yet",
+        "letters, digits",
+    ),
+    "a forced tool call with a response format": (
+        "/v1/chat/completions",
+        _chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        ),
+        400,
+        "tool_choice",
+        "cannot be combined",
     ),
     "tool_choice names an undeclared function": (
         "/v1/chat/completions",
@@ -221,7 +232,7 @@ CASES = {
         _chat(functions=[{"name": "f"}]),
         400,
         "functions",
-        "not available yet",
+        "declare them as tools",
     ),
     "audio output": (
         "/v1/chat/completions",

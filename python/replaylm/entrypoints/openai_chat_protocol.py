@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -51,15 +50,8 @@ class ToolCall(RequestModel):
     function: FunctionCall
 
     def template_dict(self) -> dict[str, Any]:
-        """As HF chat templates take it: `arguments` parsed into an object where it is one
-        (templates render it with `tojson`), left as text otherwise."""
-        try:
-            arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = self.function.arguments
-        if not isinstance(arguments, dict):
-            arguments = self.function.arguments
-        call = {"name": self.function.name, "arguments": arguments}
+        """As the tool-call module takes it (`tool_prompt` writes it for the template)."""
+        call = {"name": self.function.name, "arguments": self.function.arguments}
         return {"id": self.id, "type": "function", "function": call}
 
 
@@ -122,7 +114,8 @@ class ChatTemplateOptions(RequestModel):
     """How messages are rendered (vLLM / SGLang): `add_generation_prompt` (default: unless
     `continue_final_message`, which leaves the last message open for the model to continue),
     `add_special_tokens` (the tokenizer's BOS and the like on top of the template's),
-    `chat_template_kwargs` (further template variables), `tools` (shown to the template)."""
+    `chat_template_kwargs` (further template variables), `tools` (offered to the model in its
+    tool-call format: `tool_calls.ChatTools`)."""
 
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
@@ -143,7 +136,7 @@ class ChatTemplateOptions(RequestModel):
             )
 
     def template_options(self) -> dict[str, Any]:
-        """chat_input_ids' keyword options for this request."""
+        """chat_input_ids' keyword options for this request, `tools` aside (`chat_prompt`)."""
         cont = bool(self.continue_final_message)
         return {
             "add_generation_prompt": not cont
@@ -151,7 +144,6 @@ class ChatTemplateOptions(RequestModel):
             else self.add_generation_prompt,
             "continue_final_message": cont,
             "add_special_tokens": bool(self.add_special_tokens),
-            "tools": [tool.model_dump() for tool in self.tools] if self.tools else None,
             "template_kwargs": self.chat_template_kwargs,
         }
 
@@ -218,17 +210,6 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingRequest):
             raise RequestError("store: true is not available: replaylm keeps no outputs", "store")
         if self.web_search_options is not None:
             raise RequestError("web search is not available", "web_search_options")
-        choice = self.effective_tool_choice
-        if isinstance(choice, NamedToolChoice):
-            names = [tool.function.name for tool in self.tools or []]
-            if choice.function.name not in names:
-                raise RequestError(
-                    f"tool_choice names the function {choice.function.name!r}, which is not "
-                    "among the declared tools",
-                    "tool_choice",
-                )
-        elif choice == "required" and not self.tools:
-            raise RequestError("tool_choice 'required' needs tools", "tool_choice")
         if isinstance(self.function_call, NamedFunction):
             names = [function.name for function in self.functions or []]
             if self.function_call.name not in names:

@@ -1,10 +1,10 @@
 """`POST /v1/chat/completions`: messages through the chat template, `n` choices, chat-format
-logprobs, vLLM's `echo` and `prompt_logprobs`; whole or streamed. Tool calls join here, in
-`hand_over_tools`."""
+logprobs, vLLM's `echo` and `prompt_logprobs`, tool calls (`tool_calls`); whole or streamed."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -21,7 +21,11 @@ from replaylm.entrypoints.choices import (
 from replaylm.entrypoints.http_parsing import parse_body, prompt_param
 from replaylm.entrypoints.http_streaming import EventStream, json_response, unless_disconnected
 from replaylm.entrypoints.logprob_format import chat_logprobs, prompt_logprobs
-from replaylm.entrypoints.openai_chat_protocol import ChatCompletionRequest
+from replaylm.entrypoints.openai_chat_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTemplateOptions,
+)
 from replaylm.entrypoints.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
@@ -30,27 +34,54 @@ from replaylm.entrypoints.openai_responses import (
     ChatMessageOut,
     ChatStreamChoice,
     DeltaMessage,
+    DeltaToolCall,
+    ToolCallOut,
     UsageInfo,
 )
 from replaylm.entrypoints.serving_common import ServingContext
+from replaylm.entrypoints.tool_call_parser import ToolCallParser
+from replaylm.entrypoints.tool_calls import ToolRequest, tool_request
 from replaylm.runtime.errors import RequestError
 from replaylm.runtime.io_struct import GenerateRequest, TokenLogprob
+from replaylm.sampling_params import SamplingParams
 
 
-def hand_over_tools(body: ChatCompletionRequest) -> None:
-    """Where the chat route hands a request's tools to the tool-call module (which will render
-    them, constrain `required` and named choices, and parse calls out of the output). Until it
-    is there, a request that asks for tool calls is refused; tools with `tool_choice: "none"`
-    are only shown to the template."""
-    if body.tools and body.effective_tool_choice != "none":
+def offered_tools(
+    body: ChatTemplateOptions, tool_choice: Any = "auto", parallel: bool | None = None
+) -> ToolRequest | None:
+    """The tools a request offers the model, checked (None: none offered)."""
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+    choice = tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump()
+    return tool_request(tools, choice, parallel)
+
+
+def chat_prompt(
+    ctx: ServingContext,
+    body: ChatTemplateOptions,
+    messages: list[ChatMessage],
+    tools: ToolRequest | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and chat_input_ids options of a chat request, its tools included in the
+    model's tool-call format."""
+    rendered = [m.template_dict() for m in messages]
+    options = body.template_options()
+    if ctx.chat_tools is not None:
+        rendered, options["tools"] = ctx.chat_tools.prompt(rendered, tools)
+    return rendered, options
+
+
+def _force_calls(ctx: ServingContext, tools: ToolRequest | None, params: SamplingParams) -> None:
+    """Constrain the output to calls where `tool_choice` asks for them."""
+    tag = ctx.chat_tools.structural_tag(tools) if ctx.chat_tools is not None else None
+    if tag is None:
+        return
+    if params.constraint is not None:
         raise RequestError(
-            "tool calls are not available yet: send no tools, or tool_choice 'none'", "tools"
+            f"a forced tool_choice cannot be combined with {params.constraint[0]} "
+            "(the call's arguments follow the function's schema)",
+            "tool_choice",
         )
-    if body.functions and body.function_call != "none":
-        raise RequestError(
-            "function calls are not available yet: send no functions, or function_call 'none'",
-            "functions",
-        )
+    params.structural_tag = tag
 
 
 class ChatRoute:
@@ -60,22 +91,27 @@ class ChatRoute:
     async def handle(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         self.ctx.check_model(body.model)
-        hand_over_tools(body)
-        messages = [m.template_dict() for m in body.messages]
-        with prompt_param("messages"):
-            ids = await run_in_threadpool(
-                self.ctx.tm.encode_chat, messages, **body.template_options()
+        if body.functions and body.function_call != "none":
+            raise RequestError(
+                "the deprecated functions are not available: declare them as tools",
+                "functions",
             )
+        tools = offered_tools(body, body.effective_tool_choice, body.parallel_tool_calls)
+        messages, options = chat_prompt(self.ctx, body, body.messages, tools)
+        with prompt_param("messages"):
+            ids = await run_in_threadpool(self.ctx.tm.encode_chat, messages, **options)
         requested, param = body.requested_max_tokens
+        params = body.sampling_params(self.ctx.output_budget(len(ids), requested, param), param)
+        _force_calls(self.ctx, tools, params)
         req = GenerateRequest(
             ids,
-            body.sampling_params(self.ctx.output_budget(len(ids), requested, param), param),
+            params,
             top_logprobs=body.top_logprobs_k,
             prompt_logprobs=body.prompt_logprobs,
             n=body.num_choices,
         )
         stream = await start_choices(self.ctx.tm, request, [req], "messages")
-        view = _ChatView(self.ctx, body, f"chatcmpl-{req.rid}", len(ids))
+        view = _ChatView(self.ctx, body, f"chatcmpl-{req.rid}", len(ids), tools)
         if body.stream:
             return EventStream(view.chunks(stream))
         results, usage = await unless_disconnected(request, collect(stream))
@@ -86,9 +122,16 @@ class _ChatView:
     """One request's choices as the API shows them."""
 
     def __init__(
-        self, ctx: ServingContext, body: ChatCompletionRequest, rid: str, prompt_len: int
+        self,
+        ctx: ServingContext,
+        body: ChatCompletionRequest,
+        rid: str,
+        prompt_len: int,
+        tools: ToolRequest | None,
     ) -> None:
         self.ctx, self.body, self.rid, self.prompt_len = ctx, body, rid, prompt_len
+        # calls are parsed out of the text where tools are offered
+        self.tools = tools if ctx.chat_tools is not None else None
         last = body.messages[-1]
         # vLLM's echo: a reply continuing the assistant's last message starts with its text
         self.echo = last.text if body.echo and last.role == "assistant" else ""
@@ -101,12 +144,15 @@ class _ChatView:
         choices = [
             ChatChoice(
                 index=r.index,
-                message=ChatMessageOut(content=self.echo + r.text),
+                message=self._message(r.text),
                 logprobs=self._logprobs(r.logprobs),
                 finish_reason=finish_reason(r.last),
             )
             for r in results
         ]
+        for choice in choices:
+            if choice.message.tool_calls and choice.finish_reason == "stop":
+                choice.finish_reason = "tool_calls"
         prompt_lps = None
         if self.body.prompt_logprobs is not None:
             lps = results[0].prompt_logprobs
@@ -118,6 +164,15 @@ class _ChatView:
             choices=choices,
             usage=usage,
             prompt_logprobs=prompt_lps,
+        )
+
+    def _message(self, text: str) -> ChatMessageOut:
+        if self.tools is None or self.ctx.chat_tools is None:
+            return ChatMessageOut(content=self.echo + text)
+        parsed = self.ctx.chat_tools.parse(text, self.tools)
+        calls = [ToolCallOut.model_validate(call) for call in parsed.tool_calls]
+        return ChatMessageOut(
+            content=self.echo + (parsed.content or "") or None, tool_calls=calls or None
         )
 
     def _chunk(
@@ -143,17 +198,39 @@ class _ChatView:
             choice = ChatStreamChoice(index=index, delta=opening)
             yield self._chunk([choice], start if self.body.continuous_usage else None)
         usage = UsageCounter()
+        parsers: dict[int, ToolCallParser] = {}
+        called: set[int] = set()  # choices that called a tool
         async for c in stream:
             choice_usage = usage.add(c)
             logprobs = self._logprobs(c.out.logprobs or [])
             reason = finish_reason(c.out)
+            deltas = [DeltaMessage(content=c.out.text)]
+            if self.tools is not None and self.ctx.chat_tools is not None:
+                parser = parsers.setdefault(c.index, self.ctx.chat_tools.parser(self.tools))
+                pieces = parser.feed(c.out.text) + (parser.finish() if reason else [])
+                deltas = [_delta(piece) for piece in pieces] or [DeltaMessage()]
+                if any(delta.tool_calls for delta in deltas):
+                    called.add(c.index)
+                if reason == "stop" and c.index in called:
+                    reason = "tool_calls"
             if c.out.text or (logprobs and logprobs.content) or reason:
-                choice = ChatStreamChoice(
-                    index=c.index,
-                    delta=DeltaMessage(content=c.out.text),
-                    logprobs=logprobs,
-                    finish_reason=reason,
-                )
-                yield self._chunk([choice], choice_usage if self.body.continuous_usage else None)
+                for i, delta in enumerate(deltas):  # logprobs first, the finish reason last
+                    choice = ChatStreamChoice(
+                        index=c.index,
+                        delta=delta,
+                        logprobs=logprobs if i == 0 else None,
+                        finish_reason=reason if i == len(deltas) - 1 else None,
+                    )
+                    chunk_usage = choice_usage if self.body.continuous_usage else None
+                    yield self._chunk([choice], chunk_usage)
         if self.body.include_usage:
             yield self._chunk([], usage.total())
+
+
+def _delta(piece: dict[str, Any]) -> DeltaMessage:
+    """A tool-call parser's delta as the API streams it."""
+    calls = piece.get("tool_calls")
+    return DeltaMessage(
+        content=piece.get("content"),
+        tool_calls=[DeltaToolCall.model_validate(call) for call in calls] if calls else None,
+    )

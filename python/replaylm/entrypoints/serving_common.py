@@ -1,5 +1,5 @@
 """What every route shares: the tokenizer manager, the served model's name and card, the system
-fingerprint, token decoding for logprobs, and output budgets."""
+fingerprint, token decoding for logprobs, output budgets, and the model's tool-call format."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import replaylm
 from replaylm.entrypoints.http_errors import APIError
 from replaylm.entrypoints.openai_responses import ModelCard
+from replaylm.entrypoints.tool_calls import ChatTools
 from replaylm.runtime.request_limits import check_max_new_tokens, output_room
 from replaylm.server_args import ServerArgs
 
@@ -45,6 +46,8 @@ class ServingContext:
         self.created = int(time.time())
         self.fingerprint = system_fingerprint(tm)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
+        # tool calls through the chat template (None: no tokenizer, so no chat either)
+        self.chat_tools = ChatTools(tm.tokenizer) if tm.tokenizer is not None else None
 
     @property
     def model_name(self) -> str:
