@@ -188,6 +188,14 @@ class ServerArgs:
             "this to rule the overlap out when debugging."
         ),
     )
+    disable_radix_cache: bool = field(
+        default=False,
+        metadata=_opt(
+            "Turn the prefix cache off: every prompt is prefilled in full. By default a radix tree "
+            "over the KV pool keeps finished requests' tokens, and a prompt starting with cached "
+            "tokens prefills only the rest."
+        ),
+    )
     # kernels
     attention_backend: str = field(
         default="auto",
