@@ -2,7 +2,8 @@
 
     python benchmark/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 \\
         [--request-rate 4 8 inf] [--max-concurrency 4 32] \\
-        [--endpoint completions|chat|generate] [--workload plain json_schema] \\
+        [--endpoint completions|chat|generate] \\
+        [--workload plain json_schema shared_prefix multi_turn] \\
         [--dataset random | PATH.jsonl | URL] [--json out.json]
 
 Prompts: `random` sends token-id prompts of random length (uniform in
@@ -15,19 +16,30 @@ all at once), optionally capped at `--max-concurrency` requests in flight (sever
 for each, under every rate). `--endpoint generate` sends them to the native `POST /generate`
 (replaylm, SGLang) with `sampling_params`.
 
-Workloads (`--workload`, several: a run of each, same prompts): `plain` sampling, and
-`json_schema`, structured output where every request asks for the same JSON schema
-(`--json-schema PATH`, default a small record schema): in `sampling_params.json_schema` on
-`/generate`, as an OpenAI `response_format` on the OpenAI routes. On replaylm EOS still ends a
-structured request once its JSON is complete (the grammar allows nothing else), so its outputs are
-shorter than asked: compare token throughput. Its rows count the outputs that parse as JSON and,
-from the server's `/metrics` where it has them (replaylm), the grammar engine's host time per
-step.
+Workloads (`--workload`, several: a run of each): `plain` sampling, and `json_schema`,
+structured output where every request asks for the same JSON schema (`--json-schema PATH`, default
+a small record schema): in `sampling_params.json_schema` on `/generate`, as an OpenAI
+`response_format` on the OpenAI routes. Both send the same prompts (a server with a prefix cache
+finds a prompt cached when a later run sends it again). On replaylm EOS still ends a structured
+request once its JSON is complete (the grammar allows nothing else), so its outputs are shorter
+than asked: compare token throughput. Its rows count the outputs that parse as JSON and, from the
+server's `/metrics` where it has them (replaylm), the grammar engine's host time per step.
+
+Two workloads measure a prefix cache, each run on token-id prompts of its own, drawn afresh
+(`--random-token-range`), and warmed up on others: `shared_prefix`, `--num-prompts` prompts of one
+shared `--prefix-len`-token prefix and `--suffix-len` tokens of each one's own; `multi_turn`,
+`--num-prompts` conversations of `--turns` turns, turn 0 a `--user-len`-token user message and turn
+t's prompt turn t-1's prompt, the token ids answered to it and a new user message (`--endpoint
+generate`, whose events carry the ids; a failed request ends its conversation). A turn's requests
+are sent (at the run's rate and concurrency) once the previous turn has finished. Both ask for
+`--random-output-len` tokens per request.
 
 Per run (workload x rate x concurrency) it prints a table: request and token throughput, TTFT,
 inter-token latency (the gap between streamed chunks that carry text), time per output token and
-end-to-end latency (mean / p50 / p90 / p99). `--json` writes `{"config", "summary": [one flat
-dict per run], "requests": [...]}`.
+end-to-end latency (mean / p50 / p90 / p99), and the prompt tokens the server reports cached
+(`usage.prompt_tokens_details.cached_tokens`; `meta_info.cached_tokens` on `/generate`) with the
+hit rate (cached over the prompt tokens of the requests that report it; None where none does).
+`--json` writes `{"config", "summary": [one flat dict per run], "requests": [...]}`.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,11 +60,12 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from common import write_json
+from common import next_turn_prompts, shared_prefix_prompts, write_json
 
 DATASET_FIELDS = ("question", "prompt", "text")
 PERCENTILES = (50, 90, 99)
-WORKLOADS = ("plain", "json_schema")
+WORKLOADS = ("plain", "json_schema", "shared_prefix", "multi_turn")
+PREFIX_WORKLOADS = ("shared_prefix", "multi_turn")  # token-id prompts of their own per run
 RECORD_SCHEMA = {  # the default structured-output workload: a short record
     "type": "object",
     "properties": {
@@ -72,6 +86,7 @@ class RequestSpec:
     prompt: str | list[int]
     output_len: int
     input_len: int | None  # known for token-id prompts; from the server's usage otherwise
+    conversation: int = 0  # multi_turn: which conversation the request continues
 
 
 @dataclass
@@ -84,6 +99,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     error: str = ""
     valid_json: bool | None = None  # structured output: whether the whole text parses
+    cached_len: int | None = None  # prompt tokens the server reports cached (None: not reported)
+    output_ids: list[int] = field(default_factory=list)  # on /generate, which streams them
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -122,6 +139,57 @@ def dataset_specs(args: argparse.Namespace, rng: random.Random) -> list[RequestS
     return [
         RequestSpec(prompts[i % len(prompts)], args.dataset_output_len, None)
         for i in range(args.num_prompts)
+    ]
+
+
+def token_drawer(args: argparse.Namespace, rng: random.Random) -> Callable[[int], list[int]]:
+    """`draw(n)`: `n` random token ids from `--random-token-range`."""
+    return lambda n: [rng.randrange(*args.random_token_range) for _ in range(n)]
+
+
+@dataclass
+class RunPlan:
+    """What one run sends: `warmup` (untimed, one request at a time), then `first`; with
+    `follow_ups` (multi_turn), one more turn per entry, the user message of each conversation,
+    built from the previous turn's answers."""
+
+    warmup: list[RequestSpec]
+    first: list[RequestSpec]
+    follow_ups: list[list[list[int]]] = field(default_factory=list)
+
+
+def prefix_plan(args: argparse.Namespace, workload: str, rng: random.Random) -> RunPlan:
+    """A run of a prefix-cache workload, on prompts drawn afresh."""
+    draw, out = token_drawer(args, rng), args.random_output_len
+
+    def specs(prompts: list[list[int]]) -> list[RequestSpec]:
+        return [RequestSpec(p, out, len(p), conversation=i) for i, p in enumerate(prompts)]
+
+    if workload == "shared_prefix":
+        warmup, first = (
+            shared_prefix_prompts(draw, n, args.prefix_len, args.suffix_len)
+            for n in (args.warmup, args.num_prompts)
+        )
+        return RunPlan(specs(warmup), specs(first))
+    warmup = [draw(args.user_len) for _ in range(args.warmup)]
+    turns = [[draw(args.user_len) for _ in range(args.num_prompts)] for _ in range(args.turns)]
+    return RunPlan(specs(warmup), specs(turns[0]), turns[1:])
+
+
+def next_turn(
+    specs: list[RequestSpec], results: list[RequestResult], messages: list[list[int]]
+) -> list[RequestSpec]:
+    """The next turn of the conversations whose request in `specs` succeeded: each prompt, the
+    ids answered to it and its conversation's user message in `messages`."""
+    done = [(s, r) for s, r in zip(specs, results, strict=True) if r.ok]
+    prompts = next_turn_prompts(
+        [list(s.prompt) for s, _ in done],
+        [r.output_ids for _, r in done],
+        [messages[s.conversation] for s, _ in done],
+    )
+    return [
+        RequestSpec(p, s.output_len, len(p), s.conversation)
+        for p, (s, _) in zip(prompts, done, strict=True)
     ]
 
 
@@ -178,6 +246,13 @@ def chunk_usage(event: dict[str, Any]) -> dict[str, Any] | None:
     return event.get("usage") or event.get("meta_info")
 
 
+def cached_tokens(usage: dict[str, Any]) -> int | None:
+    """The prompt tokens a usage reports cached: OpenAI's `prompt_tokens_details.cached_tokens`,
+    native `meta_info.cached_tokens`; None when it reports none."""
+    details = usage.get("prompt_tokens_details") or {}
+    return details.get("cached_tokens", usage.get("cached_tokens"))
+
+
 def _parses(text: str) -> bool:
     try:
         json.loads(text)
@@ -207,6 +282,7 @@ async def send(
                     res.error = str(event["error"])
                     return res
                 usage = chunk_usage(event) or usage
+                res.output_ids += event.get("output_ids") or []
                 if text := chunk_text(event):
                     texts.append(text)
                     now = time.perf_counter()
@@ -222,6 +298,7 @@ async def send(
     res.output_len = usage["completion_tokens"] if usage else chunks
     if usage:
         res.input_len = usage["prompt_tokens"]
+        res.cached_len = cached_tokens(usage)
     if structured:
         res.valid_json = _parses("".join(texts))
     res.ok = True
@@ -262,27 +339,29 @@ class RunResult:
 async def run(
     args: argparse.Namespace,
     model: str,
-    specs: list[RequestSpec],
+    plan: RunPlan,
     rate: float,
     concurrency: int | None,
     rng: random.Random,
     schema: dict[str, Any] | None,
 ) -> RunResult:
-    """Send every spec (Poisson arrivals at `rate`, at most `concurrency` in flight when set),
-    asking for `schema` when given; the results, the wall time and the grammar engine's work."""
+    """Send the plan's requests, turn by turn (Poisson arrivals at `rate`, at most `concurrency`
+    in flight when set), asking for `schema` when given; the results, the wall time and the
+    grammar engine's work."""
     base = args.base_url.rstrip("/")
     path = {"chat": "v1/chat/completions", "completions": "v1/completions", "generate": "generate"}
     url = f"{base}/{path[args.endpoint]}"
     structured = schema is not None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=concurrency or len(specs) + 1)
-    gate = asyncio.Semaphore(concurrency or len(specs))
+    width = len(plan.first)
+    limits = httpx.Limits(max_connections=concurrency or width + 1)
+    gate = asyncio.Semaphore(concurrency or width)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
-        for spec in specs[: args.warmup]:
+        for spec in plan.warmup:
             await send(client, url, payload(args, model, spec, schema), spec, structured)
         counters = await grammar_counters(client, base)
         bar = tqdm(
-            total=len(specs),
+            total=width * (1 + len(plan.follow_ups)),
             desc=f"rate {rate}, max concurrency {concurrency}",
             disable=args.disable_tqdm,
         )
@@ -294,17 +373,26 @@ async def run(
             bar.update(1)
             return result
 
+        async def turn(specs: list[RequestSpec]) -> list[RequestResult]:
+            tasks = []
+            for spec in specs:
+                tasks.append(asyncio.create_task(one(spec)))
+                if math.isfinite(rate):
+                    await asyncio.sleep(rng.expovariate(rate))
+            return list(await asyncio.gather(*tasks))
+
         start = time.perf_counter()
-        tasks = []
-        for spec in specs:
-            tasks.append(asyncio.create_task(one(spec)))
-            if math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
+        specs = plan.first
+        results = await turn(specs)
+        every = list(results)
+        for messages in plan.follow_ups:
+            specs = next_turn(specs, results, messages)
+            results = await turn(specs)
+            every += results
         duration = time.perf_counter() - start
         bar.close()
         after = await grammar_counters(client, base)
-    out = RunResult(list(results), duration)
+    out = RunResult(every, duration)
     if counters is not None and after is not None:
         out.grammar_steps = after[0] - counters[0]
         out.grammar_host_s = after[1] - counters[1]
@@ -336,6 +424,9 @@ def summarize(
         for r in ok
         if r.ttft is not None and r.output_len > 1
     ]
+    reporting = [r for r in ok if r.cached_len is not None]  # their prompts' cached tokens
+    cached = sum(r.cached_len or 0 for r in reporting)
+    reported_inputs = sum(r.input_len or 0 for r in reporting)
     shown_rate = rate if math.isfinite(rate) else "inf"
     steps, host_s = run_result.grammar_steps, run_result.grammar_host_s
     row = {
@@ -343,7 +434,7 @@ def summarize(
         "model": model,
         "workload": workload,
         "endpoint": args.endpoint,
-        "dataset": args.dataset,
+        "dataset": "random" if workload in PREFIX_WORKLOADS else args.dataset,
         "request_rate": shown_rate,
         "max_concurrency": concurrency,
         "num_prompts": len(results),
@@ -352,6 +443,8 @@ def summarize(
         "duration_s": duration,
         "total_input_tokens": inputs,
         "total_output_tokens": outputs,
+        "total_cached_tokens": cached if reporting else None,
+        "cache_hit_rate": cached / reported_inputs if reported_inputs else None,
         "request_throughput": len(ok) / duration,
         "input_token_throughput": inputs / duration,
         "output_token_throughput": outputs / duration,
@@ -401,7 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=WORKLOADS,
         nargs="+",
         default=["plain"],
-        help="plain sampling and/or structured output (the same JSON schema for every request)",
+        help="plain sampling, structured output (the same JSON schema for every request), "
+        "the prefix cache's workloads",
     )
     parser.add_argument(
         "--json-schema", type=Path, default=None, help="the json_schema workload's schema file"
@@ -420,6 +514,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=(100, 20000),
         help="token ids of random prompts are drawn from [LOW, HIGH)",
     )
+    parser.add_argument("--prefix-len", type=int, default=2000, help="shared_prefix's prefix")
+    parser.add_argument("--suffix-len", type=int, default=48, help="shared_prefix's own tokens")
+    parser.add_argument("--turns", type=int, default=4, help="multi_turn's turns")
+    parser.add_argument("--user-len", type=int, default=256, help="multi_turn's user messages")
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -444,6 +542,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.dataset == "random" and args.endpoint == "chat":
         parser.error("--dataset random sends token-id prompts: use --endpoint completions")
+    if "multi_turn" in args.workload and args.endpoint != "generate":
+        parser.error("multi_turn appends the answers' token ids: use --endpoint generate")
+    if "shared_prefix" in args.workload and args.endpoint == "chat":
+        parser.error("shared_prefix sends token-id prompts: use --endpoint completions")
     return args
 
 
@@ -457,7 +559,11 @@ def main(argv: list[str] | None = None) -> None:
     runs = itertools.product(args.workload, args.request_rate, args.max_concurrency)
     for workload, rate, concurrency in runs:
         wanted = schema if workload == "json_schema" else None
-        result = asyncio.run(run(args, model, specs, rate, concurrency, rng, wanted))
+        if workload in PREFIX_WORKLOADS:
+            plan = prefix_plan(args, workload, rng)
+        else:
+            plan = RunPlan(specs[: args.warmup], specs)
+        result = asyncio.run(run(args, model, plan, rate, concurrency, rng, wanted))
         row = summarize(args, model, workload, rate, concurrency, result)
         print_table(row)
         errors = [r.error for r in result.results if not r.ok]
@@ -469,7 +575,8 @@ def main(argv: list[str] | None = None) -> None:
                 "workload": workload,
                 "request_rate": row["request_rate"],
                 "max_concurrency": concurrency,
-                **asdict(r),
+                # the generated ids are left out: the counts say enough
+                **{k: v for k, v in asdict(r).items() if k != "output_ids"},
             }
             for r in result.results
         ]

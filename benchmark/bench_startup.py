@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from common import config_path, write_json
+from common import config_path, free_port, write_json
 
 MODES = [
     '{"decode": "disabled", "prefill": "disabled"}',
@@ -65,17 +64,11 @@ def phases(log: str, spawned: float) -> dict[str, float]:
     return {name: found[name] for name in PHASES if name in found}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def time_to_first_token(server_args: list[str], log: Path) -> tuple[float, float]:
     """(seconds from spawning `launch_server server_args` to its first generated token, the
     spawn's epoch time); the server is stopped afterwards. Raises RuntimeError (with the log's
     tail) if it dies."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

@@ -1,6 +1,7 @@
 """What the scripts in benchmark/ and benchmark/tuning/ share: model configs, CUDA timing, graph
-capture, the environment a result was measured in, JSON output, dummy-weight runners with
-synthetic requests, and the attention kernels' cases.
+capture, the environment a result was measured in, JSON output, servers started for a run,
+dummy-weight runners with synthetic requests, the prefix-cache workloads' prompts, and the
+attention kernels' cases.
 
 Scripts in benchmark/ import it as `common` (their folder is on the path when run); those in
 benchmark/tuning/ put benchmark/ on the path first.
@@ -9,15 +10,20 @@ benchmark/tuning/ put benchmark/ on the path first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
+import socket
 import statistics
 import subprocess
-from collections.abc import Callable
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import triton
 from triton.testing import do_bench
@@ -152,6 +158,50 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# ---- servers -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched_server(server_args: list[str], log: Path, timeout_s: float = 600.0) -> Iterator[str]:
+    """`python -m replaylm.launch_server *server_args` on a free loopback port, its output in
+    `log`: yields its base URL once GET /health answers, and stops it when the block ends.
+    RuntimeError with the log's tail when it exits or is not healthy within `timeout_s`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "replaylm.launch_server", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), *server_args]
+    url = f"http://127.0.0.1:{port}"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not _healthy(url):
+                if proc.poll() is not None:
+                    state = f"exited with {proc.returncode}"
+                elif time.monotonic() > deadline:
+                    state = f"not healthy after {timeout_s:.0f} s"
+                else:
+                    time.sleep(0.25)
+                    continue
+                raise RuntimeError(f"server {state}:\n{log.read_text()[-3000:]}")
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 # ---- dummy-weight runners and synthetic requests ------------------------------------------------
 
 
@@ -209,6 +259,26 @@ def decode_batch(runner: ModelRunner, bs: int, context: int) -> tuple[list[Req],
     for r in reqs:
         r.output_ids.append(11)
     return reqs, prepare_decode(reqs, runner)
+
+
+# ---- prefix-cache workloads (bench_prefix.py in-process, bench_serving.py over HTTP) -----------
+
+
+def shared_prefix_prompts(
+    draw: Callable[[int], list[int]], num: int, prefix_len: int, suffix_len: int
+) -> list[list[int]]:
+    """`num` prompts: one `prefix_len`-token prefix shared by all, then `suffix_len` tokens of
+    each one's own; `draw(n)` returns `n` random token ids."""
+    prefix = draw(prefix_len)
+    return [prefix + draw(suffix_len) for _ in range(num)]
+
+
+def next_turn_prompts(
+    prompts: list[list[int]], answers: list[list[int]], messages: list[list[int]]
+) -> list[list[int]]:
+    """Each conversation's next prompt: its last prompt, the answer generated for it (token ids)
+    and a new user message."""
+    return [p + a + m for p, a, m in zip(prompts, answers, messages, strict=True)]
 
 
 # ---- attention kernels' cases (Qwen3-0.6B's heads) -----------------------------------------------

@@ -332,36 +332,22 @@ def test_models_server_info_and_health(client, http):
     assert metric(http, "replaylm_generation_tokens_total") == tokens + 1  # it ran one token
 
 
-def test_bench_serving_runs_against_the_server(http_server, tmp_path):
-    out = tmp_path / "bench.json"
+def run_bench_serving(base_url: str, out: Path, *flags: str) -> dict:
+    """bench_serving.py's JSON after running it against `base_url` with `flags`."""
     subprocess.run(
-        [
-            sys.executable,
-            str(BENCH_SERVING),
-            "--base-url",
-            http_server.base_url,
-            "--num-prompts",
-            "3",
-            "--random-input-len",
-            "8",
-            "--random-output-len",
-            "3",
-            "--random-range-ratio",
-            "1",
-            "--warmup",
-            "0",
-            "--max-concurrency",
-            "1",
-            "3",
-            "--disable-tqdm",
-            "--json",
-            str(out),
-        ],
+        [sys.executable, str(BENCH_SERVING), "--base-url", base_url, "--disable-tqdm"]
+        + ["--json", str(out), *flags],
         check=True,
         timeout=300,
         capture_output=True,
     )
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_bench_serving_runs_against_the_server(http_server, tmp_path):
+    flags = ["--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3"]
+    flags += ["--random-range-ratio", "1", "--warmup", "0", "--max-concurrency", "1", "3"]
+    doc = run_bench_serving(http_server.base_url, tmp_path / "bench.json", *flags)
     assert [row["max_concurrency"] for row in doc["summary"]] == [1, 3]
     for row in doc["summary"]:
         assert row["completed"] == 3 and row["failed"] == 0 and row["model"] == MODEL
@@ -373,6 +359,34 @@ def test_bench_serving_runs_against_the_server(http_server, tmp_path):
     one_at_a_time = [r["latency"] for r in doc["requests"] if r["max_concurrency"] == 1]
     assert len(one_at_a_time) == 3
     assert sum(one_at_a_time) <= doc["summary"][0]["duration_s"] + 5e-4
+
+
+def test_bench_serving_prefix_workloads(http_server, tmp_path):
+    """shared_prefix reads the cached tokens from the OpenAI usage; multi_turn's prompts grow by
+    each answer (its ids streamed by /generate) and a new user message, turn by turn."""
+    sizes = ["--random-output-len", "3", "--prefix-len", "12", "--suffix-len", "3"]
+    sizes += ["--turns", "3", "--user-len", "4", "--num-prompts", "2"]
+    shared = run_bench_serving(
+        http_server.base_url, tmp_path / "shared.json", *sizes, "--workload", "shared_prefix"
+    )["summary"][0]
+    assert shared["workload"] == "shared_prefix" and shared["completed"] == 2
+    assert shared["total_input_tokens"] == 2 * (12 + 3) and shared["total_output_tokens"] == 6
+    assert 0 <= shared["total_cached_tokens"] <= shared["total_input_tokens"]
+    assert shared["cache_hit_rate"] == round(shared["total_cached_tokens"] / 30, 3)
+    doc = run_bench_serving(
+        http_server.base_url,
+        tmp_path / "turns.json",
+        *sizes,
+        "--workload",
+        "multi_turn",
+        "--endpoint",
+        "generate",
+    )
+    (row,) = doc["summary"]
+    assert row["completed"] == row["num_prompts"] == 2 * 3 and row["failed"] == 0
+    turn_lens = [4, 4 + 3 + 4, 4 + 3 + 4 + 3 + 4]  # the server's count of each turn's prompt
+    assert [r["input_len"] for r in doc["requests"]] == [n for n in turn_lens for _ in range(2)]
+    assert row["total_output_tokens"] == 6 * 3
 
 
 # ---- API key (tiny checkpoint, no tokenizer: starts in seconds) -------------------------------
