@@ -22,7 +22,8 @@
 #   --deterministic; profile (a tuning tool): kernels of the full bs1 step of both models under
 #   the same four kernel choices; serving: one server per GPU_CHECK_SERVING_MODES entry,
 #   decode/prefill, default "full/breakable breakable/breakable tc_piecewise/tc_piecewise", 4,
-#   32 and 256 requests in flight)
+#   32 and 256 requests in flight, each GPU_CHECK_SERVING_WORKLOADS entry, default "plain
+#   json_schema")
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
 #   (the all-mode accuracy suite: GPU_CHECK_TARGETS=test/accuracy/test_mode_accuracy.py)
 #   (pytest args are added to the targets, not instead of them)
@@ -76,7 +77,7 @@ bench_serving_local() {  # decode/prefill: the built-in model in those modes, on
     run_bench "bench_serving_${decode}_${prefill}" benchmark/bench_serving.py \
         --base-url "http://127.0.0.1:$port" --num-prompts 256 --max-concurrency 4 32 256 \
         --random-input-len 512 --random-output-len 128 --random-token-range 100 40000 \
-        --disable-tqdm
+        --workload ${GPU_CHECK_SERVING_WORKLOADS:-plain json_schema} --disable-tqdm
     kill -INT $server 2>/dev/null
     wait $server
 }

@@ -51,6 +51,7 @@ class CellFeatures:
     tool_calls: list[dict[str, Any]]  # tool_calls of a request forcing get_weather
     tool_finish: str
     penalized: list[str]  # greedy answers with presence/frequency/repetition penalties on
+    unpenalized: list[str]  # the same requests without them
     streamed: str  # one greedy answer streamed, its deltas joined
     unstreamed: str  # the same request without streaming
 
@@ -130,12 +131,17 @@ async def _features(base_url: str, timeout_s: float) -> CellFeatures:
                 _post(client, "/v1/chat/completions", _chat(q, max_tokens=32, **penalties))
                 for q in PENALTY_QUESTIONS
             ),
+            *(
+                _post(client, "/v1/chat/completions", _chat(q, max_tokens=32))
+                for q in PENALTY_QUESTIONS
+            ),
             _post(client, "/v1/chat/completions", _chat(story, max_tokens=24)),
             _streamed(client, _chat(story, max_tokens=24)),
         )
     n3, echo, biased, *rest = results
     json_answers, (tool,), rest = rest[:4], rest[4:5], rest[5:]
-    penalized, (unstreamed, streamed) = rest[: len(PENALTY_QUESTIONS)], rest[-2:]
+    k = len(PENALTY_QUESTIONS)
+    penalized, unpenalized, (unstreamed, streamed) = rest[:k], rest[k : 2 * k], rest[-2:]
     tool_choice = tool["choices"][0]
     return CellFeatures(
         n3_greedy=[c["message"]["content"] for c in n3["choices"]],
@@ -146,6 +152,7 @@ async def _features(base_url: str, timeout_s: float) -> CellFeatures:
         tool_calls=tool_choice["message"].get("tool_calls") or [],
         tool_finish=tool_choice["finish_reason"],
         penalized=[a["choices"][0]["message"]["content"] for a in penalized],
+        unpenalized=[a["choices"][0]["message"]["content"] for a in unpenalized],
         streamed=streamed,
         unstreamed=unstreamed["choices"][0]["message"]["content"],
     )
@@ -170,22 +177,20 @@ def check_definitions(got: CellFeatures) -> None:
     )
     assert got.tool_finish == "tool_calls"
     assert got.streamed == got.unstreamed
+    # the penalties act under every graph mode (their values are checked against a torch
+    # reference in test_penalties_cuda.py): most penalized answers part from the plain ones
+    changed = sum(a != b for a, b in zip(got.penalized, got.unpenalized, strict=True))
+    assert changed >= len(PENALTY_QUESTIONS) - 2, (got.penalized, got.unpenalized)
 
 
-def compare_with_eager(got: CellFeatures, eager: CellFeatures) -> list[str]:
-    """Where a cell's answers differ from the eager cell's: prompt logprobs beyond bf16 noise
-    are an error (raised); differing greedy texts are returned (near-ties may flip them)."""
+def compare_with_eager(got: CellFeatures, eager: CellFeatures) -> None:
+    """Prompt logprobs equal the eager cell's up to bf16 rounding: logits of magnitude 16-32
+    are rounded to multiples of 0.125, and batch shapes (padding, other requests) change which
+    way; each may differ by up to three such steps, and on average by far less. (Greedy answers
+    across cells are compared, near-ties accounted for, by test_cell_matches_eager.)"""
     gaps = [
         abs(a - b)
         for a, b in zip(got.echo_logprobs, eager.echo_logprobs, strict=True)
         if a is not None and b is not None
     ]
-    assert max(gaps) < 0.1, gaps
-    pairs = [
-        ("n3", got.n3_greedy[0], eager.n3_greedy[0]),
-        *(
-            (f"penalized {i}", a, b)
-            for i, (a, b) in enumerate(zip(got.penalized, eager.penalized, strict=True))
-        ),
-    ]
-    return [name for name, a, b in pairs if a != b]
+    assert max(gaps) <= 0.375 and sum(gaps) / len(gaps) < 0.1, gaps

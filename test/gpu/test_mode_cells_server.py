@@ -7,7 +7,7 @@ rounding differs between the modes' kernels and batch shapes and may flip a near
 
 The same server then runs the sampling features (cell_features.py: n=3, echo with prompt
 logprobs, logit_bias, JSON schema, a forced tool call, penalties, streaming): each does what it
-promises in every cell, and its answers match the eager cell's."""
+promises in every cell, and its prompt logprobs match the eager cell's."""
 
 from __future__ import annotations
 
@@ -232,7 +232,4 @@ def test_cell_matches_eager(cells, cell):
 def test_cell_features(cells, cell):
     got = cells(*cell).features
     check_definitions(got)
-    differing = compare_with_eager(got, cells("disabled", "disabled").features)
-    print(f"{cell}: features; greedy answers differing from eager: {differing or 'none'}")
-    # penalties and n=3 as greedy decodes: near-ties may flip one of the seven, as above
-    assert len(differing) <= 1, differing
+    compare_with_eager(got, cells("disabled", "disabled").features)
