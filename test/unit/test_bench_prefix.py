@@ -83,6 +83,10 @@ def test_prefix_bench_counts_every_token_and_the_cache_changes_no_output(tmp_pat
         assert 0 <= row["cached_tokens"] <= row["prompt_tokens"]
         if not row["cache"]:
             assert row["cached_tokens"] == 0 and row["speedup"] is None
+        elif run.workload == "shared_prefix":  # every request after the first finds the prefix
+            assert row["cached_tokens"] >= (N - 1) * PREFIX
+        else:  # each turn finds at least the conversation's previous prompt
+            assert row["cached_tokens"] >= CONVERSATIONS * sum(turn_lens[:-1])
         assert row["cache_hit_rate"] == round(row["cached_tokens"] / row["prompt_tokens"], 4)
         assert row["seconds"] > 0 and row["output_throughput"] > 0
         assert row["request_throughput"] == round(row["requests"] / run.seconds, 2)

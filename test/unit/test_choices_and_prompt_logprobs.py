@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from kv_accounting import assert_kv_released
 
 from replaylm.entrypoints.engine import Engine
 from replaylm.runtime.request import Req
@@ -36,9 +37,7 @@ def _run(engine: Engine, *reqs: Req) -> None:
     for req in reqs:
         engine.scheduler.add(req)
     engine.scheduler.run_to_completion()
-    runner = engine.runner
-    assert runner.token_allocator.available_size() == runner.max_total_tokens
-    assert runner.req_to_token_pool.available_size() == engine.server_args.max_running_requests
+    assert_kv_released(engine)
 
 
 def _prompt_logprobs(engine: Engine, k: int) -> list:
@@ -88,9 +87,11 @@ def test_prompt_logprobs_are_sent_once_after_a_retraction(checkpoint):
     assert all(len(r.prompt_logprob_chunks[-1].chosen) for r in reqs)
 
 
-def test_forked_choices_equal_requests_of_their_own(checkpoint):
-    """Choices forked from the parent's prefill (a copy of its KV) sample exactly as requests
-    with the same seeds run alone; the prefill runs once."""
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["shared", "copied"])
+def test_forked_choices_equal_requests_of_their_own(checkpoint, prefix_cache):
+    """Choices forked from the parent's prefill (its cached prompt shared through the prefix
+    cache, or a copy of its KV without it) sample exactly as requests with the same seeds run
+    alone; the prefill runs once."""
     folder, _ = checkpoint
     alone = []
     for seed in (5, 6, 7):
@@ -99,18 +100,21 @@ def test_forked_choices_equal_requests_of_their_own(checkpoint):
         alone.append(req.output_ids)
     assert len({tuple(o) for o in alone}) > 1  # the seeds matter
 
-    engine = _engine(folder)
+    engine = _engine(folder, disable_radix_cache=not prefix_cache)
     parent = _req("p", 5, forks=[("p-1", 6), ("p-2", 7)])
     engine.scheduler.add(parent)
     step_outputs = engine.scheduler.step()  # the prefill, then the forks' first tokens
     assert {o.req.rid for o in step_outputs} == {"p", "p-1", "p-2"}
     children = [o.req for o in step_outputs if o.req is not parent]
+    prompt_copies = 1 if prefix_cache else 3
+    assert engine.scheduler.stats().kv_used_tokens == prompt_copies * len(PROMPT)
+    if prefix_cache:
+        assert all(c.kv_slots == parent.kv_slots for c in children)
     engine.scheduler.run_to_completion()
     assert [parent.output_ids, *(c.output_ids for c in children)] == alone
     prefills = engine.runner.forward_stats.phases["prefill"]
     assert prefills.eager + prefills.graph == 1
-    runner = engine.runner
-    assert runner.token_allocator.available_size() == runner.max_total_tokens
+    assert_kv_released(engine)
 
 
 def test_choices_without_room_to_fork_prefill_alone(checkpoint, caplog):
@@ -123,7 +127,7 @@ def test_choices_without_room_to_fork_prefill_alone(checkpoint, caplog):
         _run(_engine(folder), req)
         expected.append(req.output_ids)
     caplog.set_level(logging.INFO, logger="replaylm.runtime.scheduler")
-    engine = _engine(folder, max_total_tokens=24)
+    engine = _engine(folder, max_total_tokens=24, disable_radix_cache=True)
     parent = _req("p", 5, forks=[("p-1", 6)])
     engine.scheduler.add(parent)
     outputs = engine.scheduler.step()
@@ -132,6 +136,16 @@ def test_choices_without_room_to_fork_prefill_alone(checkpoint, caplog):
     child = next(r for r in engine.scheduler.waiting if r.rid == "p-1")
     engine.scheduler.run_to_completion()
     assert [parent.output_ids, child.output_ids] == expected
+    # the prefix cache shares the prompt instead: both choices fit the same pool at once
+    engine = _engine(folder, max_total_tokens=24)
+    parent = _req("p", 5, forks=[("p-1", 6)])
+    engine.scheduler.add(parent)
+    outputs = engine.scheduler.step()
+    assert [o.req.rid for o in outputs] == ["p", "p-1"]
+    child = outputs[1].req
+    engine.scheduler.run_to_completion()
+    assert [parent.output_ids, child.output_ids] == expected
+    assert_kv_released(engine)
 
 
 def test_aborting_a_pending_choice_keeps_the_others(checkpoint):

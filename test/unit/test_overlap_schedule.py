@@ -6,6 +6,7 @@ string mid-flight, sampled with seeds, aborted, and retracted under a small KV c
 from __future__ import annotations
 
 import pytest
+from kv_accounting import assert_kv_released
 
 from replaylm.entrypoints.engine import Engine
 from replaylm.runtime.io_struct import TokenLogprob
@@ -32,7 +33,10 @@ def engine(tmp_path_factory) -> Engine:
 
 
 def _scheduler(engine: Engine, overlap: bool) -> Scheduler:
-    return Scheduler(
+    """A fresh scheduler over the engine's KV pool, in place of the engine's (whose prefix cache
+    gives its slots back first)."""
+    engine.scheduler.kv.flush()
+    engine.scheduler = Scheduler(
         engine.runner,
         frozenset(),
         _text,
@@ -40,6 +44,7 @@ def _scheduler(engine: Engine, overlap: bool) -> Scheduler:
         max_prefill_tokens=None,
         overlap=overlap,
     )
+    return engine.scheduler
 
 
 def _params(i: int, stops: dict[str, object]) -> SamplingParams:
@@ -75,12 +80,6 @@ def _run(
     return reqs, [logprobs[r.rid] for r in reqs]
 
 
-def _assert_all_free(engine: Engine) -> None:
-    runner = engine.runner
-    assert runner.token_allocator.available_size() == runner.max_total_tokens
-    assert runner.req_to_token_pool.available_size() == engine.server_args.max_running_requests
-
-
 def _assert_same_logprobs(got: list[TokenLogprob], want: list[TokenLogprob]) -> None:
     assert [g.token_id for g in got] == [w.token_id for w in want]
     for g, w in zip(got, want, strict=True):
@@ -97,9 +96,9 @@ def test_overlap_equals_reading_each_step_back(engine):
     stops[2] = {"stop_token_ids": [free_run[2].output_ids[3]]}
     stops[5] = {"stop": [f" <{free_run[5].output_ids[3]}>"]}
     sync, sync_lp = _run(engine, False, stops)
-    _assert_all_free(engine)
+    assert_kv_released(engine)
     overlap, overlap_lp = _run(engine, True, stops)
-    _assert_all_free(engine)
+    assert_kv_released(engine)
     for a, b, la, lb in zip(overlap, sync, overlap_lp, sync_lp, strict=True):
         assert a.output_ids == b.output_ids, a.rid
         assert a.finish_reason == b.finish_reason, a.rid
@@ -114,7 +113,7 @@ def test_overlap_equals_reading_each_step_back(engine):
 def test_an_abort_mid_flight_loses_nothing_else(engine):
     sync, _ = _run(engine, False, [{}] * len(PROMPTS))
     overlap, _ = _run(engine, True, [{}] * len(PROMPTS), abort=(4, 7))
-    _assert_all_free(engine)
+    assert_kv_released(engine)
     victim = overlap[4]
     assert victim.finish_reason.type == "abort"
     assert sync[4].output_ids[: len(victim.output_ids)] == victim.output_ids
@@ -137,7 +136,7 @@ def test_a_decode_step_returns_the_tokens_of_the_step_before(engine):
         assert req.finish_reason == FinishReason("length") and len(req.output_ids) == 4
         # prefill, then 3 decode steps (the last token's step is left out: its end is known)
         assert counts == ([1, 0, 1, 1, 1] if overlap else [1, 1, 1, 1]), counts
-    _assert_all_free(engine)
+    assert_kv_released(engine)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -154,4 +153,4 @@ def test_retraction_under_a_tiny_kv_cache(engine, overlap):
     outs = tiny.generate(input_ids=PROMPTS[:5], sampling_params=params)
     assert [o["output_ids"] for o in outs] == expected
     assert tiny.scheduler.num_retractions > 0
-    _assert_all_free(tiny)
+    assert_kv_released(tiny)

@@ -7,6 +7,7 @@ retraction and late joining must not change any request's output.
 from __future__ import annotations
 
 import pytest
+from kv_accounting import assert_kv_released
 
 from replaylm.entrypoints.engine import Engine
 from replaylm.runtime.request import Req
@@ -38,12 +39,6 @@ def _alone(engine: Engine, prompts: list[list[int]], max_new: int) -> list[list[
     return [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
 
 
-def _assert_all_free(engine: Engine) -> None:
-    runner = engine.runner
-    assert runner.token_allocator.available_size() == runner.max_total_tokens
-    assert runner.req_to_token_pool.available_size() == engine.server_args.max_running_requests
-
-
 def test_a_tiny_kv_pool_keeps_outputs(folder, roomy):
     """With no decode reserve (aggressive admission) the scheduler must retract requests
     mid-decode and recompute them; the default reserve retracts less. Outputs never change."""
@@ -57,7 +52,7 @@ def test_a_tiny_kv_pool_keeps_outputs(folder, roomy):
         outs = tiny.generate(input_ids=prompts, sampling_params={"max_new_tokens": 40, **GREEDY})
         assert [o["output_ids"] for o in outs] == expected
         retractions[policy] = tiny.scheduler.num_retractions
-        _assert_all_free(tiny)
+        assert_kv_released(tiny)
     assert retractions["aggressive"] > retractions["default"], retractions
 
 
@@ -73,7 +68,7 @@ def test_chunked_prefill_equals_unchunked(folder, roomy):
     )
     outs = chunked.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, **GREEDY})
     assert [o["output_ids"] for o in outs] == expected
-    _assert_all_free(chunked)
+    assert_kv_released(chunked)
 
 
 def test_requests_joining_between_steps_and_abort(roomy):
@@ -93,13 +88,15 @@ def test_requests_joining_between_steps_and_abort(roomy):
     sched.step()
     used_before, victim_cached = sched.stats().kv_used_tokens, victim.kv_len
     assert victim_cached == len(victim.all_ids) - 1  # the newest token is not cached yet
+    assert victim.shared_len == len(prompts[0])  # r0's prompt: one copy, in the prefix cache
     assert sched.abort("victim") is victim
     assert victim.finish_reason.type == "abort"
-    assert sched.stats().kv_used_tokens == used_before - victim_cached
+    # its own tokens become evictable; the prompt stays held by r0
+    assert sched.stats().kv_used_tokens == used_before - (victim_cached - len(prompts[0]))
     sched.add(reqs[2])
     sched.run_to_completion()
     assert [r.output_ids for r in reqs] == expected
-    _assert_all_free(roomy)
+    assert_kv_released(roomy)
 
 
 def test_output_budget_is_clamped_to_the_cache(folder):

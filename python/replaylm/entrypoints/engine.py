@@ -56,6 +56,7 @@ class Engine:
             self.server_args.chunked_prefill_size,
             self.server_args.max_prefill_tokens,
             overlap=not self.server_args.disable_overlap_schedule,
+            prefix_cache=not self.server_args.disable_radix_cache,
         )
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -177,6 +178,7 @@ class Engine:
             "meta_info": {
                 "prompt_tokens": len(req.input_ids),
                 "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens,
                 "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
             },
         }

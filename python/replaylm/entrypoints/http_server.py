@@ -4,7 +4,7 @@
     GET /v1/models, GET /v1/models/{id}
     POST /tokenize, POST /detokenize, GET /tokenizer_info               (vLLM's shapes)
     POST /generate                                                      (native)
-    GET /health, GET /health_generate, GET /get_server_info, GET /metrics
+    GET /health, GET /health_generate, GET /get_server_info, GET /metrics, POST /flush_cache
 
 Requests are parsed by `http_parsing` into the models of `openai_protocol` /
 `openai_chat_protocol` (unknown fields are ignored and logged; what replaylm cannot honour is
@@ -40,7 +40,7 @@ def create_app(tokenizer_manager: Any) -> FastAPI:
     """The app serving `tokenizer_manager` (a replaylm TokenizerManager, or any object with its
     interface: served_model_name, context_len, max_total_tokens, vocab_size, tokenizer,
     server_args (api_key, max_request_body_bytes), metrics, healthy, encode, encode_chat,
-    generate, health_generate, server_info). `encode` and `encode_chat` run in worker
+    generate, health_generate, server_info, flush_cache). `encode` and `encode_chat` run in worker
     threads."""
     app = FastAPI(title="replaylm", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
@@ -61,6 +61,7 @@ def create_app(tokenizer_manager: Any) -> FastAPI:
         ("/generate", NativeGenerateRoute(ctx).handle, "POST"),
         ("/health_generate", ops.health_generate, "GET"),
         ("/get_server_info", ops.server_info, "GET"),
+        ("/flush_cache", ops.flush_cache, "POST"),
     ]
     for path, handler, method in routes:
         app.add_api_route(path, handler, methods=[method], dependencies=auth)

@@ -68,6 +68,7 @@ def _meta(rid: str, out: GenerateOutput, logprobs: list[TokenLogprob] | None) ->
         "id": rid,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
         "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
     }
     if logprobs is not None:

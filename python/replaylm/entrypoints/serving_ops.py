@@ -1,5 +1,5 @@
 """The operational routes: models (`GET /v1/models`, `GET /v1/models/{id}`), health, one-token
-health generation, server info and Prometheus metrics."""
+health generation, server info, Prometheus metrics and flushing the prefix cache."""
 
 from __future__ import annotations
 
@@ -42,3 +42,9 @@ class OpsRoutes:
     async def metrics(self) -> Response:
         body, content_type = self.ctx.tm.metrics.render()
         return Response(body, media_type=content_type)
+
+    async def flush_cache(self) -> Response:
+        """Evict every cached prefix no running request holds (those stay): `{"freed_tokens"}`."""
+        if not self.ctx.tm.healthy():
+            return error_response(503, "the scheduler process is not running")
+        return JSONResponse({"freed_tokens": await self.ctx.tm.flush_cache()})

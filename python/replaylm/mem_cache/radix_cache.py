@@ -48,8 +48,11 @@ class PrefixMatch:
 
 def _common_length(key: tuple[int, ...], ids: Sequence[int], start: int) -> int:
     """Length of the common prefix of `key` and `ids[start:]`."""
+    window = tuple(ids[start : start + len(key)])
+    if window == key:  # the usual case, compared in C: long shared prompts walk whole edges
+        return len(key)
     n = 0
-    for a, b in zip(key, ids[start : start + len(key)], strict=False):
+    for a, b in zip(key, window, strict=False):
         if a != b:
             break
         n += 1
@@ -145,6 +148,15 @@ class RadixCache:
             node.lock_ref += 1
             assert node.parent is not None
             node = node.parent
+
+    def unlocked_above(self, node: TreeNode) -> int:
+        """Tokens that `lock(node)` would take out of the evictable ones."""
+        n = 0
+        while node is not self.root and node.lock_ref == 0:  # a locked node's ancestors are too
+            n += len(node.key)
+            assert node.parent is not None
+            node = node.parent
+        return n
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock` of `node`."""

@@ -2,7 +2,8 @@
 
 The scheduler forms every batch (and forks every `n > 1` request) through these functions, so KV
 slots, request-table rows and each request's host copy of its slots (`Req.kv_slots`) always change
-together.
+together. A request may come with slots already (a prefix found in the prefix cache): its new row
+gets them written before its batch runs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def prepare_extend(
         raise
     for req, row in zip(rows_needed, rows, strict=True):
         req.req_pool_idx = row
+    prefixes = [(row, 0, r.kv_slots) for r, row in zip(rows_needed, rows, strict=True)]
+    write_rows([span for span in prefixes if span[2]], runner)  # slots found in the prefix cache
     prefix_lens = [req.kv_len for req in reqs]
     start = 0
     for req, ids in zip(reqs, new_ids, strict=True):
@@ -69,11 +72,19 @@ def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
     )
 
 
-def fork(parent: Req, children: list[Req], runner: ModelRunner) -> None:
-    """Give each child its own request-table row and a device copy of the parent's cached KV,
-    so the children decode on from the parent's prefill without computing it again. Raises
+def fork(parent: Req, children: list[Req], runner: ModelRunner, share: bool = False) -> None:
+    """Give each child its own request-table row holding the parent's cached prompt, so the
+    children decode on from the parent's prefill without computing it again: the parent's own
+    slots (`share`, for slots the prefix cache holds) or a device copy of its KV. Raises
     OutOfKVCacheError / OutOfRequestSlotsError with every request untouched."""
     n, table = parent.kv_len, runner.req_to_token_pool
+    if share:
+        rows = table.alloc(len(children))
+        write_rows([(row, 0, parent.kv_slots) for row in rows], runner)
+        for child, row in zip(children, rows, strict=True):
+            child.req_pool_idx = row
+            child.kv_slots = list(parent.kv_slots)
+        return
     slots = runner.token_allocator.alloc(n * len(children))
     try:
         rows = table.alloc(len(children))
@@ -90,15 +101,28 @@ def fork(parent: Req, children: list[Req], runner: ModelRunner) -> None:
         child.kv_slots = slots[i * n : (i + 1) * n]
 
 
+def write_rows(spans: list[tuple[int, int, list[int]]], runner: ModelRunner) -> None:
+    """Record each (row, start, slots): `slots` at positions start.. of request-table row `row`,
+    in one host-to-device copy."""
+    if not spans:
+        return
+    table = runner.req_to_token_pool
+    index = [row * table.row_width + start + j for row, start, s in spans for j in range(len(s))]
+    wide, narrow = send_packed(table.device, index, [slot for _, _, s in spans for slot in s])
+    table.write(wide, narrow)
+
+
 def release(req: Req, runner: ModelRunner) -> None:
-    """Free the request's KV slots and its request-table row (host bookkeeping only: a step in
-    flight may still write them; later steps reuse them in stream order)."""
+    """Free the request's own KV slots (those past `shared_len`: the prefix cache's stay) and
+    its request-table row (host bookkeeping only: a step in flight may still write them; later
+    steps reuse them in stream order)."""
     if req.req_pool_idx is None:
         return
-    runner.token_allocator.free(req.kv_slots)
+    runner.token_allocator.free(req.kv_slots[req.shared_len :])
     runner.req_to_token_pool.free(req.req_pool_idx)
     req.req_pool_idx = None
     req.kv_slots = []
+    req.shared_len = 0
 
 
 def _create(

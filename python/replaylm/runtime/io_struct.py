@@ -95,6 +95,11 @@ class ShutdownReq:
     pass
 
 
+@dataclass
+class FlushCacheReq:
+    """Evict every cached prefix no request holds."""
+
+
 # ---- scheduler process -> main process ----------------------------------------------------
 
 
@@ -125,6 +130,9 @@ class SchedulerStats:
     forward_stats: ForwardStats = field(default_factory=ForwardStats)
     grammar_steps: int = 0  # sampling steps that masked a structured-output request's logits
     grammar_host_s: float = 0.0  # host time of the grammar engine so far (feeding, bitmasks)
+    prefix_prompt_tokens: int = 0  # prompt tokens admitted so far (first admissions)
+    prefix_cached_tokens: int = 0  # of them, found in the prefix cache
+    prefix_cache_tokens: int = 0  # KV slots the prefix cache holds now
 
 
 @dataclass
@@ -141,6 +149,11 @@ class ReqTokenOut:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0
     admitted_at: float | None = None
+
+
+@dataclass
+class FlushCacheOut:
+    freed_tokens: int
 
 
 @dataclass

@@ -78,6 +78,24 @@ class ServerMetrics:
             "host time of the grammar engine (feeding tokens, filling bitmasks), so far",
             registry=r,
         )
+        self.prefix_prompt_tokens = Gauge(
+            "replaylm_prefix_cache_prompt_tokens",
+            "prompt tokens admitted to prefill (first admissions), so far",
+            registry=r,
+        )
+        self.prefix_hit_tokens = Gauge(
+            "replaylm_prefix_cache_hit_tokens",
+            "of those prompt tokens, found in the prefix cache (not computed), so far",
+            registry=r,
+        )
+        self.prefix_hit_ratio = Gauge(
+            "replaylm_prefix_cache_hit_ratio",
+            "prefix cache hit tokens / prompt tokens, so far",
+            registry=r,
+        )
+        self.prefix_cache_tokens = Gauge(
+            "replaylm_prefix_cache_tokens", "KV slots the prefix cache holds", registry=r
+        )
         self.ttft = self._seconds("time_to_first_token_seconds", "time to first token")
         self.itl = self._seconds("inter_token_latency_seconds", "time between tokens")
         self.e2e = self._seconds(
@@ -144,6 +162,10 @@ class ServerMetrics:
         self._preemptions_seen = stats.num_retractions
         self.grammar_steps.set(stats.grammar_steps)
         self.grammar_host_seconds.set(stats.grammar_host_s)
+        self.prefix_prompt_tokens.set(stats.prefix_prompt_tokens)
+        self.prefix_hit_tokens.set(stats.prefix_cached_tokens)
+        self.prefix_hit_ratio.set(stats.prefix_cached_tokens / max(stats.prefix_prompt_tokens, 1))
+        self.prefix_cache_tokens.set(stats.prefix_cache_tokens)
         for phase, counts in stats.forward_stats.phases.items():
             self.forward_batches.labels(phase, "graph").set(counts.graph)
             self.forward_batches.labels(phase, "eager").set(counts.eager)

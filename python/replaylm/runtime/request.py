@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 from replaylm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from replaylm.mem_cache.radix_cache import TreeNode
     from replaylm.runtime.prompt_logprobs import PromptLogprobChunk
     from replaylm.structured.grammar import RequestGrammar
 
@@ -28,7 +29,9 @@ class FinishReason:
 class Req:
     """`kv_slots`: the KV slots of the first tokens of `input_ids + output_ids`, those whose K/V
     are cached (or being written by a step in flight), in order: the host's copy of the request's
-    row of the request table, so freeing them reads nothing back from the device."""
+    row of the request table, so freeing them reads nothing back from the device. The first
+    `shared_len` of them belong to the prefix cache (locked at `prefix_node` while the request
+    holds them); the request frees only the rest."""
 
     rid: str
     input_ids: list[int]
@@ -47,6 +50,9 @@ class Req:
     forks: list[tuple[str, int]] = field(default_factory=list)
     admitted_at: float | None = None  # time.time() of its first admission to a prefill batch
     grammar: RequestGrammar | None = None  # structured output: the grammar the output follows
+    prefix_node: TreeNode | None = None  # the prefix cache's node its shared slots end at
+    shared_len: int = 0
+    cached_tokens: int = 0  # prompt tokens its first prefill found cached (usage reports them)
 
     @property
     def prompt_logprobs_done(self) -> int:

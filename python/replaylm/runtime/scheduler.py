@@ -42,8 +42,9 @@ import torch
 from replaylm.layers.sampler import SamplingBatchInfo
 from replaylm.mem_cache.errors import OutOfKVCacheError, OutOfRequestSlotsError
 from replaylm.model_executor.model_runner import ModelRunner
-from replaylm.runtime.batch_ops import fork, prepare_decode, prepare_extend, release
+from replaylm.runtime.batch_ops import prepare_decode, prepare_extend
 from replaylm.runtime.io_struct import SchedulerStats, TokenLogprob
+from replaylm.runtime.prefix_cache import PrefixCache
 from replaylm.runtime.prompt_logprobs import PromptLogprobPlan, prompt_token_logprobs
 from replaylm.runtime.request import FinishReason, Req
 
@@ -56,6 +57,8 @@ INIT_NEW_TOKEN_RATIO = 0.5
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step
 RETRACT_RATIO_BUMP = 0.25
+LPM_MAX_WAITING = 128  # waiting requests up to which admission orders them by cached prefix
+IN_BATCH_SHARED_MIN = 32  # tokens a batch-mate must share beyond the cache to defer a request
 
 
 @dataclass
@@ -138,14 +141,17 @@ class Scheduler:
         chunked_prefill_size: int,
         max_prefill_tokens: int | None,
         overlap: bool = True,
+        prefix_cache: bool = True,
     ) -> None:
         """`max_prefill_tokens` None: a prefill batch holds at most `chunked_prefill_size`.
-        `overlap`: launch each decode step before reading the one before back."""
+        `overlap`: launch each decode step before reading the one before back. `prefix_cache`:
+        keep computed tokens in a radix tree and start prompts from their cached prefixes."""
         self.runner = runner
         self.eos_ids = eos_ids
         self.decode_text = decode_text
         self.chunk_size = chunked_prefill_size
         self.max_prefill_tokens = max_prefill_tokens or chunked_prefill_size
+        self.kv = PrefixCache(runner, prefix_cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # requests with a full cached prompt, decoding
         self.num_retractions = 0
@@ -188,7 +194,7 @@ class Scheduler:
                         return child
                 if req.rid == rid:
                     queue.remove(req)
-                    release(req, self.runner)
+                    self.kv.release(req)
                     req.finish_reason = FinishReason("abort", "aborted by the client")
                     self.waiting.extendleft(reversed(self._unforked(req)))
                     return req
@@ -203,12 +209,15 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_used_tokens=total - self.runner.token_allocator.available_size(),
+            kv_used_tokens=total - self.kv.available,
             kv_total_tokens=total,
             num_retractions=self.num_retractions,
             forward_stats=self.runner.forward_stats,
             grammar_steps=self.grammar_steps,
             grammar_host_s=self.grammar_host_s,
+            prefix_prompt_tokens=self.kv.prompt_tokens,
+            prefix_cached_tokens=self.kv.cached_tokens,
+            prefix_cache_tokens=self.kv.tree.total_size if self.kv.tree is not None else 0,
         )
 
     def run_to_completion(self) -> None:
@@ -225,6 +234,7 @@ class Scheduler:
         if prefill:
             reqs, chunks = prefill
             plan = PromptLogprobPlan.build(reqs, chunks)
+            self.kv.make_room(sum(chunks))
             batch = prepare_extend(reqs, self.runner, chunks)
             if plan is None:
                 logits = self.runner.forward(batch)
@@ -232,6 +242,8 @@ class Scheduler:
                 index = torch.tensor(plan.token_index).to(batch.input_ids.device, non_blocking=True)
                 logits, hidden = self.runner.forward_keeping_hidden(batch, index)
                 plan.score(self.runner, hidden)
+            for req in reqs:
+                self.kv.cache_computed(req)
             outputs = self._read_back()  # while the GPU runs the prefill
             done = [i for i, r in enumerate(reqs) if r.kv_len == r.num_ids]
             for i, req in enumerate(reqs):
@@ -251,7 +263,7 @@ class Scheduler:
                 outputs += self._apply(self._sample(sample_reqs, done_logits))
             return outputs
         outputs = []
-        if self.runner.token_allocator.available_size() < len(self.running):
+        if self.kv.available < len(self.running):
             outputs = self._read_back()  # its finished requests free slots; retract after
         if not self.running:
             return outputs + self._read_back()
@@ -278,6 +290,7 @@ class Scheduler:
         ]
         if not reqs:
             return None
+        self.kv.make_room(len(reqs))
         batch = prepare_decode(reqs, self.runner)
         if in_flight is not None:
             rows = [pending[id(r)] for r in reqs]  # every running request is in flight
@@ -303,7 +316,7 @@ class Scheduler:
             if not children:
                 continue
             try:
-                fork(parent, children, self.runner)
+                self.kv.fork(parent, children)
             except (OutOfKVCacheError, OutOfRequestSlotsError) as err:
                 logger.info("request %s: %s; its other choices prefill alone", parent.rid, err)
                 self.waiting.extendleft(reversed(children))
@@ -324,25 +337,46 @@ class Scheduler:
         return int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
 
     def _admit_prefill(self) -> tuple[list[Req], list[int]] | None:
-        """Pick waiting requests (FIFO) and their chunk sizes for one EXTEND batch."""
+        """Pick waiting requests and their chunk sizes for one EXTEND batch: in queue order, or
+        longest cached prefix first while the queue is short (see `_order_waiting`). A request
+        whose prefix another request of this batch is computing waits for the next batch, which
+        finds it cached."""
         reserved = sum(self._expected_new_tokens(r) for r in self.running)
-        free_kv = self.runner.token_allocator.available_size() - len(self.running) - reserved
         free_rows = self.runner.req_to_token_pool.available_size()
+        if (
+            not self.waiting
+            or (free_rows == 0 and self.waiting[0].req_pool_idx is None)
+            or self.kv.available - len(self.running) - reserved <= 1
+        ):
+            return None  # nothing is admissible: skip ordering and matching the queue
+        self._order_waiting()
         budget = self.max_prefill_tokens
         reqs: list[Req] = []
         chunks: list[int] = []
+        deferred: list[Req] = []
+        used = 0  # KV slots this batch takes (its chunks and their first decode tokens)
         while self.waiting:
             req = self.waiting[0]
-            todo = req.num_ids - req.kv_len
+            found = self.kv.match(req)
+            if found is not None and reqs and _computing_more(reqs, req, len(found.slots)):
+                deferred.append(self.waiting.popleft())
+                continue
+            cached = len(found.slots) if found is not None else 0
+            # locking the match takes its slots out of what eviction can free
+            locked = self.kv.lock_cost(found)
+            free_kv = self.kv.available - locked - len(self.running) - reserved - used
+            todo = req.num_ids - req.kv_len - cached
             needs_row = req.req_pool_idx is None
             # keep one slot per admitted request for its first decode token
             chunk = min(todo, self.chunk_size, budget if reqs else todo, free_kv - 1)
             if chunk <= 0 or (needs_row and free_rows == 0):
                 break
             alone = not self.running and not reqs  # always admissible: callers clamp budgets
-            # the choices forked once the prompt is cached each need its KV and a row too
+            # the choices forked once the prompt is cached each need a row, and their KV unless
+            # the prefix cache shares the prompt
             forks = len(req.forks) if chunk == todo else 0
-            fork_kv = forks * (req.num_ids + 1 + self._expected_new_tokens(req))
+            prompt_copy = 0 if self.kv.tree is not None else req.num_ids
+            fork_kv = forks * (prompt_copy + 1 + self._expected_new_tokens(req))
             if (
                 chunk == todo
                 and not alone
@@ -353,27 +387,51 @@ class Scheduler:
             ):
                 break  # would finish its prompt with no room to decode: wait
             self.waiting.popleft()
+            self.kv.admit(req, found)
             if req.admitted_at is None:  # not for a later chunk or after a retraction
                 req.admitted_at = time.time()
             reqs.append(req)
             chunks.append(chunk)
-            free_kv -= chunk + 1 + fork_kv  # + its first decode token
+            used += chunk + 1 + fork_kv  # + its first decode token
             free_rows -= needs_row + forks
             budget -= chunk
             if chunk < todo:
                 break  # one chunked prompt per batch, last
-        return (reqs, chunks) if reqs else None
+        self.waiting.extendleft(reversed(deferred))
+        if not reqs:
+            return None
+        logger.info(
+            "prefill batch: %d requests, %d new tokens, %d cached tokens; %d running, %d waiting",
+            len(reqs),
+            sum(chunks),
+            sum(r.kv_len for r in reqs),  # before this batch: what earlier steps or the cache hold
+            len(self.running),
+            len(self.waiting),
+        )
+        return reqs, chunks
+
+    def _order_waiting(self) -> None:
+        """Longest cached prefix first while at most LPM_MAX_WAITING requests wait (SGLang's
+        policy: reuse what is cached before it is evicted); first come first served beyond that,
+        where matching every request each step costs more than it saves. A partly prefilled
+        prompt stays first (it holds KV and a row)."""
+        if self.kv.tree is None or not 1 < len(self.waiting) <= LPM_MAX_WAITING:
+            return
+        started = [r for r in self.waiting if r.kv_slots]
+        rest = [r for r in self.waiting if not r.kv_slots]
+        matched = {id(r): len(m.slots) if (m := self.kv.match(r)) is not None else 0 for r in rest}
+        rest.sort(key=lambda r: -matched[id(r)])  # stable: ties keep their arrival order
+        self.waiting = deque(started + rest)
 
     def _retract_for_decode(self) -> None:
         """Free KV for one decode token per running request: move the newest running requests
         back to the waiting queue, then (if one request still cannot step) drop the cached
         chunks of partially prefilled waiting requests. Retracted tokens are recomputed later."""
-        allocator = self.runner.token_allocator
-        while allocator.available_size() < len(self.running) and len(self.running) > 1:
+        while self.kv.available < len(self.running) and len(self.running) > 1:
             req = self.running.pop()
             self._retract(req)
             self.waiting.appendleft(req)
-        if allocator.available_size() < len(self.running):
+        if self.kv.available < len(self.running):
             for req in self.waiting:
                 if req.kv_len:
                     self._retract(req)
@@ -385,7 +443,7 @@ class Scheduler:
             req.rid,
             req.kv_len,
         )
-        release(req, self.runner)
+        self.kv.release(req)
         self.num_retractions += 1
 
     def _sample(
@@ -443,7 +501,7 @@ class Scheduler:
             if req.grammar is not None and not self._feed_grammar(req, token):
                 outputs.append(StepOutput(req, [], None))
                 self.running.remove(req)
-                release(req, self.runner)
+                self.kv.release(req)
                 continue
             text = None
             if req.sampling_params.stop and self.decode_text is not None:
@@ -459,7 +517,7 @@ class Scheduler:
             )
             if req.finished:
                 self.running.remove(req)
-                release(req, self.runner)
+                self.kv.release(req)
         return outputs
 
     def _feed_grammar(self, req: Req, token: int) -> bool:
@@ -475,6 +533,15 @@ class Scheduler:
             "abort", f"the grammar engine rejected token {token}: the output cannot go on"
         )
         return False
+
+
+def _computing_more(batch: list[Req], req: Req, cached: int) -> bool:
+    """Whether a request of `batch` shares at least IN_BATCH_SHARED_MIN more prompt tokens with
+    `req` than the cache holds: admitted together, both would compute them."""
+    want = req.all_ids[: cached + IN_BATCH_SHARED_MIN]
+    if len(want) < cached + IN_BATCH_SHARED_MIN:
+        return False
+    return any(other.all_ids[: len(want)] == want for other in batch)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ from replaylm.model_loader.tokenizer import TokenizerInfo, scheduler_decoder
 from replaylm.runtime.io_struct import (
     AbortReq,
     BatchTokenOut,
+    FlushCacheOut,
+    FlushCacheReq,
     ReqTokenOut,
     SchedulerFailed,
     SchedulerReady,
@@ -163,6 +165,7 @@ def _build_scheduler(
         args.chunked_prefill_size,
         args.max_prefill_tokens,
         overlap=not args.disable_overlap_schedule,
+        prefix_cache=not args.disable_radix_cache,
     )
     vocabulary = info.grammar_vocabulary
     grammars = GrammarLoader(vocabulary, runner.config.vocab_size, eos) if vocabulary else None
@@ -194,6 +197,8 @@ def _loop(scheduler: Scheduler, conn: Connection, grammars: GrammarLoader | None
                 )
             elif isinstance(msg, AbortReq) and (req := scheduler.abort(msg.rid)) is not None:
                 aborted.append(req)
+            elif isinstance(msg, FlushCacheReq):
+                conn.send(FlushCacheOut(scheduler.kv.flush()))
         outputs = [ReqTokenOut(r.rid, [], None, r.finish_reason, len(r.input_ids)) for r in aborted]
         if scheduler.has_work:
             outputs += [
@@ -204,6 +209,7 @@ def _loop(scheduler: Scheduler, conn: Connection, grammars: GrammarLoader | None
                     o.req.finish_reason,
                     len(o.req.input_ids),
                     prompt_logprobs=o.prompt_logprobs,
+                    cached_tokens=o.req.cached_tokens,
                     admitted_at=o.req.admitted_at,
                 )
                 for o in scheduler.step()

@@ -18,6 +18,7 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ from replaylm.runtime.io_struct import (
     MAX_TOP_LOGPROBS,
     AbortReq,
     BatchTokenOut,
+    FlushCacheOut,
+    FlushCacheReq,
     GenerateOutput,
     GenerateRequest,
     ReqTokenOut,
@@ -101,6 +104,7 @@ class TokenizerManager:
             self._scheduler.conn.send(info)
         self.metrics = ServerMetrics()
         self._states: dict[str, _ReqState] = {}
+        self._flushes: deque[asyncio.Future[int]] = deque()  # flush_cache calls awaiting answers
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seed_rng = random.Random(server_args.seed)
         self._send_lock = threading.Lock()
@@ -329,7 +333,7 @@ class TokenizerManager:
                 detail = f"the scheduler process crashed:\n{msg.error}"
                 break
             if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._on_batch, msg)
+                self._loop.call_soon_threadsafe(self._on_message, msg)
         if not self._closing:
             logger.error("%s", detail)
         self._dead_reason = reason
@@ -337,8 +341,26 @@ class TokenizerManager:
             self._loop.call_soon_threadsafe(self._fail_all)
 
     def _fail_all(self) -> None:
+        error = ServiceUnavailableError(self._dead_reason or "scheduler gone")
         for state in self._states.values():
-            state.queue.put_nowait(ServiceUnavailableError(self._dead_reason or "scheduler gone"))
+            state.queue.put_nowait(error)
+        while self._flushes:
+            self._flushes.popleft().set_exception(error)
+
+    def _on_message(self, msg: BatchTokenOut | FlushCacheOut) -> None:
+        if isinstance(msg, FlushCacheOut):
+            self._flushes.popleft().set_result(msg.freed_tokens)
+        else:
+            self._on_batch(msg)
+
+    async def flush_cache(self) -> int:
+        """Evict every cached prefix no request holds; the number of KV slots freed."""
+        self._check_alive()
+        self._loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = self._loop.create_future()
+        self._flushes.append(done)  # the scheduler answers flushes in order
+        self._send(FlushCacheReq())
+        return await done
 
     def _on_batch(self, batch: BatchTokenOut) -> None:
         self.metrics.set_scheduler_stats(batch.stats)
