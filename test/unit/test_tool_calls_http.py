@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-MODEL = "smollm2-135m-instruct"
-TIMEOUT_S = 120
+from http_helpers import MODEL
+
 WEATHER = {
     "type": "object",
     "properties": {
@@ -37,19 +37,6 @@ TOOLS: list[Any] = [
 ]
 QUESTION: list[Any] = [{"role": "user", "content": "What is the weather like in Paris?"}]
 GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 48}  # a call takes about 25
-
-
-@pytest.fixture(scope="module")
-def client(http_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{http_server.base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S
-    )
-
-
-@pytest.fixture(scope="module")
-def http(http_server):
-    with httpx.Client(base_url=http_server.base_url, timeout=TIMEOUT_S) as c:
-        yield c
 
 
 def calls_of(message: Any) -> list[tuple[str, dict]]:
