@@ -14,23 +14,8 @@ import openai
 import pytest
 
 from http_helpers import MODEL
+from tool_schemas import SCHEMAS
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "string"}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 TOOLS: list[Any] = [
     {"type": "function", "function": {"name": name, "description": name, "parameters": schema}}
     for name, schema in SCHEMAS.items()
