@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from http_helpers import HTTP_SERVER_FLAGS
 from server_process import ServerProcess, start_server
 
 if not torch.cuda.is_available():
@@ -35,8 +36,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def http_server() -> Iterator[ServerProcess]:
-    # a context below the KV size, so that too-long prompts are measured against the context
-    server = start_server("--max-total-tokens", "4096", "--context-length", "2048")
+    server = start_server(*HTTP_SERVER_FLAGS)
     yield server
     server.stop()
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,45 +12,17 @@ import httpx
 import openai
 import pytest
 
-from tiny_checkpoints import write_tiny_checkpoint
-
-MODEL = "smollm2-135m-instruct"
-PROMPT = "The capital of France is"
-CHAT = [{"role": "user", "content": "Name three colours."}]
-TIMEOUT_S = 120
-BENCH_SERVING = Path(__file__).resolve().parents[2] / "benchmark" / "bench_serving.py"
-CONTEXT_LEN = 2048  # conftest.py starts the server with --context-length 2048
-
-
-@pytest.fixture(scope="module")
-def client(http_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{http_server.base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S
-    )
-
-
-@pytest.fixture(scope="module")
-def http(http_server):
-    with httpx.Client(base_url=http_server.base_url, timeout=TIMEOUT_S) as c:
-        yield c
-
-
-def sse_events(response: httpx.Response) -> list[dict]:
-    """The JSON events of an SSE response; asserts it ends with `data: [DONE]`."""
-    data = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    return [json.loads(d) for d in data[:-1]]
-
-
-def metric(http: httpx.Client, name: str, default: float | None = None) -> float:
-    """The value of one (label-less or fully labelled) series from GET /metrics; `default` when
-    it is absent (a labelled series appears once its label is first used), else an error."""
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[-1])
-    assert default is not None, f"no series {name} in /metrics"
-    return default
-
+from http_helpers import (
+    CHAT,
+    CONTEXT_LEN,
+    KV_TOKENS,
+    MODEL,
+    PROMPT,
+    TIMEOUT_S,
+    TINY_API_KEY,
+    metric,
+    run_bench_serving,
+)
 
 # ---- completions and chat ---------------------------------------------------------------------
 
@@ -313,7 +283,7 @@ def test_metrics_series_count_requests_and_tokens(http):
     assert metric(http, "replaylm_generation_tokens_total") == tokens + 5
     assert metric(http, "replaylm_time_to_first_token_seconds_count") == ttft + 1
     assert metric(http, 'replaylm_requests_total{finish_reason="length"}') == finished + 1
-    assert metric(http, "replaylm_kv_total_tokens") == 4096
+    assert metric(http, "replaylm_kv_total_tokens") == KV_TOKENS
 
 
 def test_models_server_info_and_health(client, http):
@@ -322,7 +292,7 @@ def test_models_server_info_and_health(client, http):
     assert models[0].model_extra["max_model_len"] == CONTEXT_LEN
     info = http.get("/get_server_info").json()
     assert info["served_model_name"] == MODEL and info["device"] == "cpu"
-    assert info["context_len"] == CONTEXT_LEN and info["max_total_tokens"] == 4096
+    assert info["context_len"] == CONTEXT_LEN and info["max_total_tokens"] == KV_TOKENS
     assert info["api_key"] is None and info["healthy"] is True
     assert info["cuda_graph"]["decode"]["mode"] == "disabled"  # CPU: nothing captured
     assert info["cuda_graph_capture"] == {}
@@ -332,22 +302,24 @@ def test_models_server_info_and_health(client, http):
     assert metric(http, "replaylm_generation_tokens_total") == tokens + 1  # it ran one token
 
 
-def run_bench_serving(base_url: str, out: Path, *flags: str) -> dict:
-    """bench_serving.py's JSON after running it against `base_url` with `flags`."""
-    subprocess.run(
-        [sys.executable, str(BENCH_SERVING), "--base-url", base_url, "--disable-tqdm"]
-        + ["--json", str(out), *flags],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    return json.loads(out.read_text())
-
-
 def test_bench_serving_runs_against_the_server(http_server, tmp_path):
-    flags = ["--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3"]
-    flags += ["--random-range-ratio", "1", "--warmup", "0", "--max-concurrency", "1", "3"]
-    doc = run_bench_serving(http_server.base_url, tmp_path / "bench.json", *flags)
+    doc = run_bench_serving(
+        http_server.base_url,
+        tmp_path / "bench.json",
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "3",
+        "--random-range-ratio",
+        "1",
+        "--warmup",
+        "0",
+        "--max-concurrency",
+        "1",
+        "3",
+    )
     assert [row["max_concurrency"] for row in doc["summary"]] == [1, 3]
     for row in doc["summary"]:
         assert row["completed"] == 3 and row["failed"] == 0 and row["model"] == MODEL
@@ -389,23 +361,7 @@ def test_bench_serving_prefix_workloads(http_server, tmp_path):
     assert row["total_output_tokens"] == 6 * 3
 
 
-# ---- API key (tiny checkpoint, no tokenizer: starts in seconds) -------------------------------
-
-
-@pytest.fixture(scope="module")
-def keyed_server(server_factory, tmp_path_factory):
-    folder: Path = tmp_path_factory.mktemp("tiny_qwen2")
-    write_tiny_checkpoint("qwen2", folder)
-    return server_factory(
-        "--model-path",
-        str(folder),
-        "--max-total-tokens",
-        "256",
-        "--api-key",
-        "sekret",
-        "--served-model-name",
-        "tiny",
-    )
+# ---- API key (conftest.py's tiny keyed server: starts in seconds) ---------------------------
 
 
 PROTECTED = [
@@ -419,29 +375,31 @@ PROTECTED = [
 GENERATE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 
 
-def test_api_key_is_required_except_for_health_and_metrics(keyed_server):
-    with httpx.Client(base_url=keyed_server.base_url, timeout=TIMEOUT_S) as http:
+def test_api_key_is_required_except_for_health_and_metrics(tiny_keyed_server):
+    keyed = {"Authorization": f"Bearer {TINY_API_KEY}"}
+    with httpx.Client(base_url=tiny_keyed_server.base_url, timeout=TIMEOUT_S) as http:
         assert http.get("/health").status_code == 200
         assert http.get("/metrics").status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TINY_API_KEY}):
             for method, path in PROTECTED:
                 response = http.request(method, path, json=GENERATE, headers=headers)
                 assert response.status_code == 401, (method, path, headers)
                 error = response.json()["error"]
                 assert error["code"] == "invalid_api_key"
                 assert error["type"] == "invalid_request_error" and error["message"]
-        ok = http.post("/generate", json=GENERATE, headers={"Authorization": "Bearer sekret"})
+        ok = http.post("/generate", json=GENERATE, headers=keyed)
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
-        info = http.get("/get_server_info", headers={"Authorization": "Bearer sekret"}).json()
+        info = http.get("/get_server_info", headers=keyed).json()
         assert info["api_key"] == "<set>"  # never echoed back
 
-    good = openai.OpenAI(base_url=f"{keyed_server.base_url}/v1", api_key="sekret", max_retries=0)
+    base_url = f"{tiny_keyed_server.base_url}/v1"
+    good = openai.OpenAI(base_url=base_url, api_key=TINY_API_KEY, max_retries=0)
     assert [m.id for m in good.models.list().data] == ["tiny"]
     completion = good.completions.create(
         model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0
     )
     assert completion.usage.completion_tokens == 2
-    bad = openai.OpenAI(base_url=f"{keyed_server.base_url}/v1", api_key="nope", max_retries=0)
+    bad = openai.OpenAI(base_url=base_url, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
 

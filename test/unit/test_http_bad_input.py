@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import openai
 import pytest
 
-MODEL = "smollm2-135m-instruct"
+from http_helpers import MODEL
+
 CHAT = [{"role": "user", "content": "hi"}]
-LONG_TEXT = "hello " * 3000  # ~3000 tokens; conftest.py sets --context-length 2048
+LONG_TEXT = "hello " * 3000  # ~3000 tokens, over the shared server's context of 2048
 
 
 def _completion(**fields) -> dict:
@@ -447,12 +447,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def http(http_server):
-    with httpx.Client(base_url=http_server.base_url, timeout=60) as c:
-        yield c
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_gets_an_openai_error_body(http, case):
     path, body, status, param, pattern = CASES[case]
@@ -507,8 +501,7 @@ def test_wrong_method_is_405_with_the_body(http):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_openai_client_sees_the_errors(http_server):
-    client = openai.OpenAI(base_url=f"{http_server.base_url}/v1", api_key="x", max_retries=0)
+def test_openai_client_sees_the_errors(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="Hello", temperature=-1)
     assert err.value.body["param"] == "temperature"

@@ -18,29 +18,10 @@ from replaylm.runtime.tokenizer_manager import TokenizerManager
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
+from http_helpers import PROMPT, samples, scrape
 from tiny_checkpoints import write_tiny_checkpoint
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-PROMPT = "The capital of France is"
-TIMEOUT_S = 120
-
-
-@pytest.fixture(scope="module")
-def http(http_server):
-    with httpx.Client(base_url=http_server.base_url, timeout=TIMEOUT_S) as c:
-        yield c
-
-
-def samples(exposition: str) -> dict[str, float]:
-    """Every sample of a Prometheus text exposition, `name{labels}` -> value."""
-    pairs = (line.rsplit(" ", 1) for line in exposition.splitlines() if not line.startswith("#"))
-    return {key: float(value) for key, value in pairs}
-
-
-def scrape(http: httpx.Client) -> dict[str, float]:
-    response = http.get("/metrics")
-    assert response.status_code == 200
-    return samples(response.text)
 
 
 def complete(http: httpx.Client, **body: object) -> dict:

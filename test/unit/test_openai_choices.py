@@ -10,41 +10,19 @@ import json
 from collections import defaultdict
 
 import httpx
-import openai
 import pytest
 
-MODEL = "smollm2-135m-instruct"
-PROMPT = "The capital of France is"
+from http_helpers import CHAT, MODEL, PROMPT, post_ok
+
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
-CHAT = [{"role": "user", "content": "Name three colours."}]
-TIMEOUT_S = 120
-
-
-@pytest.fixture(scope="module")
-def client(http_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{http_server.base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S
-    )
-
-
-@pytest.fixture(scope="module")
-def http(http_server):
-    with httpx.Client(base_url=http_server.base_url, timeout=TIMEOUT_S) as c:
-        yield c
-
-
-def post(http: httpx.Client, path: str, body: dict) -> dict:
-    response = http.post(path, json={"model": MODEL, **body})
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 def complete(http: httpx.Client, **fields) -> dict:
-    return post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, **fields})
+    return post_ok(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, **fields})
 
 
 def chat(http: httpx.Client, **fields) -> dict:
-    return post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, **fields})
+    return post_ok(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, **fields})
 
 
 def events(http: httpx.Client, path: str, body: dict) -> list[dict]:
@@ -236,7 +214,7 @@ def test_prompt_logprobs_field(http):
 def test_stream_of_two_choices_equals_the_whole_answer(http, route):
     body = {"n": 2, "max_tokens": 8, **SAMPLED}
     body |= {"prompt": PROMPT} if route == "/v1/completions" else {"messages": CHAT}
-    whole = post(http, route, body)["choices"]
+    whole = post_ok(http, route, body)["choices"]
     got: dict[int, str] = defaultdict(str)
     finish: dict[int, str] = {}
     roles = []

@@ -13,11 +13,7 @@ import httpx
 import openai
 import pytest
 
-MODEL = "smollm2-135m-instruct"
-PROMPT = "The capital of France is"
-CHAT = [{"role": "user", "content": "Name three colours."}]
-TIMEOUT_S = 120
-CONTEXT_LEN = 2048  # conftest.py starts the server with --context-length 2048
+from http_helpers import CHAT, CONTEXT_LEN, MODEL, PROMPT, post_ok
 
 # every /v1/completions field of the OpenAI reference, at its default value
 COMPLETION_DEFAULTS = {
@@ -92,31 +88,14 @@ CHAT_VENDOR_DEFAULTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(http_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{http_server.base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S
-    )
-
-
-@pytest.fixture(scope="module")
-def http(http_server):
-    with httpx.Client(base_url=http_server.base_url, timeout=TIMEOUT_S) as c:
-        yield c
-
-
 def complete(http: httpx.Client, **fields) -> dict:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, **fields}
-    response = http.post("/v1/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, **fields}
+    return post_ok(http, "/v1/completions", body)
 
 
 def chat(http: httpx.Client, **fields) -> dict:
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0, **fields}
-    response = http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0, **fields}
+    return post_ok(http, "/v1/chat/completions", body)
 
 
 # ---- defaults and unknown fields -------------------------------------------------------------

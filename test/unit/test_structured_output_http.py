@@ -6,18 +6,13 @@ end to end."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 
-from tiny_checkpoints import write_tiny_checkpoint
+from http_helpers import TIMEOUT_S, TINY_API_KEY, run_bench_serving, samples
 
-TIMEOUT_S = 120
-BENCH_SERVING = Path(__file__).resolve().parents[2] / "benchmark" / "bench_serving.py"
 ANSWER = {
     "type": "object",
     "properties": {"answer": {"type": "string", "maxLength": 12}, "sure": {"type": "boolean"}},
@@ -25,18 +20,8 @@ ANSWER = {
 }
 
 
-@pytest.fixture(scope="module")
-def http(http_server):
-    with httpx.Client(base_url=http_server.base_url, timeout=TIMEOUT_S) as c:
-        yield c
-
-
 def _grammar_metrics(http: httpx.Client) -> tuple[float, float]:
-    values = {}
-    for line in http.get("/metrics").text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("replaylm_grammar_steps", "replaylm_grammar_host_seconds"):
-            values[name] = float(value)
+    values = samples(http.get("/metrics").text)
     return values["replaylm_grammar_steps"], values["replaylm_grammar_host_seconds"]
 
 
@@ -84,15 +69,15 @@ def test_an_invalid_grammar_is_a_400_naming_the_field(http, field, text):
     assert "\n" not in error["message"] and ".cc:" not in error["message"]
 
 
-def test_a_model_without_a_tokenizer_refuses_a_grammar(server_factory, tmp_path):
-    write_tiny_checkpoint("qwen2", tmp_path)
-    server = server_factory("--model-path", str(tmp_path), "--max-total-tokens", "256")
-    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "regex": "[0-9]+"}}
-    response = httpx.post(f"{server.base_url}/generate", json=body, timeout=TIMEOUT_S)
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "regex"
-    plain = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
-    assert httpx.post(f"{server.base_url}/generate", json=plain, timeout=TIMEOUT_S).is_success
+def test_a_model_without_a_tokenizer_refuses_a_grammar(tiny_keyed_server):
+    keyed = {"Authorization": f"Bearer {TINY_API_KEY}"}
+    with httpx.Client(base_url=tiny_keyed_server.base_url, timeout=TIMEOUT_S, headers=keyed) as c:
+        body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "regex": "[0-9]+"}}
+        response = c.post("/generate", json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "regex"
+        plain = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
+        assert c.post("/generate", json=plain).is_success
 
 
 def test_bench_serving_structured_workload(http_server, tmp_path):
@@ -103,39 +88,27 @@ def test_bench_serving_structured_workload(http_server, tmp_path):
     )
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(ANSWER))
-    out = tmp_path / "bench.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(BENCH_SERVING),
-            "--base-url",
-            http_server.base_url,
-            "--endpoint",
-            "generate",
-            "--workload",
-            "plain",
-            "json_schema",
-            "--json-schema",
-            str(schema),
-            "--dataset",
-            str(dataset),
-            "--dataset-output-len",
-            "40",
-            "--num-prompts",
-            "3",
-            "--warmup",
-            "0",
-            "--max-concurrency",
-            "3",
-            "--disable-tqdm",
-            "--json",
-            str(out),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
+    doc = run_bench_serving(
+        http_server.base_url,
+        tmp_path / "bench.json",
+        "--endpoint",
+        "generate",
+        "--workload",
+        "plain",
+        "json_schema",
+        "--json-schema",
+        str(schema),
+        "--dataset",
+        str(dataset),
+        "--dataset-output-len",
+        "40",
+        "--num-prompts",
+        "3",
+        "--warmup",
+        "0",
+        "--max-concurrency",
+        "3",
     )
-    doc = json.loads(out.read_text())
     plain, structured = doc["summary"]
     assert (plain["workload"], structured["workload"]) == ("plain", "json_schema")
     for row in (plain, structured):

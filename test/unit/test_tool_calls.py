@@ -23,16 +23,9 @@ from replaylm.entrypoints.tool_calls import (
 from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer
 from replaylm.runtime.errors import RequestError
 
+from tool_schemas import WEATHER_SCHEMA
+
 TEMPLATES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",

@@ -13,43 +13,15 @@ import jsonschema
 import openai
 import pytest
 
-MODEL = "smollm2-135m-instruct"
-TIMEOUT_S = 120
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "string"}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+from http_helpers import MODEL
+from tool_schemas import SCHEMAS
+
 TOOLS: list[Any] = [
     {"type": "function", "function": {"name": name, "description": name, "parameters": schema}}
     for name, schema in SCHEMAS.items()
 ]
 QUESTION: list[Any] = [{"role": "user", "content": "What is the weather like in Paris?"}]
 GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 48}  # a call takes about 25
-
-
-@pytest.fixture(scope="module")
-def client(http_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{http_server.base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S
-    )
-
-
-@pytest.fixture(scope="module")
-def http(http_server):
-    with httpx.Client(base_url=http_server.base_url, timeout=TIMEOUT_S) as c:
-        yield c
 
 
 def calls_of(message: Any) -> list[tuple[str, dict]]:

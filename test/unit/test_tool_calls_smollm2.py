@@ -13,23 +13,8 @@ from replaylm.entrypoints.engine import Engine
 from replaylm.entrypoints.tool_calls import ChatTools, tool_request
 from replaylm.model_loader.tokenizer import chat_input_ids
 
-SCHEMAS = {
-    "get_weather": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-    "get_time": {
-        "type": "object",
-        "properties": {"zone": {"type": "string"}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
-}
+from tool_schemas import SCHEMAS
+
 TOOLS = [
     {"type": "function", "function": {"name": name, "parameters": schema}}
     for name, schema in SCHEMAS.items()

@@ -52,14 +52,21 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
-    """A whole completion, or (with `usage` None unless asked for) a stream chunk."""
+class _ResponseHead(BaseModel):
+    """The fields every completion, chat completion and chat chunk opens with, in OpenAI's
+    order; a subclass narrows `object` to its literal (an overridden field keeps its place)."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
     system_fingerprint: str
+
+
+class CompletionResponse(_ResponseHead):
+    """A whole completion, or (with `usage` None unless asked for) a stream chunk."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -103,12 +110,8 @@ class ChatChoice(BaseModel):
     finish_reason: str | None  # "tool_calls" when the message calls tools
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    system_fingerprint: str
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM: the prompt's, shared by the choices
@@ -142,12 +145,8 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_ResponseHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    system_fingerprint: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
 
