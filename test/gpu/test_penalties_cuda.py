@@ -110,7 +110,10 @@ def _reqs(engine: Engine, indices: list[int]) -> list[Req]:
 
 
 def _run(engine: Engine, reqs: list[Req], overlap: bool) -> None:
-    sched = Scheduler(engine.runner, engine.eos_token_ids, None, 2048, None, overlap=overlap)
+    # a scheduler of its own over the engine's KV pool: no prefix cache to outlive it
+    sched = Scheduler(
+        engine.runner, engine.eos_token_ids, None, 2048, None, overlap=overlap, prefix_cache=False
+    )
     for i, req in enumerate(reqs):
         sched.add(req)
         if i % 2:

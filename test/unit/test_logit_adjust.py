@@ -68,7 +68,10 @@ def _run(sched: Scheduler, reqs: list[Req]) -> None:
 
 
 def _scheduler(engine: Engine, overlap: bool) -> Scheduler:
-    return Scheduler(engine.runner, frozenset({EOS}), None, 16, None, overlap=overlap)
+    # a scheduler of its own over the engine's KV pool: no prefix cache to outlive it
+    return Scheduler(
+        engine.runner, frozenset({EOS}), None, 16, None, overlap=overlap, prefix_cache=False
+    )
 
 
 @pytest.fixture(scope="module")
