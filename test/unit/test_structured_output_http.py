@@ -170,3 +170,4 @@ def test_bench_serving_structured_workload(http_server, tmp_path):
     assert structured["valid_json"] == 3
     assert structured["grammar_steps"] > 0 and structured["grammar_host_ms_per_step"] > 0
     assert doc["config"]["json_schema"] == ANSWER
+    assert (plain["dataset"], structured["dataset"]) == (str(dataset), "json_schema_prompt")

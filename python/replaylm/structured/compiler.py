@@ -3,7 +3,11 @@
 JSON schemas compile in xgrammar's strict mode whatever OpenAI's `strict` flag says, as vLLM and
 SGLang do: no property or array item beyond those the schema declares, so every output validates
 against the schema as written (what `strict: true` promises; `strict: false` promises nothing
-less). Whitespace between JSON tokens is free, as in both.
+less). Whitespace between JSON tokens is free and unbounded (xgrammar's `max_whitespace_cnt`
+unset), as both leave it by default. A model whose prompt does not ask for JSON can pad it with
+whitespace until its length runs out; a cap only moves that padding into the strings (an email of
+repeated letters), while a prompt that asks for the JSON gets it compact: clients (and
+benchmarks) should ask for it.
 """
 
 from __future__ import annotations
