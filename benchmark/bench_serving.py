@@ -19,11 +19,14 @@ for each, under every rate). `--endpoint generate` sends them to the native `POS
 Workloads (`--workload`, several: a run of each): `plain` sampling, and `json_schema`,
 structured output where every request asks for the same JSON schema (`--json-schema PATH`, default
 a small record schema): in `sampling_params.json_schema` on `/generate`, as an OpenAI
-`response_format` on the OpenAI routes. Both send the same prompts (a server with a prefix cache
-finds a prompt cached when a later run sends it again). On replaylm EOS still ends a structured
-request once its JSON is complete (the grammar allows nothing else), so its outputs are shorter
-than asked: compare token throughput. Its rows count the outputs that parse as JSON and, from the
-server's `/metrics` where it has them (replaylm), the grammar engine's host time per step.
+`response_format` on the OpenAI routes. Its prompts ask for the JSON, as vLLM's structured-output
+benchmark's do: text naming the schema's fields and quoting the schema, each for a person of its
+own (an index and a random occupation), asking for the output length of the plain prompt of the
+same index; a model left to random prompts pads the JSON with whitespace until the length runs
+out. On replaylm EOS still ends a structured request once its JSON is complete (the grammar allows
+nothing else), so its outputs are shorter than asked: compare token throughput. Its rows count the
+outputs that parse as JSON and, from the server's `/metrics` where it has them (replaylm), the
+grammar engine's host time per step.
 
 Two workloads measure a prefix cache, each run on token-id prompts of its own, drawn afresh
 (`--random-token-range`), and warmed up on others: `shared_prefix`, `--num-prompts` prompts of one
@@ -79,6 +82,10 @@ RECORD_SCHEMA = {  # the default structured-output workload: a short record
     "additionalProperties": False,
 }
 GRAMMAR_METRICS = ("replaylm_grammar_steps", "replaylm_grammar_host_seconds")
+OCCUPATIONS = (  # the json_schema workload's prompts: one at random per person
+    "baker", "pilot", "teacher", "gardener", "chemist", "violinist", "nurse", "farmer",
+    "architect", "librarian", "sailor", "painter", "plumber", "surgeon", "journalist", "tailor",
+)  # fmt: skip
 
 
 @dataclass
@@ -139,6 +146,28 @@ def dataset_specs(args: argparse.Namespace, rng: random.Random) -> list[RequestS
     return [
         RequestSpec(prompts[i % len(prompts)], args.dataset_output_len, None)
         for i in range(args.num_prompts)
+    ]
+
+
+def json_schema_prompt(schema: dict[str, Any], index: int, occupation: str) -> str:
+    """An instruction to write person `index`'s record as JSON: the schema's fields, the schema,
+    and a cue for the answer."""
+    fields = ", ".join(schema.get("properties") or {})
+    named = f" with the fields {fields}" if fields else ""
+    return (
+        f"Generate an example profile of person {index}, a {occupation}, as one JSON object"
+        f"{named}, following this JSON schema: {json.dumps(schema)}\nJSON:"
+    )
+
+
+def json_schema_specs(
+    specs: list[RequestSpec], schema: dict[str, Any], rng: random.Random
+) -> list[RequestSpec]:
+    """The json_schema workload's requests: one instruction per request of `specs`, asking for
+    its output length."""
+    return [
+        RequestSpec(json_schema_prompt(schema, i, rng.choice(OCCUPATIONS)), s.output_len, None)
+        for i, s in enumerate(specs)
     ]
 
 
@@ -434,7 +463,7 @@ def summarize(
         "model": model,
         "workload": workload,
         "endpoint": args.endpoint,
-        "dataset": "random" if workload in PREFIX_WORKLOADS else args.dataset,
+        "dataset": prompt_source(args, workload),
         "request_rate": shown_rate,
         "max_concurrency": concurrency,
         "num_prompts": len(results),
@@ -457,6 +486,13 @@ def summarize(
         "grammar_host_ms_per_step": host_s / steps * 1e3 if host_s is not None and steps else None,
     }
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def prompt_source(args: argparse.Namespace, workload: str) -> str:
+    """Where a workload's prompts come from, for its summary row."""
+    if workload in PREFIX_WORKLOADS:
+        return "random"
+    return "json_schema_prompt" if workload == "json_schema" else args.dataset
 
 
 def print_table(row: dict[str, Any]) -> None:
@@ -540,7 +576,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.dataset == "random" and args.endpoint == "chat":
+    if args.dataset == "random" and args.endpoint == "chat" and "plain" in args.workload:
         parser.error("--dataset random sends token-id prompts: use --endpoint completions")
     if "multi_turn" in args.workload and args.endpoint != "generate":
         parser.error("multi_turn appends the answers' token ids: use --endpoint generate")
@@ -554,6 +590,7 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     specs = random_specs(args, rng) if args.dataset == "random" else dataset_specs(args, rng)
     schema = json.loads(args.json_schema.read_text()) if args.json_schema else RECORD_SCHEMA
+    structured = json_schema_specs(specs, schema, random.Random(args.seed))  # leaves `rng` be
     model = asyncio.run(resolve_model(args))
     summary, requests = [], []
     runs = itertools.product(args.workload, args.request_rate, args.max_concurrency)
@@ -562,7 +599,8 @@ def main(argv: list[str] | None = None) -> None:
         if workload in PREFIX_WORKLOADS:
             plan = prefix_plan(args, workload, rng)
         else:
-            plan = RunPlan(specs[: args.warmup], specs)
+            sent = structured if workload == "json_schema" else specs
+            plan = RunPlan(sent[: args.warmup], sent)
         result = asyncio.run(run(args, model, plan, rate, concurrency, rng, wanted))
         row = summarize(args, model, workload, rate, concurrency, result)
         print_table(row)

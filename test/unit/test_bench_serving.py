@@ -1,9 +1,11 @@
-"""benchmark/bench_serving.py's prefix-cache workloads without a server: the requests each run
-builds, the next turn of a conversation from the previous answers, and the cached tokens read from
-both usage shapes into the summary. (Runs against a real server: test_http_api.py.)"""
+"""benchmark/bench_serving.py's workloads without a server: the requests each prefix-cache run
+builds, the next turn of a conversation from the previous answers, the cached tokens read from
+both usage shapes into the summary, and the json_schema workload's prompts. (Runs against a real
+server: test_http_api.py, test_structured_output_http.py.)"""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -97,3 +99,26 @@ def test_prefix_workloads_need_token_id_endpoints(workload, endpoint, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--workload", workload, "--endpoint", endpoint, "--dataset", "x.jsonl"])
     assert workload in capsys.readouterr().err
+
+
+def test_json_schema_prompts_ask_each_person_for_the_fields_as_text():
+    args = args_for("--num-prompts", "6")
+    plain = bench.random_specs(args, random.Random(0))
+    specs = bench.json_schema_specs(plain, bench.RECORD_SCHEMA, random.Random(0))
+    assert [s.output_len for s in specs] == [s.output_len for s in plain]
+    assert all(isinstance(s.prompt, str) and s.input_len is None for s in specs)
+    assert len({s.prompt for s in specs}) == 6  # a person each
+    for i, spec in enumerate(specs):
+        assert isinstance(spec.prompt, str)
+        assert spec.prompt.startswith(f"Generate an example profile of person {i}, a ")
+        assert "with the fields name, age, email, tags, active," in spec.prompt
+        assert json.dumps(bench.RECORD_SCHEMA) in spec.prompt
+    colours = {"type": "array", "items": {"enum": ["red", "blue"]}}
+    assert "fields" not in bench.json_schema_prompt(colours, 0, "baker")
+
+
+def test_json_schema_alone_may_go_to_the_chat_endpoint():
+    args = bench.parse_args(["--workload", "json_schema", "--endpoint", "chat"])
+    assert args.dataset == "random"  # only the output lengths come from it
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workload", "plain", "json_schema", "--endpoint", "chat"])

@@ -20,6 +20,7 @@ from replaylm.entrypoints.engine import Engine
 from replaylm.runtime.request import Req
 from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
+from replaylm.structured.cache import HeldGrammars, LruCache
 from replaylm.structured.compiler import GrammarCompiler
 from replaylm.structured.grammar import RequestGrammar
 from replaylm.structured.loader import GrammarLoader
@@ -201,12 +202,62 @@ def test_a_larger_model_vocabulary_never_allows_its_padding(engine):
     assert description is not None
     size = len(engine.tokenizer) + 64
     compiler = GrammarCompiler(description, size)
-    serialized = compiler.compile(SamplingParams(json_schema='{"type": "string"}'))
+    params = SamplingParams(json_schema='{"type": "string"}')
+    serialized = compiler.compile(params)
     assert serialized is not None and compiler.compile(SamplingParams()) is None
-    grammar = GrammarLoader(description, size, engine.eos_token_ids).load(serialized)
+    assert params.constraint is not None
+    loader = GrammarLoader(description, size, engine.eos_token_ids)
+    grammar = loader.load(params.constraint, serialized)
     assert grammar.matcher.accept_string('"ab')  # inside a string: almost any token fits
     bitmask = xgr.allocate_token_bitmask(1, size)
     grammar.matcher.fill_next_token_bitmask(bitmask)
     allowed = [(int(bitmask[0, i // 32]) >> (i % 32)) & 1 for i in range(size)]
     assert sum(allowed[: len(engine.tokenizer)]) > 1000
     assert not any(allowed[len(engine.tokenizer) :])
+
+
+def test_an_lru_cache_drops_the_least_recently_used():
+    cache: LruCache[str, int] = LruCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "b" is now the least recently used
+    cache.put("c", 3)
+    assert "b" not in cache and cache.get("b") is None
+    assert (cache.get("a"), cache.get("c"), len(cache)) == (1, 3, 2)
+    assert (cache.hits, cache.misses) == (3, 1)
+
+
+def test_a_held_grammar_is_neither_serialized_nor_sent_nor_deserialized_again(engine):
+    """The manager's side (compiler, HeldGrammars) and the scheduler's (GrammarLoader), fed the
+    requests in one order as the pipe does: a grammar crosses only when the loader lacks it (new,
+    or dropped for newer ones), the two sides agree through every drop, and the requests of one
+    grammar each start a matcher of their own over the same compiled grammar."""
+    description = describe_vocabulary(engine.tokenizer)
+    assert description is not None
+    vocab_size = engine.runner.config.vocab_size
+    compiler = GrammarCompiler(description, vocab_size)
+    held, loader = (
+        HeldGrammars(capacity=2),
+        GrammarLoader(description, vocab_size, engine.eos_token_ids, capacity=2),
+    )
+    patterns = {"a": "[0-9]{3}", "b": "(yes|no)", "c": "[a-z]{2}"}
+    order = ["a", "a", "b", "a", "c", "b", "a", "a"]  # "c" drops "b"; "b" then drops "a"
+    sent, grammars = [], []
+    for name in order:
+        params = SamplingParams(regex=patterns[name])
+        constraint = params.constraint
+        assert constraint is not None
+        serialized = compiler.compile(params)
+        carried = None if held.holds(constraint) else serialized
+        grammars.append(loader.load(constraint, carried))
+        held.sent(constraint)
+        sent.append(carried is not None)
+    assert sent == [True, False, True, False, True, True, True, False]
+    assert loader.deserialized == sum(sent) == 5
+    # the manager keeps more serialized grammars than the loader here: one serialization each
+    assert (compiler.serialized.misses, compiler.serialized.hits) == (3, 5)
+    first, second = grammars[0], grammars[1]
+    assert first.matcher.accept_string("12") and not first.matcher.accept_string("y")
+    assert second.matcher.accept_string("9")  # at the start still: its own matcher
+    with pytest.raises(RuntimeError, match="unknown regex"):
+        loader.load(("regex", "[0-9]{4}"), None)

@@ -1,15 +1,19 @@
 """Structured output through a real server (built-in SmolLM2 on the CPU, see conftest.py): the
 native /generate route's `json_schema`, a 400 naming the field for an invalid grammar or a model
-without a tokenizer, the grammar engine's metrics, and bench_serving's structured-output workload
-end to end."""
+without a tokenizer, the grammar engine's metrics, grammars kept by the scheduler across requests
+and dropped for newer ones, and bench_serving's structured-output workload end to end."""
 
 from __future__ import annotations
 
 import json
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
 import pytest
+
+from replaylm.structured.cache import GRAMMARS_KEPT
 
 from http_helpers import TIMEOUT_S, TINY_API_KEY, run_bench_serving, samples
 
@@ -80,6 +84,27 @@ def test_a_model_without_a_tokenizer_refuses_a_grammar(tiny_keyed_server):
         assert c.post("/generate", json=plain).is_success
 
 
+def test_grammars_the_scheduler_drops_are_sent_again(http):
+    """More regexes than the scheduler keeps, each asked for twice, concurrently: the manager
+    leaves out the grammars the scheduler holds and sends again those it dropped; a wrong guess
+    would fail the request or the scheduler."""
+    patterns = [f"{word}: [0-9]{{2}}" for word in ("cat", "dog", "owl", "elk", "bee", "ant")]
+    patterns += [f"(yes|no) {i}" for i in range(GRAMMARS_KEPT)]
+
+    def ask(pattern: str) -> str:
+        params = {"max_new_tokens": 8, "temperature": 0, "regex": pattern}
+        response = http.post("/generate", json={"text": "Answer:", "sampling_params": params})
+        assert response.status_code == 200, response.text
+        assert response.json()["meta_info"]["finish_reason"]["type"] == "stop"
+        return response.json()["text"]
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(ask, patterns * 2))
+    for pattern, text in zip(patterns * 2, texts, strict=True):
+        assert re.fullmatch(pattern, text), (pattern, text)
+    assert http.get("/health").status_code == 200
+
+
 def test_bench_serving_structured_workload(http_server, tmp_path):
     questions = ["Is the sky blue?", "Is fire cold?", "Is water wet?"]
     dataset = tmp_path / "questions.jsonl"
@@ -118,3 +143,4 @@ def test_bench_serving_structured_workload(http_server, tmp_path):
     assert structured["valid_json"] == 3
     assert structured["grammar_steps"] > 0 and structured["grammar_host_ms_per_step"] > 0
     assert doc["config"]["json_schema"] == ANSWER
+    assert (plain["dataset"], structured["dataset"]) == (str(dataset), "json_schema_prompt")

@@ -73,7 +73,8 @@ class GenerateOutput:
 @dataclass
 class TokenizedGenerateReq:
     """`rids`: one per choice (`n` of them), each with its own seed; `grammar`: the compiled
-    structured-output grammar, serialized (xgrammar's JSON), None without a constraint."""
+    structured-output grammar, serialized (xgrammar's JSON), None without a constraint or when
+    the scheduler holds the constraint's grammar from an earlier request (`HeldGrammars`)."""
 
     rids: list[str]
     input_ids: list[int]

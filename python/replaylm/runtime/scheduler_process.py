@@ -192,7 +192,7 @@ def _loop(scheduler: Scheduler, conn: Connection, grammars: GrammarLoader | None
                         top_logprobs=msg.top_logprobs,
                         prompt_logprobs=msg.prompt_logprobs,
                         forks=list(zip(msg.rids[1:], msg.seeds[1:], strict=True)),
-                        grammar=_load_grammar(msg.grammar, grammars),
+                        grammar=_load_grammar(msg, grammars),
                     )
                 )
             elif isinstance(msg, AbortReq) and (req := scheduler.abort(msg.rid)) is not None:
@@ -218,9 +218,14 @@ def _loop(scheduler: Scheduler, conn: Connection, grammars: GrammarLoader | None
             conn.send(BatchTokenOut(outputs, scheduler.stats()))
 
 
-def _load_grammar(serialized: str | None, grammars: GrammarLoader | None) -> RequestGrammar | None:
-    if serialized is None:
+def _load_grammar(
+    msg: TokenizedGenerateReq, grammars: GrammarLoader | None
+) -> RequestGrammar | None:
+    """The request's grammar; every constrained request must come here, in the pipe's order,
+    since the manager's `HeldGrammars` replays what the loader keeps."""
+    constraint = msg.sampling_params.constraint
+    if constraint is None:
         return None
     if grammars is None:  # the manager compiles grammars only with a grammar vocabulary
         raise RuntimeError("a request came with a grammar, but structured output is off")
-    return grammars.load(serialized)
+    return grammars.load(constraint, msg.grammar)

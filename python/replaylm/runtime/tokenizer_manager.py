@@ -49,6 +49,7 @@ from replaylm.server_args import ServerArgs
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from replaylm.structured.cache import HeldGrammars
     from replaylm.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -116,10 +117,13 @@ class TokenizerManager:
         self.max_total_tokens = ready.max_total_tokens
         self.cuda_graph_capture = ready.cuda_graph_capture
         self._grammar: GrammarCompiler | None = None  # structured output: None when off
+        self._held_grammars: HeldGrammars | None = None  # what the scheduler's loader holds
         if info.grammar_vocabulary is not None:
+            from replaylm.structured.cache import HeldGrammars
             from replaylm.structured.compiler import GrammarCompiler
 
             self._grammar = GrammarCompiler(info.grammar_vocabulary, self.vocab_size)
+            self._held_grammars = HeldGrammars()
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="tm-reader")
         self._reader.start()
 
@@ -315,9 +319,25 @@ class TokenizerManager:
     def _send(self, msg: object) -> None:
         try:
             with self._send_lock:
-                self._scheduler.conn.send(msg)
+                if isinstance(msg, TokenizedGenerateReq):
+                    self._send_request(msg)
+                else:
+                    self._scheduler.conn.send(msg)
         except (OSError, EOFError) as err:
             raise ServiceUnavailableError(f"cannot reach the scheduler process: {err}") from err
+
+    def _send_request(self, req: TokenizedGenerateReq) -> None:
+        """Send `req` (under the send lock), without its grammar when the scheduler holds that
+        already: a grammar is megabytes, and the pipe's order keeps `_held_grammars` in step."""
+        constraint = req.sampling_params.constraint
+        held = self._held_grammars
+        if constraint is None or held is None:
+            self._scheduler.conn.send(req)
+            return
+        if held.holds(constraint):
+            req = dataclasses.replace(req, grammar=None)
+        self._scheduler.conn.send(req)
+        held.sent(constraint)
 
     def _read_loop(self) -> None:
         """Reader thread: forward every message to the event loop; report the child's death."""

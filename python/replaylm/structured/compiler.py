@@ -3,17 +3,23 @@
 JSON schemas compile in xgrammar's strict mode whatever OpenAI's `strict` flag says, as vLLM and
 SGLang do: no property or array item beyond those the schema declares, so every output validates
 against the schema as written (what `strict: true` promises; `strict: false` promises nothing
-less). Whitespace between JSON tokens is free, as in both.
+less). Whitespace between JSON tokens is free and unbounded (xgrammar's `max_whitespace_cnt`
+unset), as both leave it by default. A model whose prompt does not ask for JSON can pad it with
+whitespace until its length runs out; a cap only moves that padding into the strings (an email of
+repeated letters), while a prompt that asks for the JSON gets it compact: clients (and
+benchmarks) should ask for it.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 import xgrammar as xgr
 
 from replaylm.sampling_params import SamplingParams
+from replaylm.structured.cache import GRAMMARS_KEPT, Constraint, LruCache
 from replaylm.structured.vocabulary import describe_vocabulary, sized_vocabulary
 
 # compiled grammars kept for reuse (a request for a schema seen before compiles in no time)
@@ -27,7 +33,8 @@ _ECHOED_INPUT = ". The JSON string is:"  # the whole input, appended to JSON par
 
 
 class GrammarCompiler:
-    """Compiles constraints against one model's vocabulary, caching compiled grammars.
+    """Compiles constraints against one model's vocabulary, caching compiled grammars (xgrammar's
+    cache) and the serialized forms of the `GRAMMARS_KEPT` constraints used last. Thread-safe.
     `description`: the tokenizer's vocabulary from `describe_vocabulary`."""
 
     def __init__(self, description: str, vocab_size: int) -> None:
@@ -35,6 +42,9 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info, cache_limit_bytes=CACHE_LIMIT_BYTES
         )
+        self.serialized: LruCache[Constraint, str] = LruCache(GRAMMARS_KEPT)
+        # one serialization per constraint even when a burst of its requests misses at once
+        self._serializing = threading.Lock()
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler | None:
@@ -46,7 +56,16 @@ class GrammarCompiler:
         """`params`' constraint compiled and serialized (xgrammar's JSON), None without one.
         Raises ValueError, one line naming the field, when the constraint is invalid."""
         grammar = self.compile_grammar(params)
-        return grammar.serialize_json() if grammar is not None else None
+        if grammar is None:
+            return None
+        constraint = params.constraint
+        assert constraint is not None  # it compiled
+        with self._serializing:
+            serialized = self.serialized.get(constraint)
+            if serialized is None:
+                serialized = grammar.serialize_json()
+                self.serialized.put(constraint, serialized)
+        return serialized
 
     def compile_grammar(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
         """`params`' constraint compiled (None without one); ValueError as in `compile`."""
