@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from types import FrameType
@@ -34,6 +35,7 @@ from replaylm.model_executor.cuda_graph.config import (
 )
 from replaylm.runtime.scheduler_process import SchedulerProcess, one_line_error
 from replaylm.server_args import ServerArgs
+from replaylm.startup_stages import StartupStages
 
 if TYPE_CHECKING:
     from replaylm.runtime.tokenizer_manager import TokenizerManager
@@ -132,6 +134,13 @@ class GracefulServer(uvicorn.Server):
         self.signalled = True
         super().handle_exit(sig, frame)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start-up (binding the port); its end is the last stage of the start."""
+        await super().startup(sockets)
+        if not self.should_exit:
+            self.manager.startup.mark("HTTP ready")
+            self.manager.startup.log_summary()
+
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's main-loop check, every 0.1 s."""
         if not self.manager.healthy():
@@ -154,11 +163,14 @@ class GracefulServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     """Start-up runs in parallel: the scheduler process starts loading the model first, while
     this process resolves the device-dependent config (importing torch) and loads the tokenizer
-    (importing transformers); each takes seconds."""
+    (importing transformers); each takes seconds. Each stage of the start is logged as it ends
+    (`startup stage ...`)."""
+    stages = StartupStages.from_process_start("http")
     args, print_only = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    stages.mark("imports and arguments")
     if print_only:
         graphs = _resolve_or_exit(args)
         for warning in graphs.warnings:
@@ -166,14 +178,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(graphs.to_dict()))
         return 0
     scheduler = SchedulerProcess.start(args)
+    stages.mark("spawn scheduler")
     graphs = _resolve_or_exit(args, scheduler)
     logger.info("server args: %s", args)
     log_cuda_graph_config(graphs)
+    stages.mark("device config")
     from replaylm.entrypoints.http_server import create_app
     from replaylm.runtime.tokenizer_manager import TokenizerManager
 
+    stages.mark("front-end imports")
     try:
-        manager = TokenizerManager(args, graphs, scheduler)
+        manager = TokenizerManager(args, graphs, scheduler, stages)
     except Exception as err:  # the tokenizer or the model failed to load; the child is stopped
         logger.debug("start-up failed", exc_info=True)
         _usage_error(one_line_error(err))
@@ -187,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_graceful_shutdown=5,
         )
         server = GracefulServer(config, manager)
+        stages.mark("HTTP app")
         logger.info(
             "serving %s at http://%s:%d (OpenAI API under /v1)",
             manager.served_model_name,

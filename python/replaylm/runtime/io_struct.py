@@ -106,6 +106,7 @@ class SchedulerReady:
     context_len: int
     vocab_size: int
     cuda_graph_capture: dict[str, dict[str, Any]]  # ModelRunner.cuda_graph_stats()
+    startup: dict[str, Any]  # the scheduler process's StartupStages.to_dict()
 
 
 @dataclass
