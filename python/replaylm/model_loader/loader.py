@@ -97,7 +97,7 @@ def load_model(
         logger.info("filling random weights (seed %d)", seed)
         fill_dummy_weights(model, seed)
     else:
-        tensors, count = _checkpoint_tensors(path, fmt)
+        tensors, count = _checkpoint_tensors(path, fmt, device)
         logger.info("loading %d %s tensors from %s", count, fmt, path)
         weights = TimedIterator(tensors)
         model.load_weights(tqdm(weights, total=count, desc="Loading weights", unit="tensor"))
@@ -119,12 +119,15 @@ def load_model(
     return model
 
 
-def _checkpoint_tensors(path: str, fmt: str) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
-    """The checkpoint's (name, tensor) pairs and how many there are (for the progress bar)."""
+def _checkpoint_tensors(
+    path: str, fmt: str, device: torch.device
+) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """The checkpoint's (name, tensor) pairs and how many there are (for the progress bar);
+    GGUF tensors come on `device`, dequantized there."""
     if fmt == "gguf":
         if not is_gguf_file(path):
             raise ValueError(f"--load-format gguf needs a .gguf file, got '{path}'")
-        return iter_gguf_weights(path), count_gguf_tensors(path)
+        return iter_gguf_weights(path, device), count_gguf_tensors(path)
     if os.path.isfile(path):
         raise ValueError(f"--load-format safetensors needs an HF folder, got the file '{path}'")
     files = safetensors_files(path)
