@@ -162,36 +162,38 @@ class GracefulServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     """Start-up runs in parallel: the scheduler process starts loading the model first, while
-    this process resolves the device-dependent config (importing torch) and loads the tokenizer
-    (importing transformers); each takes seconds. Each stage of the start is logged as it ends
-    (`startup stage ...`)."""
+    this process loads the tokenizer; torch is the scheduler's to import (this process checks
+    the device-dependent flags itself only for a named device, where that needs no torch; the
+    scheduler resolves `auto`, and its config is what the log and /get_server_info show). Each
+    stage of the start is logged as it ends (`startup stage ...`)."""
     stages = StartupStages.from_process_start("http")
     args, print_only = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    stages.mark("imports and arguments")
     if print_only:
         graphs = _resolve_or_exit(args)
         for warning in graphs.warnings:
             logger.warning("%s", warning)
         print(json.dumps(graphs.to_dict()))
         return 0
+    stages.mark("imports and arguments")
     scheduler = SchedulerProcess.start(args)
     stages.mark("spawn scheduler")
-    graphs = _resolve_or_exit(args, scheduler)
     logger.info("server args: %s", args)
-    log_cuda_graph_config(graphs)
+    if args.device != "auto":  # fail a bad combination now, not once the scheduler finds it
+        _resolve_or_exit(args, scheduler)
     stages.mark("device config")
     from replaylm.entrypoints.http_server import create_app
     from replaylm.runtime.tokenizer_manager import TokenizerManager
 
     stages.mark("front-end imports")
     try:
-        manager = TokenizerManager(args, graphs, scheduler, stages)
+        manager = TokenizerManager(args, scheduler, stages)
     except Exception as err:  # the tokenizer or the model failed to load; the child is stopped
         logger.debug("start-up failed", exc_info=True)
         _usage_error(one_line_error(err))
+    log_cuda_graph_config(manager.cuda_graphs)
     try:
         app = create_app(manager)
         config = uvicorn.Config(

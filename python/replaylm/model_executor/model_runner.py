@@ -60,6 +60,10 @@ class ModelRunner:
         self.startup = stages or StartupStages("model runner")
         self.device = resolve_device(args.device)
         check_pdl(args.enable_pdl is True, self.device)
+        # before the model loads: a flag that does not suit the device fails the start at once
+        self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)
+        backend = resolve_attention_backend(args.attention_backend, self.device.type)
+        self.attn_backend = create_attention_backend(backend, args.deterministic)
         if self.device.type == "cuda":  # the CUDA context, made here to be a stage of its own
             torch.zeros(1, device=self.device)
         self.startup.mark("device init")
@@ -98,8 +102,6 @@ class ModelRunner:
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
         self.startup.mark("KV allocation")
-        backend = resolve_attention_backend(args.attention_backend, self.device.type)
-        self.attn_backend = create_attention_backend(backend, args.deterministic)
         self.sampler = Sampler()
         # penalty state per request-table row, allocated when a penalised request first comes
         self.logit_adjuster = LogitAdjuster(
@@ -117,7 +119,6 @@ class ModelRunner:
             ", programmatic dependent launch" if self.pdl else "",
             " (--deterministic: batch-invariant kernels)" if args.deterministic else "",
         )
-        self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)
         self.forward_stats = ForwardStats()
         self.startup.mark("runner setup")
         self.graph_runners = self._capture_cuda_graphs()

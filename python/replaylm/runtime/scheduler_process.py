@@ -8,7 +8,7 @@ to load) once, then one `BatchTokenOut` per step that produced tokens or aborts.
 
 This module is imported by the HTTP process (to start the child), so it imports nothing heavy at
 the top: torch and the model code load in the child only, while the parent goes on with its own
-start-up (resolving the config, loading the tokenizer).
+start-up (loading the tokenizer).
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def run_scheduler_process(args: ServerArgs, conn: Connection, spawned_at: float)
                 max_total_tokens=runner.max_total_tokens,
                 context_len=runner.context_len,
                 vocab_size=runner.config.vocab_size,
+                cuda_graphs=runner.cuda_graphs,
                 cuda_graph_capture=runner.cuda_graph_stats(),
                 startup=stages.to_dict(),
             )

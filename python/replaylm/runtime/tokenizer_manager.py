@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from replaylm.model_executor.cuda_graph.config import CudaGraphConfig
 from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer, tokenizer_info
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
@@ -82,17 +81,14 @@ class TokenizerManager:
     def __init__(
         self,
         server_args: ServerArgs,
-        cuda_graphs: CudaGraphConfig | None = None,
         scheduler: SchedulerProcess | None = None,
         stages: StartupStages | None = None,
     ) -> None:
-        """`cuda_graphs`: the resolved CUDA-graph config, reported by `server_info`;
-        `scheduler`: a child already started for `server_args` (default: start one now). It is
-        stopped if the tokenizer or the model fails to load. `stages`: this process's start-up
-        stages, marked as it goes (default: its own, from its construction on); with the
-        scheduler's, `server_info` reports them."""
+        """`scheduler`: a child already started for `server_args` (default: start one now). It
+        is stopped if the tokenizer or the model fails to load. `stages`: this process's
+        start-up stages, marked as it goes (default: its own, from its construction on); with
+        the scheduler's, `server_info` reports them."""
         self.server_args = server_args
-        self.cuda_graphs = cuda_graphs
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self.startup = stages or StartupStages("http")
         self._scheduler = scheduler or SchedulerProcess.start(server_args)
@@ -118,6 +114,7 @@ class TokenizerManager:
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
+        self.cuda_graphs = ready.cuda_graphs  # as the scheduler resolved it for its device
         self.cuda_graph_capture = ready.cuda_graph_capture
         self.scheduler_startup = ready.startup
         self._grammar: GrammarCompiler | None = None  # structured output: None when off
@@ -272,7 +269,7 @@ class TokenizerManager:
             "context_len": self.context_len,
             "max_total_tokens": self.max_total_tokens,
             "vocab_size": self.vocab_size,
-            "cuda_graph": self.cuda_graphs.to_dict() if self.cuda_graphs else None,
+            "cuda_graph": self.cuda_graphs.to_dict(),
             "cuda_graph_capture": self.cuda_graph_capture,
             "startup": {"http": self.startup.to_dict(), "scheduler": self.scheduler_startup},
             "healthy": self.healthy(),
