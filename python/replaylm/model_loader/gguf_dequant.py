@@ -44,13 +44,14 @@ def _dequantize_blocks(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch
     block_bytes = GGML_QUANT_SIZES[qtype][1]
     blocks = data.view(-1, block_bytes)
     d = _fp16_column(blocks, 0)
+    # in place on the one float32 result: a large tensor's temporaries would cost device memory
     if qtype == GGMLQuantizationType.Q8_0:
-        return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+        return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(d)
     quants = blocks[:, -16:]
     nibbles = torch.cat((quants & 0x0F, quants >> 4), dim=1)
     if qtype == GGMLQuantizationType.Q4_0:
-        return d * (nibbles.view(torch.int8) - 8).float()
-    return d * nibbles.float() + _fp16_column(blocks, 2)
+        return nibbles.view(torch.int8).sub_(8).float().mul_(d)
+    return nibbles.float().mul_(d).add_(_fp16_column(blocks, 2))
 
 
 def _fp16_column(blocks: torch.Tensor, offset: int) -> torch.Tensor:

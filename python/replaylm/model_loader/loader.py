@@ -102,9 +102,12 @@ def load_model(
         weights = TimedIterator(tensors)
         model.load_weights(tqdm(weights, total=count, desc="Loading weights", unit="tensor"))
     model.eval()
+    if device.type == "cuda":
+        # the copies are asynchronous (the stage waits for them), and the memory the checkpoint's
+        # tensors were dequantized in goes back to the GPU, where the KV cache is sized from
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     if stages is not None:
-        if device.type == "cuda":  # the copies are asynchronous: this stage waits for them
-            torch.cuda.synchronize(device)
         stages.mark_split("weights read", weights, "weights to device")
     logger.info(
         "loaded %s (%s, %s) from %s: %.1fM parameters, %s on %s",
