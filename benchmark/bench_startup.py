@@ -6,10 +6,10 @@ cache, stage by stage.
 
 For each `--cuda-graph-mode` JSON a `launch_server` process is started and POST /generate (one
 token for a fixed 16-token prompt) is retried until it answers: the time from spawning the
-process to that answer is the start time. Every mode runs once with an empty
-`--compile-cache-dir` ("cold"); modes that compile (tc_piecewise) run a second time on the same
-directory ("warm"). `--engine` also times the offline Engine the same way in a fresh process
-(imports, `Engine(...)`, one token).
+process to that answer is the start time. Every mode starts twice: "cold", with every cache a
+start fills empty (`--compile-cache-dir`, Triton's kernel cache, replaylm's tokenizer cache: a
+fresh folder each), then "warm", on the caches the cold start filled. `--engine` then times the
+offline Engine the same way in a fresh process (imports, `Engine(...)`, one token), warm.
 
 Where the seconds went: each process logs its start-up stages as they end (`startup stage ...`,
 see replaylm/startup_stages.py) and the server reports them at /get_server_info. A start's table
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -49,10 +50,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_start(server_args: list[str], log: Path) -> dict[str, Any]:
-    """Start `launch_server server_args`, time it to its first generated token, read its
-    start-up stages from /get_server_info and stop it: {"seconds", "stages"} (see `timeline`).
-    Raises RuntimeError (with the log's tail) if it dies or never answers."""
+def server_start(server_args: list[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Start `launch_server server_args` in `env`, time it to its first generated token, read
+    its start-up stages from /get_server_info and stop it: {"seconds", "stages"} (see
+    `timeline`). Raises RuntimeError (with the log's tail) if it dies or never answers."""
     import httpx  # here: the Engine's process (this script too) should not import it
 
     port = _free_port()
@@ -70,7 +71,7 @@ def server_start(server_args: list[str], log: Path) -> dict[str, Any]:
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     with log.open("w") as out:
         spawned, start = time.time(), time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             while time.perf_counter() - start < TIMEOUT_S:
                 if proc.poll() is not None:
@@ -122,15 +123,16 @@ def _row(
     return {"process": process, "name": name, "seconds": seconds, "cpu_s": cpu_s, "end_s": end_s}
 
 
-def engine_start(engine_args: dict[str, Any]) -> dict[str, Any]:
-    """Time the offline Engine in a fresh process to its first generated token (its last
-    stage): {"seconds", "stages"} (`timeline`'s rows, process `engine`)."""
+def engine_start(engine_args: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """Time the offline Engine in a fresh process in `env` to its first generated token (its
+    last stage): {"seconds", "stages"} (`timeline`'s rows, process `engine`)."""
     spawned = time.time()
     done = subprocess.run(
         [sys.executable, __file__, "--engine-child", json.dumps(engine_args)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
+        env=env,
     )
     if done.returncode != 0:
         raise RuntimeError(f"engine start failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -193,26 +195,29 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     rows, engine_rows = [], []
     for i, modes in enumerate(args.modes):
-        cache = Path(tempfile.mkdtemp(prefix="compile_cache_"))
+        caches = Path(tempfile.mkdtemp(prefix="startup_caches_"))
+        env = {
+            **os.environ,
+            "REPLAYLM_CACHE_DIR": str(caches / "replaylm"),
+            "TRITON_CACHE_DIR": str(caches / "triton"),
+        }
         common_args = {
             "model_path": args.model_path,
             "load_format": args.load_format,
             "device": args.device,
             "cuda_graph_mode": modes,
-            "compile_cache_dir": str(cache),
+            "compile_cache_dir": str(caches / "compile"),
         }
         cli = [a for k, v in common_args.items() for a in (f"--{k.replace('_', '-')}", v)]
-        starts = ["cold", "warm"] if "tc_piecewise" in modes else ["cold"]
-        for start in starts:
+        for start in ("cold", "warm"):
             row = {"modes": json.loads(modes), "start": start}
-            row |= server_start(cli, log_dir / f"server_{i}_{start}.log")
+            row |= server_start(cli, log_dir / f"server_{i}_{start}.log", env)
             rows.append(row)
             print_start(f"server {modes} {start}", row)
         if args.engine:
-            row = {"modes": json.loads(modes), "start": "warm" if len(starts) > 1 else "cold"}
-            row |= engine_start(common_args)
+            row = {"modes": json.loads(modes), "start": "warm", **engine_start(common_args, env)}
             engine_rows.append(row)
-            print_start(f"engine {modes} {row['start']}", row)
+            print_start(f"engine {modes} warm", row)
 
     tc_cold = next(
         (

@@ -1,6 +1,6 @@
-"""benchmark/bench_startup.py on the CPU: a real eager server of a tiny checkpoint is started,
-timed to its first token, and its start-up stages (from /get_server_info) are checked against
-the clock outside and against the server's log."""
+"""benchmark/bench_startup.py on the CPU: a real eager server of a tiny checkpoint is started
+(cold, then warm), timed to its first token, and its start-up stages (from /get_server_info) are
+checked against the clock outside, against each other and against the server's log."""
 
 from __future__ import annotations
 
@@ -94,9 +94,16 @@ def test_a_cpu_server_start_is_explained_stage_by_stage(tmp_path):
         timeout=300,
         capture_output=True,
     )
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["start"] == "cold" and row["modes"] == {"decode": "disabled", "prefill": "disabled"}
-    stages = row["stages"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["start"] for r in rows] == ["cold", "warm"]
+    for row in rows:
+        assert row["modes"] == {"decode": "disabled", "prefill": "disabled"}
+        log = (tmp_path / "logs" / f"server_0_{row['start']}.log").read_text()
+        _check_stages(row["stages"], row["seconds"], log)
+
+
+def _check_stages(stages: list[dict], seconds: float, log: str) -> None:
+    """A start's stages (bench_startup's timeline) in order, adding up, and in its `log`."""
     by_process = {p: [r for r in stages if r["process"] == p] for p in ("bench", "http")}
     by_process["scheduler"] = [r for r in stages if r["process"] == "scheduler"]
     assert [r["name"] for r in by_process["http"]] == HTTP_STAGES
@@ -105,14 +112,17 @@ def test_a_cpu_server_start_is_explained_stage_by_stage(tmp_path):
     assert all(r["seconds"] >= 0 and (r["cpu_s"] or 0) >= 0 for r in stages)
     assert [r["end_s"] for r in stages] == sorted(r["end_s"] for r in stages)
     # the front process's stages, from the spawn to the answer, add up to the time measured
-    # outside it; the scheduler's ran inside the HTTP process's wait for the model
+    # outside it
     front = by_process["bench"][:1] + by_process["http"] + by_process["bench"][1:]
-    assert abs(sum(r["seconds"] for r in front) - row["seconds"]) < 0.01
-    assert stages[-1]["end_s"] == by_process["bench"][-1]["end_s"]
-    waited = next(r for r in by_process["http"] if r["name"] == "wait for the model")
+    assert sum(r["seconds"] for r in front) == pytest.approx(seconds, abs=0.01)
+    assert stages[-1] is by_process["bench"][-1]
+    # the scheduler's stages start when the HTTP process spawned it and end within its wait
+    http = {r["name"]: r for r in by_process["http"]}
+    spawning, waited = http["spawn scheduler"], http["wait for the model"]
+    child_start = by_process["scheduler"][0]["end_s"] - by_process["scheduler"][0]["seconds"]
+    assert spawning["end_s"] - spawning["seconds"] - 0.01 <= child_start <= spawning["end_s"]
     assert by_process["scheduler"][-1]["end_s"] <= waited["end_s"] + 0.01
     # every stage's log line, each process's in order, with the seconds reported
-    log = (tmp_path / "logs" / "server_0_cold.log").read_text()
     logged = [(bool(m[1]), m[2], float(m[3])) for m in _LOG_STAGE.finditer(log)]
     for process, child in (("http", False), ("scheduler", True)):
         reported = [(r["name"], pytest.approx(r["seconds"], abs=6e-3)) for r in by_process[process]]
