@@ -38,7 +38,7 @@ from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.model_loader.loader import load_model, load_model_config
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
-from replaylm.utils import resolve_device, resolve_dtype
+from replaylm.utils import loading_threads, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,16 @@ class ModelRunner:
         self.config = load_model_config(path)
         self.dtype = resolve_dtype(args.dtype, self.device, self.config.torch_dtype)
         self.startup.mark("model config")
-        self.model = load_model(
-            path, self.config, args.load_format, self.dtype, self.device, args.seed, self.startup
-        )
+        with loading_threads(self.device):
+            self.model = load_model(
+                path,
+                self.config,
+                args.load_format,
+                self.dtype,
+                self.device,
+                args.seed,
+                self.startup,
+            )
         self.matmul = "invariant" if args.deterministic else args.small_batch_matmul
         if args.deterministic and args.small_batch_matmul != "auto":
             logger.warning(
@@ -100,7 +107,8 @@ class ModelRunner:
         if self.device.type == "cuda":  # PDL is a launch mode of CUDA kernels only
             logger.info("programmatic dependent launch %s (%s)", "on" if self.pdl else "off", why)
         self.context_len = args.context_length or self.config.max_position_embeddings
-        self._init_memory()
+        with loading_threads(self.device):
+            self._init_memory()
         self.startup.mark("KV allocation")
         self.sampler = Sampler()
         # penalty state per request-table row, allocated when a penalised request first comes
