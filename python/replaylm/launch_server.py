@@ -54,7 +54,8 @@ def _usage_error(message: str) -> NoReturn:
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
     """(server args, whether to only print the CUDA-graph config). Checks what needs no device
-    (and so no torch); `resolve_for_device` checks the rest."""
+    (and so no torch); `resolve_for_device` checks the rest, or for `--device auto` the
+    scheduler process, which finds out the device."""
     parser = argparse.ArgumentParser(
         prog="python -m replaylm.launch_server",
         description=__doc__,
