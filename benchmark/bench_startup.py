@@ -1,34 +1,36 @@
-"""Server start to first token, per CUDA-graph mode, cold and with a warm compile cache.
+"""Server (and Engine) start to first token, per CUDA-graph mode, cold and with a warm compile
+cache, stage by stage.
 
     python benchmark/bench_startup.py [--model-path benchmark/configs/qwen3-0.6b.json]
-        [--load-format dummy] [--modes JSON ...] [--device cuda] [--json out.json]
+        [--load-format dummy] [--modes JSON ...] [--device cuda] [--engine] [--json out.json]
 
 For each `--cuda-graph-mode` JSON a `launch_server` process is started and POST /generate (one
 token for a fixed 16-token prompt) is retried until it answers: the time from spawning the
-process to that answer is the start time (loading, KV allocation, compiling, capturing, first
-forward). Every mode runs once with an empty `--compile-cache-dir` ("cold"); modes that compile
-(tc_piecewise) run a second time on the same directory ("warm"). The table also gives each start
-as a fraction of the cold tc_piecewise start, and where each start's time went: the seconds from
-the spawn to each milestone the server logs (`PHASES`: arguments resolved for the device, which
-the HTTP process does after it spawns the scheduler; model loaded; compiled; CUDA graphs
-captured; serving), read from the log's timestamps.
+process to that answer is the start time. Every mode starts twice: "cold", with every cache a
+start fills empty (`--compile-cache-dir`, Triton's kernel cache, replaylm's tokenizer cache: a
+fresh folder each), then "warm", on the caches the cold start filled. `--engine` then times the
+offline Engine the same way in a fresh process (imports, `Engine(...)`, one token), warm.
+
+Where the seconds went: each process logs its start-up stages as they end (`startup stage ...`,
+see replaylm/startup_stages.py) and the server reports them at /get_server_info. A start's table
+lists every stage of both processes by the time it ended: the HTTP process's stages, from the
+spawn to its first token, add up to the start time; the scheduler process's, from its own spawn
+to its ready message, ran beside them (the HTTP process's "wait for the model" is their tail).
+Each stage also gives the CPU seconds its process spent in it: far fewer than its seconds means
+it waited (for the other process, the GPU, or a CPU other processes kept busy).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import os
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
-
-import httpx
-
-from common import config_path, free_port, write_json
+from typing import Any
 
 MODES = [
     '{"decode": "disabled", "prefill": "disabled"}',
@@ -38,36 +40,17 @@ MODES = [
 ]
 PROMPT = list(range(100, 116))
 TIMEOUT_S = 600.0
-# milestone -> what its log line says (the last such line counts: capture logs once per phase)
-PHASES = {
-    "args": "replaylm.launch_server: server args",
-    "loaded": "replaylm.model_loader.loader: loaded",
-    "compiled": "tc_piecewise: compiled the forward",
-    "captured": "CUDA graphs (",
-    "serving": "replaylm.launch_server: serving",
-}
-_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+BENCH = "bench"  # the process named by the stages this benchmark measures itself
 
 
-def phases(log: str, spawned: float) -> dict[str, float]:
-    """Seconds from `spawned` (epoch seconds) to each PHASES milestone found in a server `log`
-    (lines stamped by logging's default asctime, local time)."""
-    found = {}
-    for line in log.splitlines():
-        stamp = _STAMP.match(line)
-        if not stamp:
-            continue
-        at = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        for name, marker in PHASES.items():
-            if marker in line:
-                found[name] = round(at - spawned, 2)
-    return {name: found[name] for name in PHASES if name in found}
+def server_start(server_args: list[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Start `launch_server server_args` in `env`, time it to its first generated token, read
+    its start-up stages from /get_server_info and stop it: {"seconds", "stages"} (see
+    `timeline`). Raises RuntimeError (with the log's tail) if it dies or never answers."""
+    import httpx  # here: the Engine's process (this script too) should not import it
 
+    from common import free_port
 
-def time_to_first_token(server_args: list[str], log: Path) -> tuple[float, float]:
-    """(seconds from spawning `launch_server server_args` to its first generated token, the
-    spawn's epoch time); the server is stopped afterwards. Raises RuntimeError (with the log's
-    tail) if it dies."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -79,11 +62,11 @@ def time_to_first_token(server_args: list[str], log: Path) -> tuple[float, float
         str(port),
         *server_args,
     ]
-    url = f"http://127.0.0.1:{port}/generate"
+    base = f"http://127.0.0.1:{port}"
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     with log.open("w") as out:
         spawned, start = time.time(), time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             while time.perf_counter() - start < TIMEOUT_S:
                 if proc.poll() is not None:
@@ -91,8 +74,11 @@ def time_to_first_token(server_args: list[str], log: Path) -> tuple[float, float
                         f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
                     )
                 try:
-                    if httpx.post(url, json=body, timeout=TIMEOUT_S).status_code == 200:
-                        return time.perf_counter() - start, spawned
+                    if httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT_S).is_success:
+                        seconds = time.perf_counter() - start
+                        startup = httpx.get(f"{base}/get_server_info", timeout=60).json()["startup"]
+                        stages = timeline([startup["http"], startup["scheduler"]], spawned, seconds)
+                        return {"seconds": seconds, "stages": stages}
                 except httpx.TransportError:
                     pass
                 time.sleep(0.1)
@@ -104,14 +90,87 @@ def time_to_first_token(server_args: list[str], log: Path) -> tuple[float, float
             proc.wait(timeout=60)
 
 
+def timeline(
+    processes: list[dict[str, Any]], spawned: float, first_token_s: float | None = None
+) -> list[dict[str, Any]]:
+    """Every stage of a start as {"process", "name", "seconds", "cpu_s", "end_s"} (`end_s`:
+    seconds from `spawned`, epoch seconds, to its end), ordered by end: the bench's `spawn` (to
+    the start of the first of `processes`, the one it spawned), the stages of each of
+    `processes` (StartupStages.to_dict()s), and `first token` (after the first one's stages)
+    when `first_token_s` (seconds from `spawned`) is given."""
+    front = processes[0]
+    spawn = max(front["started_at"] - spawned, 0.0)  # the process's start, to a clock tick
+    rows = [_row(BENCH, "spawn", spawn, None, spawn)]
+    for doc in processes:
+        end = max(doc["started_at"] - spawned, 0.0)
+        for stage in doc["stages"]:
+            end += stage["seconds"]
+            rows.append(_row(doc["process"], stage["name"], stage["seconds"], stage["cpu_s"], end))
+    if first_token_s is not None:
+        ready = spawn + front["total_s"]
+        rows.append(_row(BENCH, "first token", first_token_s - ready, None, first_token_s))
+    return sorted(rows, key=lambda r: r["end_s"])
+
+
+def _row(
+    process: str, name: str, seconds: float, cpu_s: float | None, end_s: float
+) -> dict[str, Any]:
+    return {"process": process, "name": name, "seconds": seconds, "cpu_s": cpu_s, "end_s": end_s}
+
+
+def engine_start(engine_args: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """Time the offline Engine in a fresh process in `env` to its first generated token (its
+    last stage): {"seconds", "stages"} (`timeline`'s rows, process `engine`)."""
+    spawned = time.time()
+    done = subprocess.run(
+        [sys.executable, __file__, "--engine-child", json.dumps(engine_args)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"engine start failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    startup = json.loads(done.stdout.splitlines()[-1])
+    stages = timeline([startup], spawned)
+    return {"seconds": stages[-1]["end_s"], "stages": stages}  # not the process's exit
+
+
+def _engine_child(engine_args: dict[str, Any]) -> None:
+    """The Engine's process: its stages from its own start (imports, the Engine's own, the
+    first token), printed as one JSON line. Nothing else is imported first (not `common`, whose
+    imports no Engine user pays)."""
+    from replaylm.startup_stages import StartupStages
+
+    stages = StartupStages.from_process_start("engine")
+    from replaylm.entrypoints.engine import Engine
+
+    stages.mark("imports")
+    engine = Engine(startup_stages=stages, **engine_args)
+    engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 1, "temperature": 0})
+    stages.mark("first token")
+    print(json.dumps(stages.to_dict()))
+
+
+def print_start(title: str, start: dict[str, Any]) -> None:
+    print(f"\n{title}: first token {start['seconds']:.2f} s")
+    print(f"  {'process':10} {'stage':26} {'seconds':>8} {'cpu':>6} {'ends at':>8}")
+    for r in start["stages"]:
+        cpu = f"{r['cpu_s']:6.2f}" if r["cpu_s"] is not None else f"{'':6}"
+        print(f"  {r['process']:10} {r['name']:26} {r['seconds']:8.2f} {cpu} {r['end_s']:8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-path", default=str(config_path("qwen3-0.6b")))
+    parser.add_argument("--model-path", default=None, help="default: dummy Qwen3-0.6B's config")
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--modes", nargs="+", default=MODES)
+    parser.add_argument(
+        "--engine", action="store_true", help="time the offline Engine's start too, per mode"
+    )
     parser.add_argument(
         "--log-dir",
         type=Path,
@@ -119,38 +178,41 @@ def main() -> None:
         help="keep each server's log here (default: a temporary directory)",
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine_child is not None:
+        _engine_child(json.loads(args.engine_child))
+        return
+    from common import config_path, write_json
 
+    args.model_path = args.model_path or str(config_path("qwen3-0.6b"))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench_startup_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, engine_rows = [], []
     for i, modes in enumerate(args.modes):
-        cache = Path(tempfile.mkdtemp(prefix="compile_cache_"))
-        starts = ["cold", "warm"] if "tc_piecewise" in modes else ["cold"]
-        for start in starts:
-            server_args = [
-                "--model-path",
-                args.model_path,
-                "--load-format",
-                args.load_format,
-                "--device",
-                args.device,
-                "--cuda-graph-mode",
-                modes,
-                "--compile-cache-dir",
-                str(cache),
-            ]
-            log = log_dir / f"server_{i}_{start}.log"
-            seconds, spawned = time_to_first_token(server_args, log)
-            rows.append(
-                {
-                    "modes": json.loads(modes),
-                    "start": start,
-                    "seconds": seconds,
-                    "phases": phases(log.read_text(), spawned),
-                }
-            )
-            print(f"{modes} {start}: {seconds:.1f} s", flush=True)
+        caches = Path(tempfile.mkdtemp(prefix="startup_caches_"))
+        env = {
+            **os.environ,
+            "REPLAYLM_CACHE_DIR": str(caches / "replaylm"),
+            "TRITON_CACHE_DIR": str(caches / "triton"),
+        }
+        common_args = {
+            "model_path": args.model_path,
+            "load_format": args.load_format,
+            "device": args.device,
+            "cuda_graph_mode": modes,
+            "compile_cache_dir": str(caches / "compile"),
+        }
+        cli = [a for k, v in common_args.items() for a in (f"--{k.replace('_', '-')}", v)]
+        for start in ("cold", "warm"):
+            row = {"modes": json.loads(modes), "start": start}
+            row |= server_start(cli, log_dir / f"server_{i}_{start}.log", env)
+            rows.append(row)
+            print_start(f"server {modes} {start}", row)
+        if args.engine:
+            row = {"modes": json.loads(modes), "start": "warm", **engine_start(common_args, env)}
+            engine_rows.append(row)
+            print_start(f"engine {modes} warm", row)
 
     tc_cold = next(
         (
@@ -168,16 +230,6 @@ def main() -> None:
             f"{r['modes']['decode']:14} {r['modes']['prefill']:14} {r['start']:6} "
             f"{r['seconds']:8.1f} {share}"
         )
-    print(f"\nseconds from the spawn to each milestone: {', '.join(PHASES)}, first token")
-    for r in rows:
-        marks = "  ".join(
-            f"{name} {r['phases'][name]:5.1f}" if name in r["phases"] else f"{name}   -  "
-            for name in PHASES
-        )
-        print(
-            f"{r['modes']['decode']:14} {r['modes']['prefill']:14} {r['start']:6} {marks}  "
-            f"first token {r['seconds']:5.1f}"
-        )
     if args.json:
         summary = [
             {
@@ -188,7 +240,8 @@ def main() -> None:
             }
             for r in rows
         ]
-        write_json(args.json, {"model_path": args.model_path, "rows": rows, "summary": summary})
+        doc = {"model_path": args.model_path, "rows": rows, "engine": engine_rows}
+        write_json(args.json, {**doc, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from types import FrameType
@@ -34,6 +35,7 @@ from replaylm.model_executor.cuda_graph.config import (
 )
 from replaylm.runtime.scheduler_process import SchedulerProcess, one_line_error
 from replaylm.server_args import ServerArgs
+from replaylm.startup_stages import StartupStages
 
 if TYPE_CHECKING:
     from replaylm.runtime.tokenizer_manager import TokenizerManager
@@ -52,7 +54,8 @@ def _usage_error(message: str) -> NoReturn:
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
     """(server args, whether to only print the CUDA-graph config). Checks what needs no device
-    (and so no torch); `resolve_for_device` checks the rest."""
+    (and so no torch); `resolve_for_device` checks the rest, or for `--device auto` the
+    scheduler process, which finds out the device."""
     parser = argparse.ArgumentParser(
         prog="python -m replaylm.launch_server",
         description=__doc__,
@@ -132,6 +135,13 @@ class GracefulServer(uvicorn.Server):
         self.signalled = True
         super().handle_exit(sig, frame)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start-up (binding the port); its end is the last stage of the start."""
+        await super().startup(sockets)
+        if not self.should_exit:
+            self.manager.startup.mark("HTTP ready")
+            self.manager.startup.log_summary()
+
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's main-loop check, every 0.1 s."""
         if not self.manager.healthy():
@@ -153,8 +163,11 @@ class GracefulServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     """Start-up runs in parallel: the scheduler process starts loading the model first, while
-    this process resolves the device-dependent config (importing torch) and loads the tokenizer
-    (importing transformers); each takes seconds."""
+    this process loads the tokenizer; torch is the scheduler's to import (this process checks
+    the device-dependent flags itself only for a named device, where that needs no torch; the
+    scheduler resolves `auto`, and its config is what the log and /get_server_info show). Each
+    stage of the start is logged as it ends (`startup stage ...`)."""
+    stages = StartupStages.from_process_start("http")
     args, print_only = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -165,18 +178,23 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("%s", warning)
         print(json.dumps(graphs.to_dict()))
         return 0
+    stages.mark("imports and arguments")
     scheduler = SchedulerProcess.start(args)
-    graphs = _resolve_or_exit(args, scheduler)
+    stages.mark("spawn scheduler")
     logger.info("server args: %s", args)
-    log_cuda_graph_config(graphs)
+    if args.device != "auto":  # fail a bad combination now, not once the scheduler finds it
+        _resolve_or_exit(args, scheduler)
+    stages.mark("device config")
     from replaylm.entrypoints.http_server import create_app
     from replaylm.runtime.tokenizer_manager import TokenizerManager
 
+    stages.mark("front-end imports")
     try:
-        manager = TokenizerManager(args, graphs, scheduler)
+        manager = TokenizerManager(args, scheduler, stages)
     except Exception as err:  # the tokenizer or the model failed to load; the child is stopped
         logger.debug("start-up failed", exc_info=True)
         _usage_error(one_line_error(err))
+    log_cuda_graph_config(manager.cuda_graphs)
     try:
         app = create_app(manager)
         config = uvicorn.Config(
@@ -187,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_graceful_shutdown=5,
         )
         server = GracefulServer(config, manager)
+        stages.mark("HTTP app")
         logger.info(
             "serving %s at http://%s:%d (OpenAI API under /v1)",
             manager.served_model_name,

@@ -41,3 +41,20 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+@contextlib.contextmanager
+def loading_threads(device: torch.device) -> Iterator[None]:
+    """On the CPU, torch's ops on one thread for the duration: loading (dequantizing, copying,
+    zero-filling fresh memory) is bound by memory and page faults, and where another process
+    keeps a core busy, as the server's other process does at start-up, the threads of a
+    parallel op spin waiting for each other. Nothing changes on other devices."""
+    if device.type != "cpu":
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

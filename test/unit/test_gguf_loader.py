@@ -12,6 +12,8 @@ import os
 import re
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -22,11 +24,10 @@ from replaylm.model_loader.builtin_models import (
     _packaged_file,
     resolve_model_path,
 )
-from replaylm.model_loader.gguf_loader import (
-    iter_gguf_weights,
-    load_gguf_tokenizer,
-    read_gguf_config,
-)
+from replaylm.model_loader.gguf_dequant import dequantize
+from replaylm.model_loader.gguf_header import read_header
+from replaylm.model_loader.gguf_loader import iter_gguf_weights, read_gguf_config
+from replaylm.model_loader.gguf_tokenizer import load_gguf_tokenizer
 from replaylm.model_loader.model_config import ModelConfig
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -140,3 +141,40 @@ def test_non_gguf_file_is_rejected(tmp_path, reader):
     bogus.write_bytes(b"not a gguf file" * 8)
     with pytest.raises(ValueError, match=re.escape(str(bogus))):
         reader(str(bogus))
+
+
+def test_header_fields_and_tensors_match_gguf_py(gguf_path):
+    reader = gguf.GGUFReader(gguf_path)
+    header = read_header(gguf_path)
+    string_array = [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+    expected = {  # every metadata key but the arrays of strings (the vocabulary)
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if not name.startswith("GGUF.") and field.types != string_array
+    }
+    assert "tokenizer.ggml.token_type" in expected and "tokenizer.ggml.tokens" not in expected
+    assert header.fields == expected
+    assert len(header.tensors) == len(reader.tensors)
+    for ours, theirs in zip(header.tensors, reader.tensors, strict=True):
+        assert (ours.name, ours.shape, ours.qtype) == (
+            theirs.name,
+            tuple(int(d) for d in theirs.shape),
+            theirs.tensor_type,
+        )
+        assert np.array_equal(ours.data, theirs.data.reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_1"],  # Q5_1: through gguf-py's numpy
+)
+def test_dequantize_matches_gguf_py_bit_for_bit(qtype):
+    qtype = gguf.GGMLQuantizationType[qtype]
+    values = np.random.default_rng(0).standard_normal((6, 128), dtype=np.float32)
+    quantized = gguf.quants.quantize(values, qtype)
+    expected = gguf.quants.dequantize(quantized, qtype).astype(np.float32)
+    raw = torch.from_numpy(np.ascontiguousarray(quantized).view(np.uint8).reshape(-1))
+    got = dequantize(raw, qtype, (6, 128), torch.device("cpu"))
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.from_numpy(expected))
+    assert got.data_ptr() != raw.data_ptr()  # never the file's own bytes

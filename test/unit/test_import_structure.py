@@ -10,8 +10,9 @@
     handed, used in annotations only). Layers are the lower level; what both sides need (the
     graph-break marker) lives in `layers/`.
 (c) `replaylm.model_executor.cuda_graph.config`, the CUDA-graph resolver, imports no torch, not
-    even transitively at module level: the launcher resolves the config before it spawns the
-    model's process, without torch.
+    even transitively at module level: the launcher checks the config for a named device
+    without torch. Nor do the launcher itself and the GGUF tokenizer: torch is the scheduler
+    process's to import.
 """
 
 from __future__ import annotations
@@ -217,14 +218,31 @@ def _module_level_closure(start: str) -> dict[str, str]:
     return seen
 
 
-def test_the_cuda_graph_resolver_imports_no_torch():
-    reached = _module_level_closure(RESOLVER)
-    assert "replaylm.layers.attention.registry" in reached  # the walk does go through the package
-    heavy = {name for name in reached if name.split(".")[0] in {"torch", "triton", "numpy"}}
+def _heavy_chains(reached: dict[str, str], roots: set[str]) -> list[str]:
+    """The import chains (`_module_level_closure`'s) that reach a module of `roots`."""
     chains = []
-    for name in sorted(heavy):
+    for name in sorted(n for n in reached if n.split(".")[0] in roots):
         chain = [name]
         while reached[chain[-1]]:
             chain.append(reached[chain[-1]])
         chains.append(" <- ".join(chain))
-    assert not heavy, chains
+    return chains
+
+
+def test_the_cuda_graph_resolver_imports_no_torch():
+    reached = _module_level_closure(RESOLVER)
+    assert "replaylm.layers.attention.registry" in reached  # the walk does go through the package
+    assert not _heavy_chains(reached, {"torch", "triton", "numpy"})
+
+
+def test_the_front_end_and_its_tokenizer_import_no_torch():
+    """The HTTP process leaves torch to the scheduler process; the GGUF tokenizer (its cache
+    included) loads without it."""
+    walks_through = {
+        "replaylm.launch_server": "replaylm.runtime.scheduler_process",
+        "replaylm.model_loader.gguf_tokenizer": "replaylm.model_loader.gguf_header",
+    }
+    for module, inner in walks_through.items():
+        reached = _module_level_closure(module)
+        assert inner in reached
+        assert not _heavy_chains(reached, {"torch", "triton"}), module

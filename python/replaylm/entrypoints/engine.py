@@ -18,6 +18,7 @@ from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, cl
 from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
+from replaylm.startup_stages import StartupStages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,13 +38,22 @@ def _one_prompt(input_ids: list[int] | list[list[int]]) -> TypeIs[list[int]]:
 
 
 class Engine:
-    """`Engine(model_path=..., **server_args)`; keyword arguments are ServerArgs fields."""
+    """`Engine(model_path=..., **server_args)`; keyword arguments are ServerArgs fields, but
+    `startup_stages`: the process's start-up stages, which its construction goes on marking
+    (default: its own, from the construction on), kept as `startup`."""
 
-    def __init__(self, model_path: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_path: str = DEFAULT_MODEL,
+        *,
+        startup_stages: StartupStages | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.startup = startup_stages or StartupStages("engine")
         self.server_args = ServerArgs(model_path=model_path, **kwargs)
         self.server_args.validate()
         self.runner, self.tokenizer, self.eos_token_ids = load_runner_and_tokenizer(
-            self.server_args
+            self.server_args, self.startup
         )
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
@@ -58,6 +68,8 @@ class Engine:
             overlap=not self.server_args.disable_overlap_schedule,
             prefix_cache=not self.server_args.disable_radix_cache,
         )
+        self.startup.mark("scheduler")
+        self.startup.log_summary()
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` through the tokenizer's chat template, ready for a reply."""

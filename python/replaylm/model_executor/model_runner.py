@@ -37,7 +37,8 @@ from replaylm.model_executor.packed_inputs import DecodeInputs
 from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.model_loader.loader import load_model, load_model_config
 from replaylm.server_args import ServerArgs
-from replaylm.utils import resolve_device, resolve_dtype
+from replaylm.startup_stages import StartupStages
+from replaylm.utils import loading_threads, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +50,37 @@ GRAPH_RUNNERS: dict[str, type[BaseCudaGraphRunner]] = {
 
 
 class ModelRunner:
-    """Loads the model and sizes memory at construction; then runs forward passes and sampling."""
+    """Loads the model and sizes memory at construction; then runs forward passes and sampling.
 
-    def __init__(self, args: ServerArgs) -> None:
+    `stages`: the start-up stages of the process it loads in, marked as it goes (default: its
+    own, from its construction on), kept as `startup`."""
+
+    def __init__(self, args: ServerArgs, stages: StartupStages | None = None) -> None:
         self.args = args
+        self.startup = stages or StartupStages("model runner")
         self.device = resolve_device(args.device)
         check_pdl(args.enable_pdl is True, self.device)
+        # before the model loads: a flag that does not suit the device fails the start at once
+        self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)
+        backend = resolve_attention_backend(args.attention_backend, self.device.type)
+        self.attn_backend = create_attention_backend(backend, args.deterministic)
+        if self.device.type == "cuda":  # the CUDA context, made here to be a stage of its own
+            torch.zeros(1, device=self.device)
+        self.startup.mark("device init")
         path = resolve_model_path(args.model_path)
         self.config = load_model_config(path)
         self.dtype = resolve_dtype(args.dtype, self.device, self.config.torch_dtype)
-        self.model = load_model(
-            path, self.config, args.load_format, self.dtype, self.device, args.seed
-        )
+        self.startup.mark("model config")
+        with loading_threads(self.device):
+            self.model = load_model(
+                path,
+                self.config,
+                args.load_format,
+                self.dtype,
+                self.device,
+                args.seed,
+                self.startup,
+            )
         self.matmul = "invariant" if args.deterministic else args.small_batch_matmul
         if args.deterministic and args.small_batch_matmul != "auto":
             logger.warning(
@@ -87,9 +107,9 @@ class ModelRunner:
         if self.device.type == "cuda":  # PDL is a launch mode of CUDA kernels only
             logger.info("programmatic dependent launch %s (%s)", "on" if self.pdl else "off", why)
         self.context_len = args.context_length or self.config.max_position_embeddings
-        self._init_memory()
-        backend = resolve_attention_backend(args.attention_backend, self.device.type)
-        self.attn_backend = create_attention_backend(backend, args.deterministic)
+        with loading_threads(self.device):
+            self._init_memory()
+        self.startup.mark("KV allocation")
         self.sampler = Sampler()
         # penalty state per request-table row, allocated when a penalised request first comes
         self.logit_adjuster = LogitAdjuster(
@@ -107,12 +127,13 @@ class ModelRunner:
             ", programmatic dependent launch" if self.pdl else "",
             " (--deterministic: batch-invariant kernels)" if args.deterministic else "",
         )
-        self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)
         self.forward_stats = ForwardStats()
+        self.startup.mark("runner setup")
         self.graph_runners = self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> dict[str, BaseCudaGraphRunner]:
-        """One graph runner per enabled phase, captured now."""
+        """One graph runner per enabled phase, captured now: a start-up stage each (with the
+        compile under tc_piecewise, whose seconds `cuda_graph_stats` gives apart)."""
         logger.info("CUDA graphs: %s", self.cuda_graphs.summary())
         runners: dict[str, BaseCudaGraphRunner] = {}
         for phase, runner_cls in GRAPH_RUNNERS.items():
@@ -123,6 +144,8 @@ class ModelRunner:
                 )
                 runners[phase] = runner_cls(self, backend, self._fit_shapes(phase, phase_config))
                 runners[phase].capture()
+                compiled = runners[phase].stats()["compile_s"] is not None
+                self.startup.mark(f"{'compile and capture' if compiled else 'capture'} {phase}")
         return runners
 
     def cuda_graph_stats(self) -> dict[str, dict[str, Any]]:

@@ -1,23 +1,23 @@
-"""Read llama.cpp GGUF checkpoints as HF-style configs, HF-named float32 weights and tokenizers.
+"""Read llama.cpp GGUF checkpoints as HF-style configs and HF-named float32 weights (the
+tokenizer: `gguf_tokenizer`).
 
 Supported GGUF architectures: `llama`, `qwen2`, `qwen3`. Quantized tensors are dequantized to
-float32 with `gguf.quants.dequantize`. llama.cpp's converter permutes the rows of the Q and K
-projections of `llama` models (HF rotate-half rope -> interleaved rope); the permutation is undone
-here so every tensor comes out in the layout HF's modeling code expects.
+float32 on the device they load on (`gguf_dequant`). llama.cpp's converter permutes the rows of
+the Q and K projections of `llama` models (HF rotate-half rope -> interleaved rope); the
+permutation is undone here so every tensor comes out in the layout HF's modeling code expects.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import gguf
-import numpy as np
 import torch
 from gguf import Keys
+
+from replaylm.model_loader.gguf_dequant import dequantize
+from replaylm.model_loader.gguf_header import GGUFHeader, GGUFTensor, read_header
 
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -61,9 +61,9 @@ def read_gguf_config(path: str) -> dict[str, Any]:
 
     Raises ValueError for a non-GGUF file or an unsupported architecture / rope scaling.
     """
-    reader = _open_reader(path)
-    arch = _architecture(reader, path)
-    tensor_names = {t.name for t in reader.tensors}
+    header = read_header(path)
+    arch = _architecture(header, path)
+    tensor_names = {t.name for t in header.tensors}
     if "rope_freqs.weight" in tensor_names:
         raise ValueError(
             f"{path}: has a 'rope_freqs' tensor (llama3-style rope scaling baked into per-dim "
@@ -71,12 +71,11 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         )
 
     def meta(key: str, default: Any = None) -> Any:
-        field = reader.get_field(key.format(arch=arch))
-        return default if field is None else field.contents()
+        return header.fields.get(key.format(arch=arch), default)
 
     hidden = int(meta(Keys.LLM.EMBEDDING_LENGTH))
     heads = int(meta(Keys.Attention.HEAD_COUNT))
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    embd = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     vocab = embd.shape[-1] if embd is not None else meta(Keys.LLM.VOCAB_SIZE)
     if vocab is None:
         raise ValueError(f"{path}: no 'token_embd.weight' tensor and no '{arch}.vocab_size' key")
@@ -107,71 +106,34 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     }
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Iterator of `(hf_name, float32 tensor in HF shape)` over every tensor, one at a time.
+def iter_gguf_weights(
+    path: str, device: torch.device | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Iterator of `(hf_name, float32 tensor in HF shape)` over every tensor, one at a time, on
+    `device` (default: the CPU).
 
-    Tensors are dequantized lazily from the memory-mapped file. A non-GGUF file or an unsupported
-    architecture raises ValueError at call time; a tensor with no HF counterpart raises ValueError
-    when reached.
+    Each tensor's bytes go from the memory-mapped file to `device` as they are, to be
+    dequantized there. A non-GGUF file or an unsupported architecture raises ValueError at call
+    time; a tensor with no HF counterpart raises ValueError when reached.
     """
-    reader = _open_reader(path)
-    arch = _architecture(reader, path)
-    head_field = reader.get_field(Keys.Attention.HEAD_COUNT.format(arch=arch))
+    header = read_header(path)
+    arch = _architecture(header, path)
     # a required key: `read_gguf_config`, which reads the model's config first, needs it too
-    assert head_field is not None
-    heads = int(head_field.contents())
-    kv_field = reader.get_field(Keys.Attention.HEAD_COUNT_KV.format(arch=arch))
-    kv_heads = heads if kv_field is None else int(kv_field.contents())
+    heads = int(header.fields[Keys.Attention.HEAD_COUNT.format(arch=arch)])
+    kv_heads = int(header.fields.get(Keys.Attention.HEAD_COUNT_KV.format(arch=arch), heads))
     rope_heads = {".attn_q.": heads, ".attn_k.": kv_heads} if arch in _ROPE_PERMUTED else {}
-    return (_hf_tensor(tensor, path, rope_heads) for tensor in reader.tensors)
+    target = device or torch.device("cpu")
+    return (_hf_tensor(tensor, path, rope_heads, target) for tensor in header.tensors)
 
 
 def count_gguf_tensors(path: str) -> int:
     """Number of tensors in the file (read from its already parsed header)."""
-    return len(_open_reader(path).tensors)
+    return len(read_header(path).tensors)
 
 
-def load_gguf_tokenizer(path: str) -> Any:
-    """The HF tokenizer transformers builds from the GGUF's vocabulary and chat template."""
-    from transformers import AutoTokenizer
-
-    path = os.path.abspath(path)
-    _check_magic(path)
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-
-
-def _check_magic(path: str) -> None:
-    """Raise ValueError naming `path` unless it starts with the GGUF magic."""
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
-
-
-def _open_reader(path: str) -> gguf.GGUFReader:
-    """Memory-mapped reader for `path`; ValueError naming it when it is not a readable GGUF file.
-
-    Parsing the metadata (100k+ vocabulary strings) takes seconds, so the last file's reader is
-    reused while the file is unchanged (same size and mtime).
-    """
-    _check_magic(path)
-    stat = os.stat(path)
-    return _cached_reader(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=1)
-def _cached_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
-    """Parse `path`; `size` and `mtime_ns` only key the cache."""
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError) as e:
-        raise ValueError(f"{path} is not a valid GGUF file: {e}") from e
-
-
-def _architecture(reader: gguf.GGUFReader, path: str) -> str:
+def _architecture(header: GGUFHeader, path: str) -> str:
     """The file's `general.architecture`; ValueError unless it is one we map to HF."""
-    field = reader.get_field(Keys.General.ARCHITECTURE)
-    arch = None if field is None else field.contents()
+    arch = header.fields.get(Keys.General.ARCHITECTURE)
     if arch not in _HF_ARCHITECTURES:
         raise ValueError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: "
@@ -196,18 +158,14 @@ def _rope_scaling(path: str, meta: Callable[..., Any]) -> dict[str, Any] | None:
 
 
 def _hf_tensor(
-    tensor: gguf.ReaderTensor, path: str, rope_heads: dict[str, int]
+    tensor: GGUFTensor, path: str, rope_heads: dict[str, int], device: torch.device
 ) -> tuple[str, torch.Tensor]:
-    """Dequantize one tensor to float32 in HF shape, undoing the Q/K rope permute when asked.
-
-    `rope_heads` maps a name fragment (`.attn_q.`) to the head count its rows were permuted with.
-    """
+    """Dequantize one tensor to float32 in HF shape on `device`, undoing the Q/K rope permute
+    when asked. `rope_heads` maps a name fragment (`.attn_q.`) to the head count its rows were
+    permuted with."""
     name = _hf_name(tensor.name, path)
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost-first
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    # F32 tensors come back as read-only views of the mmap: copy those, keep fresh arrays.
-    data = data.astype(np.float32, copy=not data.flags.writeable)
-    weight = torch.from_numpy(data.reshape(shape))
+    shape = tuple(reversed(tensor.shape))  # GGUF lists dims innermost-first
+    weight = dequantize(torch.from_numpy(tensor.data), tensor.qtype, shape, device)
     for fragment, n_heads in rope_heads.items():
         if fragment in tensor.name:
             weight = _unpermute_rope_rows(weight, n_heads)

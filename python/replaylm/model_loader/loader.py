@@ -29,6 +29,7 @@ from replaylm.model_loader.safetensors_loader import (
 from replaylm.models.llama import LlamaForCausalLM
 from replaylm.models.registry import get_model_class
 from replaylm.server_args import LOAD_FORMATS
+from replaylm.startup_stages import StartupStages, TimedIterator
 from replaylm.utils import default_dtype
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,12 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    stages: StartupStages | None = None,
 ) -> LlamaForCausalLM:
     """Build the model of `config` on `device` in `dtype` and fill its weights from `path`
-    (a resolved model path, see `resolve_model_path`)."""
+    (a resolved model path, see `resolve_model_path`). `stages`: marked `model build`, then
+    `weights read` (reading the checkpoint's tensors) and `weights to device` (filling the
+    parameters with them; the two interleave, tensor by tensor)."""
     fmt = resolve_load_format(path, load_format)
     model_cls = get_model_class(config.architecture)
     logger.info(
@@ -86,14 +90,25 @@ def load_model(
     )
     with torch.device(device), default_dtype(dtype):
         model = model_cls(config)
+    if stages is not None:
+        stages.mark("model build")
+    weights = TimedIterator[tuple[str, torch.Tensor]](())
     if fmt == "dummy":
         logger.info("filling random weights (seed %d)", seed)
         fill_dummy_weights(model, seed)
     else:
-        weights, count = _checkpoint_tensors(path, fmt)
+        tensors, count = _checkpoint_tensors(path, fmt, device)
         logger.info("loading %d %s tensors from %s", count, fmt, path)
+        weights = TimedIterator(tensors)
         model.load_weights(tqdm(weights, total=count, desc="Loading weights", unit="tensor"))
     model.eval()
+    if device.type == "cuda":
+        # the copies are asynchronous (the stage waits for them), and the memory the checkpoint's
+        # tensors were dequantized in goes back to the GPU, where the KV cache is sized from
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    if stages is not None:
+        stages.mark_split("weights read", weights, "weights to device")
     logger.info(
         "loaded %s (%s, %s) from %s: %.1fM parameters, %s on %s",
         config.architecture,
@@ -107,12 +122,15 @@ def load_model(
     return model
 
 
-def _checkpoint_tensors(path: str, fmt: str) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
-    """The checkpoint's (name, tensor) pairs and how many there are (for the progress bar)."""
+def _checkpoint_tensors(
+    path: str, fmt: str, device: torch.device
+) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """The checkpoint's (name, tensor) pairs and how many there are (for the progress bar);
+    GGUF tensors come on `device`, dequantized there."""
     if fmt == "gguf":
         if not is_gguf_file(path):
             raise ValueError(f"--load-format gguf needs a .gguf file, got '{path}'")
-        return iter_gguf_weights(path), count_gguf_tensors(path)
+        return iter_gguf_weights(path, device), count_gguf_tensors(path)
     if os.path.isfile(path):
         raise ValueError(f"--load-format safetensors needs an HF folder, got the file '{path}'")
     files = safetensors_files(path)

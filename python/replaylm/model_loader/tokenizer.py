@@ -41,7 +41,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     used with dummy weights: such a model takes token ids only)."""
     path = resolve_model_path(path)
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
-        from replaylm.model_loader.gguf_loader import load_gguf_tokenizer
+        from replaylm.model_loader.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(path)
     if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):

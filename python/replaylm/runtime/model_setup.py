@@ -7,6 +7,7 @@ from typing import Any
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.model_loader.tokenizer import load_tokenizer
 from replaylm.server_args import ServerArgs
+from replaylm.startup_stages import StartupStages
 
 
 def eos_token_ids(runner: ModelRunner, tokenizer_eos: int | None) -> frozenset[int]:
@@ -17,9 +18,13 @@ def eos_token_ids(runner: ModelRunner, tokenizer_eos: int | None) -> frozenset[i
     return frozenset(eos)
 
 
-def load_runner_and_tokenizer(args: ServerArgs) -> tuple[ModelRunner, Any, frozenset[int]]:
-    """The ModelRunner, the tokenizer (None for a weights-only folder) and the EOS token ids."""
-    runner = ModelRunner(args)
+def load_runner_and_tokenizer(
+    args: ServerArgs, stages: StartupStages | None = None
+) -> tuple[ModelRunner, Any, frozenset[int]]:
+    """The ModelRunner, the tokenizer (None for a weights-only folder) and the EOS token ids;
+    `stages` (see ModelRunner) marked as they load."""
+    runner = ModelRunner(args, stages)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+    runner.startup.mark("tokenizer")
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
     return runner, tokenizer, eos_token_ids(runner, tokenizer_eos)

@@ -8,7 +8,7 @@ to load) once, then one `BatchTokenOut` per step that produced tokens or aborts.
 
 This module is imported by the HTTP process (to start the child), so it imports nothing heavy at
 the top: torch and the model code load in the child only, while the parent goes on with its own
-start-up (resolving the config, loading the tokenizer).
+start-up (loading the tokenizer).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import signal
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -38,6 +39,7 @@ from replaylm.runtime.io_struct import (
 )
 from replaylm.runtime.request import Req
 from replaylm.server_args import ServerArgs
+from replaylm.startup_stages import StartupStages
 from replaylm.structured.loader import GrammarLoader
 
 if TYPE_CHECKING:
@@ -70,7 +72,7 @@ class SchedulerProcess:
         conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=run_scheduler_process,
-            args=(dataclasses.replace(args, api_key=None), child_conn),
+            args=(dataclasses.replace(args, api_key=None), child_conn, time.time()),
             daemon=True,
             name="replaylm-scheduler",
         )
@@ -95,26 +97,32 @@ class SchedulerProcess:
         self.conn.close()
 
 
-def run_scheduler_process(args: ServerArgs, conn: Connection) -> None:
-    """Process entry point. Ctrl-C goes to the parent, which shuts this process down."""
+def run_scheduler_process(args: ServerArgs, conn: Connection, spawned_at: float) -> None:
+    """Process entry point; `spawned_at`: when the parent spawned it (epoch seconds), where its
+    start-up stages begin. Ctrl-C goes to the parent, which shuts this process down."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s",
     )
+    stages = StartupStages("scheduler", spawned_at)
+    stages.mark("spawn")
     logger.info("scheduler process started: importing torch and the model code")
     try:
-        built = _build_scheduler(args, conn)
+        built = _build_scheduler(args, conn, stages)
         if built is None:
             return  # shut down before it was ready
         scheduler, grammars = built
         runner = scheduler.runner
+        stages.log_summary()
         conn.send(
             SchedulerReady(
                 max_total_tokens=runner.max_total_tokens,
                 context_len=runner.context_len,
                 vocab_size=runner.config.vocab_size,
+                cuda_graphs=runner.cuda_graphs,
                 cuda_graph_capture=runner.cuda_graph_stats(),
+                startup=stages.to_dict(),
             )
         )
     except (EOFError, BrokenPipeError):
@@ -142,7 +150,7 @@ def one_line_error(err: BaseException) -> str:
 
 
 def _build_scheduler(
-    args: ServerArgs, conn: Connection
+    args: ServerArgs, conn: Connection, stages: StartupStages
 ) -> tuple[Scheduler, GrammarLoader | None] | None:
     """Load the model, then take the manager's TokenizerInfo; the scheduler and the loader of
     structured-output grammars (None: no structured output), or None if it sent ShutdownReq."""
@@ -150,12 +158,14 @@ def _build_scheduler(
     from replaylm.runtime.model_setup import eos_token_ids
     from replaylm.runtime.scheduler import Scheduler
 
-    runner = ModelRunner(args)
+    stages.mark("imports")
+    runner = ModelRunner(args, stages)
     info = conn.recv()
     if isinstance(info, ShutdownReq):
         return None
     if not isinstance(info, TokenizerInfo):
         raise TypeError(f"expected TokenizerInfo first, got {type(info).__name__}")
+    stages.mark("wait for the tokenizer")
     decode = scheduler_decoder(info, args.tokenizer_path or args.model_path)
     eos = eos_token_ids(runner, info.eos_token_id)
     scheduler = Scheduler(
@@ -169,6 +179,7 @@ def _build_scheduler(
     )
     vocabulary = info.grammar_vocabulary
     grammars = GrammarLoader(vocabulary, runner.config.vocab_size, eos) if vocabulary else None
+    stages.mark("scheduler")
     return scheduler, grammars
 
 

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from replaylm.model_executor.cuda_graph.config import CudaGraphConfig
 from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer, tokenizer_info
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
@@ -45,6 +44,7 @@ from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, cl
 from replaylm.runtime.scheduler_process import SchedulerProcess, SchedulerStartError
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
+from replaylm.startup_stages import StartupStages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -85,19 +85,22 @@ class TokenizerManager:
     def __init__(
         self,
         server_args: ServerArgs,
-        cuda_graphs: CudaGraphConfig | None = None,
         scheduler: SchedulerProcess | None = None,
+        stages: StartupStages | None = None,
     ) -> None:
-        """`cuda_graphs`: the resolved CUDA-graph config, reported by `server_info`;
-        `scheduler`: a child already started for `server_args` (default: start one now). It is
-        stopped if the tokenizer or the model fails to load."""
+        """`scheduler`: a child already started for `server_args` (default: start one now). It
+        is stopped if the tokenizer or the model fails to load. `stages`: this process's
+        start-up stages, marked as it goes (default: its own, from its construction on); with
+        the scheduler's, `server_info` reports them."""
         self.server_args = server_args
-        self.cuda_graphs = cuda_graphs
         self.served_model_name = server_args.served_model_name or server_args.model_path
+        self.startup = stages or StartupStages("http")
         self._scheduler = scheduler or SchedulerProcess.start(server_args)
         try:
             self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+            self.startup.mark("tokenizer")
             info = tokenizer_info(self.tokenizer)
+            self.startup.mark("tokenizer info")
         except BaseException:
             self._scheduler.stop()
             raise
@@ -112,10 +115,13 @@ class TokenizerManager:
         self._dead_reason: str | None = None
         self._closing = False
         ready = self._wait_ready()
+        self.startup.mark("wait for the model")
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
+        self.cuda_graphs = ready.cuda_graphs  # as the scheduler resolved it for its device
         self.cuda_graph_capture = ready.cuda_graph_capture
+        self.scheduler_startup = ready.startup
         self._grammar: GrammarCompiler | None = None  # structured output: None when off
         self._held_grammars: HeldGrammars | None = None  # what the scheduler's loader holds
         if info.grammar_vocabulary is not None:
@@ -124,6 +130,7 @@ class TokenizerManager:
 
             self._grammar = GrammarCompiler(info.grammar_vocabulary, self.vocab_size)
             self._held_grammars = HeldGrammars()
+        self.startup.mark("grammar compiler")
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="tm-reader")
         self._reader.start()
 
@@ -262,15 +269,17 @@ class TokenizerManager:
         return True
 
     def server_info(self) -> dict[str, Any]:
-        """Resolved ServerArgs (API key redacted) and the sizes the server runs with."""
+        """Resolved ServerArgs (API key redacted), the sizes the server runs with and the
+        start-up stages of both processes (`startup`)."""
         return {
             **self.server_args.redacted(),
             "served_model_name": self.served_model_name,
             "context_len": self.context_len,
             "max_total_tokens": self.max_total_tokens,
             "vocab_size": self.vocab_size,
-            "cuda_graph": self.cuda_graphs.to_dict() if self.cuda_graphs else None,
+            "cuda_graph": self.cuda_graphs.to_dict(),
             "cuda_graph_capture": self.cuda_graph_capture,
+            "startup": {"http": self.startup.to_dict(), "scheduler": self.scheduler_startup},
             "healthy": self.healthy(),
         }
 
