@@ -178,13 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("%s", warning)
         print(json.dumps(graphs.to_dict()))
         return 0
+    if args.device != "auto":  # a bad combination fails here, before anything starts or logs
+        _resolve_or_exit(args)
     stages.mark("imports and arguments")
     scheduler = SchedulerProcess.start(args)
     stages.mark("spawn scheduler")
     logger.info("server args: %s", args)
-    if args.device != "auto":  # fail a bad combination now, not once the scheduler finds it
-        _resolve_or_exit(args, scheduler)
-    stages.mark("device config")
     from replaylm.entrypoints.http_server import create_app
     from replaylm.runtime.tokenizer_manager import TokenizerManager
 
@@ -225,15 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _resolve_or_exit(
-    args: ServerArgs, scheduler: SchedulerProcess | None = None
-) -> CudaGraphConfig:
-    """resolve_for_device, or a usage error (after stopping `scheduler`, when one started)."""
+def _resolve_or_exit(args: ServerArgs) -> CudaGraphConfig:
+    """resolve_for_device, or a usage error."""
     try:
         return resolve_for_device(args)
     except ValueError as err:
-        if scheduler is not None:
-            scheduler.stop(timeout_s=0)
         _usage_error(str(err))
 
 

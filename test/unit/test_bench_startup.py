@@ -17,7 +17,6 @@ from tiny_checkpoints import write_tiny_checkpoint
 HTTP_STAGES = [
     "imports and arguments",
     "spawn scheduler",
-    "device config",
     "front-end imports",
     "tokenizer",
     "tokenizer info",
