@@ -44,57 +44,52 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "replaylm_generation_tokens", "generated tokens", registry=r
         )
-        self.running = Gauge("replaylm_num_running_requests", "requests decoding", registry=r)
-        self.waiting = Gauge("replaylm_num_waiting_requests", "requests queued", registry=r)
-        self.kv_used = Gauge("replaylm_kv_used_tokens", "KV cache slots in use", registry=r)
-        self.kv_total = Gauge("replaylm_kv_total_tokens", "KV cache slots", registry=r)
-        self.kv_usage = Gauge("replaylm_kv_usage_ratio", "KV slots in use / all", registry=r)
+        self.running = self._gauge("num_running_requests", "requests decoding")
+        self.waiting = self._gauge("num_waiting_requests", "requests queued")
+        self.kv_used = self._gauge(
+            "kv_used_tokens", "KV cache slots held by requests (not counting evictable prefixes)"
+        )
+        self.kv_total = self._gauge("kv_total_tokens", "KV cache slots")
+        self.kv_usage = self._gauge("kv_usage_ratio", "KV slots in use / all")
         self.preemptions = Counter(
             "replaylm_num_preemptions",
             "requests retracted (preempted) to free KV slots, to be recomputed",
             registry=r,
         )
         self._preemptions_seen = 0
-        self.forward_batches = Gauge(
-            "replaylm_forward_batches",
+        self.forward_batches = self._gauge(
+            "forward_batches",
             "forward passes so far, by phase and by path "
             "(graph = CUDA-graph replay, eager = fallback or graphs off)",
-            ["phase", "path"],
-            registry=r,
+            "phase",
+            "path",
         )
-        self.padding_tokens = Gauge(
-            "replaylm_graph_padding_tokens",
+        self.padding_tokens = self._gauge(
+            "graph_padding_tokens",
             "tokens computed only to pad a batch up to a captured graph shape, so far",
-            ["phase"],
-            registry=r,
+            "phase",
         )
-        self.grammar_steps = Gauge(
-            "replaylm_grammar_steps",
+        self.grammar_steps = self._gauge(
+            "grammar_steps",
             "sampling steps that masked a structured-output request's logits, so far",
-            registry=r,
         )
-        self.grammar_host_seconds = Gauge(
-            "replaylm_grammar_host_seconds",
+        self.grammar_host_seconds = self._gauge(
+            "grammar_host_seconds",
             "host time of the grammar engine (feeding tokens, filling bitmasks), so far",
-            registry=r,
         )
-        self.prefix_prompt_tokens = Gauge(
-            "replaylm_prefix_cache_prompt_tokens",
+        self.prefix_prompt_tokens = self._gauge(
+            "prefix_cache_prompt_tokens",
             "prompt tokens admitted to prefill (first admissions), so far",
-            registry=r,
         )
-        self.prefix_hit_tokens = Gauge(
-            "replaylm_prefix_cache_hit_tokens",
+        self.prefix_hit_tokens = self._gauge(
+            "prefix_cache_hit_tokens",
             "of those prompt tokens, found in the prefix cache (not computed), so far",
-            registry=r,
         )
-        self.prefix_hit_ratio = Gauge(
-            "replaylm_prefix_cache_hit_ratio",
-            "prefix cache hit tokens / prompt tokens, so far",
-            registry=r,
+        self.prefix_hit_ratio = self._gauge(
+            "prefix_cache_hit_ratio", "prefix cache hit tokens / prompt tokens, so far"
         )
-        self.prefix_cache_tokens = Gauge(
-            "replaylm_prefix_cache_tokens", "KV slots the prefix cache holds", registry=r
+        self.prefix_cache_tokens = self._gauge(
+            "prefix_cache_tokens", "KV slots the prefix cache holds"
         )
         self.ttft = self._seconds("time_to_first_token_seconds", "time to first token")
         self.itl = self._seconds("inter_token_latency_seconds", "time between tokens")
@@ -122,6 +117,9 @@ class ServerMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+
+    def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(f"replaylm_{name}", doc, list(labels), registry=self.registry)
 
     def _seconds(self, name: str, documentation: str) -> Histogram:
         return Histogram(
