@@ -3,7 +3,7 @@
     python benchmark/bench_offline.py [--model-path benchmark/configs/qwen3-0.6b.json]
         [--num-seqs 256] [--min-len 100] [--max-len 1024] [--seed 0] [--device auto]
         [--modes full breakable tc_piecewise disabled '{"decode": "full", "prefill": "disabled"}']
-        [--overlap on off] [--disable-radix-cache] [--json out.json]
+        [--overlap on off] [--disable-radix-cache] [--server-args JSON ...] [--json out.json]
 
 The workload of nano-vllm's bench.py, so the numbers sit beside theirs (Qwen3-0.6B on an RTX 4070
 Laptop: nano-vllm 1,434 tok/s, vLLM 1,362 tok/s): `--num-seqs` prompts of random token ids
@@ -15,14 +15,17 @@ shapes with `--load-format dummy`), one untimed warm-up generation (the first 8 
 16 tokens each: Triton's JIT is not timed), then the whole batch in one
 `generate` call, timed by the wall clock (CUDA synchronised). Throughput is generated tokens per
 second. `--overlap on off` runs every mode with the overlap schedule and without it
-(`--disable-overlap-schedule`). Prints a markdown table; `--json` writes `{"config", "summary":
-[one row per mode and overlap setting]}`.
+(`--disable-overlap-schedule`). `--server-args` takes one or more JSON objects of further Engine
+(ServerArgs) fields, e.g. `'{}' '{"max_running_requests": 512}'`: every mode runs with each.
+Prints a markdown table; `--json` writes `{"config", "summary": [one row per mode, overlap
+setting and server-args object]}`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import random
 import time
@@ -73,8 +76,11 @@ def cuda_graph_mode(mode: str) -> str:
     return json.dumps({"decode": mode}) if mode in MODES else mode
 
 
-def build_engine(args: argparse.Namespace, mode: str, overlap: bool = True) -> Engine:
-    """An Engine whose context holds the longest prompt plus the longest output."""
+def build_engine(
+    args: argparse.Namespace, mode: str, overlap: bool = True, extra: str = "{}"
+) -> Engine:
+    """An Engine whose context holds the longest prompt plus the longest output; `extra`: further
+    ServerArgs fields as a JSON object."""
     return Engine(
         model_path=str(args.model_path),
         load_format=args.load_format,
@@ -84,6 +90,7 @@ def build_engine(args: argparse.Namespace, mode: str, overlap: bool = True) -> E
         cuda_graph_mode=cuda_graph_mode(mode),
         disable_overlap_schedule=not overlap,
         disable_radix_cache=args.disable_radix_cache,
+        **json.loads(extra),
     )
 
 
@@ -96,7 +103,7 @@ def _params(output_len: int) -> dict[str, Any]:
     return {"max_new_tokens": output_len, "temperature": TEMPERATURE, "ignore_eos": True}
 
 
-def run_mode(engine: Engine, mode: str, workload: Workload) -> dict[str, Any]:
+def run_mode(engine: Engine, mode: str, workload: Workload, extra: str = "{}") -> dict[str, Any]:
     """Warm up, then time the whole workload in one generate call; one summary row."""
     engine.generate(
         input_ids=workload.prompts[:WARMUP_SEQS], sampling_params=_params(WARMUP_TOKENS)
@@ -120,6 +127,7 @@ def run_mode(engine: Engine, mode: str, workload: Workload) -> dict[str, Any]:
         seconds=seconds,
         forwards=dataclasses.asdict(engine.runner.forward_stats)["phases"],
         overlap=engine.scheduler.overlap,
+        server_args=extra,
     )
 
 
@@ -133,17 +141,20 @@ def result_row(
     seconds: float,
     forwards: dict[str, dict[str, int]],
     overlap: bool = True,
+    server_args: str = "{}",
 ) -> dict[str, Any]:
     """One mode's summary row. `resolved` is the engine's per-phase config as JSON; `forwards`
     counts the timed run's graph / eager forward passes per phase; `overlap`: whether the
-    scheduler overlapped decode steps."""
+    scheduler overlapped decode steps; `server_args`: the further ServerArgs fields (JSON)."""
     phases = json.loads(resolved)
+    extra = "" if json.loads(server_args) == {} else f" {server_args}"
     return {
-        "name": f"offline {mode}" + ("" if overlap else " no-overlap"),
+        "name": f"offline {mode}" + ("" if overlap else " no-overlap") + extra,
         "mode": mode,
         "decode": phases["decode"],
         "overlap": overlap,
         "prefill": phases["prefill"],
+        "server_args": server_args,
         "num_seqs": num_seqs,
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
@@ -158,15 +169,16 @@ def result_row(
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """One line per mode; "graph decode steps" counts those replayed from a CUDA graph."""
     lines = [
-        "| decode | prefill | overlap | seqs | output tokens | seconds | output tok/s "
-        "| total tok/s | graph decode steps |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| decode | prefill | overlap | server args | seqs | output tokens | seconds "
+        "| output tok/s | total tok/s | graph decode steps |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         decode = r["forwards"]["decode"]
         overlap = "on" if r.get("overlap", True) else "off"
         lines.append(
-            f"| {r['decode']} | {r['prefill']} | {overlap} | {r['num_seqs']} | "
+            f"| {r['decode']} | {r['prefill']} | {overlap} | {r.get('server_args', '{}')} | "
+            f"{r['num_seqs']} | "
             f"{r['output_tokens']} | "
             f"{r['seconds']:.2f} | {r['output_throughput']:.0f} | {r['total_throughput']:.0f} | "
             f"{decode['graph']}/{decode['graph'] + decode['eager']} |"
@@ -174,13 +186,15 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def bench_mode(args: argparse.Namespace, mode: str, overlap: bool = True) -> dict[str, Any]:
+def bench_mode(
+    args: argparse.Namespace, mode: str, overlap: bool = True, extra: str = "{}"
+) -> dict[str, Any]:
     """Build the mode's Engine, run the workload; the Engine is garbage once this returns."""
-    engine = build_engine(args, mode, overlap)
+    engine = build_engine(args, mode, overlap, extra)
     workload = make_workload(
         args.num_seqs, args.min_len, args.max_len, args.seed, engine.runner.config.vocab_size
     )
-    return run_mode(engine, mode, workload)
+    return run_mode(engine, mode, workload, extra)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -216,9 +230,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prefix cache off (the workload's random prompts share no prefix: it costs only "
         "its bookkeeping)",
     )
+    parser.add_argument(
+        "--server-args",
+        nargs="+",
+        default=["{}"],
+        help="further Engine (ServerArgs) fields, JSON objects; several: every mode with each",
+    )
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    for extra in args.server_args:
+        try:
+            if not isinstance(json.loads(extra), dict):
+                raise ValueError
+        except ValueError:
+            parser.error(f"--server-args: expected a JSON object, got {extra!r}")
     if not 1 <= args.min_len <= args.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
     if args.num_seqs < 1:
@@ -241,19 +267,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     each mode, so a mode that fails leaves the earlier ones' rows)."""
     args = parse_args(argv)
     rows = []
-    for mode in args.modes:
-        for overlap in args.overlap:
-            rows.append(bench_mode(args, mode, overlap == "on"))
-            label = f"{mode} (overlap {overlap})"
-            print(f"{label}: {rows[-1]['output_throughput']:.0f} output tok/s", flush=True)
-            if rows[-1]["output_tokens"] != rows[-1]["requested_output_tokens"]:
-                print(
-                    f"warning: {label} generated {rows[-1]['output_tokens']} tokens, "
-                    f"{rows[-1]['requested_output_tokens']} were requested"
-                )
-            if args.json:
-                write_rows(args, rows)
-            release_memory()
+    for mode, overlap, extra in itertools.product(args.modes, args.overlap, args.server_args):
+        rows.append(bench_mode(args, mode, overlap == "on", extra))
+        label = f"{mode} (overlap {overlap}) {extra}"
+        print(f"{label}: {rows[-1]['output_throughput']:.0f} output tok/s", flush=True)
+        if rows[-1]["output_tokens"] != rows[-1]["requested_output_tokens"]:
+            print(
+                f"warning: {label} generated {rows[-1]['output_tokens']} tokens, "
+                f"{rows[-1]['requested_output_tokens']} were requested"
+            )
+        if args.json:
+            write_rows(args, rows)
+        release_memory()
     print(f"\n{markdown_table(rows)}")
     return rows
 

@@ -6,6 +6,7 @@ the cache on and off, and optionally the gsm8k eval's wall time through a server
         [--num-requests 512] [--prefix-len 2000] [--suffix-len 48]
         [--conversations 64] [--turns 4] [--user-len 256]
         [--server-args JSON] [--seed 0] [--device auto] [--json out.json]
+        [--decode-bs 1 8 64 [--decode-context 512] [--decode-steps 100]]
         [--gsm8k [--gsm8k-model smollm2-135m-instruct] [--gsm8k-examples 200]
                  [--gsm8k-parallel 128] [--gsm8k-server-args ARGS]]
 
@@ -28,6 +29,12 @@ tokens (the outputs' `meta_info["cached_tokens"]` summed, 0 where the Engine rep
 hit rate (cached / prompt tokens), seconds, output tok/s and req/s; with both settings, the
 speed-up (off's seconds over on's, on the `on` row) and the fraction of requests whose generated
 ids are the same under both (`identical`).
+
+`--decode-bs` also times decode steps through the scheduler with the cache on and off (the cache
+must cost a decode step nothing): per batch size, that many requests of `--decode-context` random
+prompt tokens decoding greedily, `--decode-steps` steps timed after a warm-up (common.py's
+`scheduler_decode_ms`), on one runner of the model with the default modes. Its rows: batch size,
+ms per step, and on the `on` row its excess over `off`.
 
 `--gsm8k` also times the gsm8k eval (5-shot, greedy, at most 512 tokens per answer; the five
 shots open every prompt) once per `--cache` setting, each through `python -m
@@ -56,14 +63,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from replaylm.entrypoints.engine import Engine
 from replaylm.eval import run_eval
+from replaylm.runtime.request import Req
+from replaylm.sampling_params import SamplingParams
 
 from common import (
+    SCHEDULER_WARMUP_STEPS,
+    build_runner,
     config_path,
     launched_server,
     next_turn_prompts,
     release_memory,
+    scheduler_decode_ms,
     shared_prefix_prompts,
     write_json,
 )
@@ -212,6 +226,53 @@ def compare(results: dict[str, tuple[dict[str, Any], Outputs]]) -> None:
     )
 
 
+# ---- decode steps -------------------------------------------------------------------------------
+
+
+def decode_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Decode ms per step at each `--decode-bs`, the cache on and off (see the module docstring)."""
+    max_new = SCHEDULER_WARMUP_STEPS + args.decode_steps + 8
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    runner = build_runner(
+        str(args.model_path), device, max(args.decode_bs), args.decode_context + max_new + 8
+    )
+    high = min(MAX_TOKEN_ID, runner.config.vocab_size - 1)
+    rows = []
+    for bs in args.decode_bs:
+        ms = {}
+        for setting in args.cache:
+            rng = random.Random(args.seed + bs)
+            params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+            reqs = [
+                Req(
+                    str(i),
+                    [rng.randint(0, high) for _ in range(args.decode_context)],
+                    params,
+                    0,
+                    max_new,
+                )
+                for i in range(bs)
+            ]
+            ms[setting] = scheduler_decode_ms(runner, reqs, args.decode_steps, setting == "on")
+        for setting, value in ms.items():
+            rows.append(
+                {
+                    "name": f"prefix decode bs{bs} cache {setting}",
+                    "workload": "decode",
+                    "cache": setting == "on",
+                    "bs": bs,
+                    "context": args.decode_context,
+                    "steps": args.decode_steps,
+                    "step_ms": round(value, 4),
+                    "overhead_ms": round(value - ms["off"], 4) if "off" in ms else None,
+                }
+            )
+    del runner
+    release_memory()
+    return rows
+
+
 # ---- gsm8k through a server ---------------------------------------------------------------------
 
 
@@ -277,8 +338,17 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "| identical |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    decode = [
+        "| decode batch | cache | ms per step | excess over off (ms) |",
+        "|---:|---|---:|---:|",
+    ]
     for r in rows:
         cache = "on" if r["cache"] else "off"
+        if r["workload"] == "decode":
+            decode.append(
+                f"| {r['bs']} | {cache} | {r['step_ms']:.3f} | {_maybe(r['overhead_ms'], '.3f')} |"
+            )
+            continue
         tail = (
             f"{r['seconds']:.2f} | {r['output_throughput']:.0f} | {r['request_throughput']:.1f} | "
             f"{_maybe(r['speedup'], '.2f')} | {_maybe(r['identical_outputs'], '.1%')} |"
@@ -292,7 +362,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['workload']} | {cache} | {r['requests']} | {r['prompt_tokens']} | "
             f"{r['cached_tokens']} | {r['cache_hit_rate']:.1%} | {tail}"
         )
-    return "\n".join(lines + ([""] + gsm8k if len(gsm8k) > 2 else []))
+    extra = [[""] + table for table in (decode, gsm8k) if len(table) > 2]
+    return "\n".join(lines + [line for table in extra for line in table])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -324,6 +395,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="the prompts' and the weights'")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument(
+        "--decode-bs", nargs="*", type=int, default=[], help="also time decode steps at these"
+    )
+    parser.add_argument("--decode-context", type=int, default=512, help="decode prompts' tokens")
+    parser.add_argument("--decode-steps", type=int, default=100, help="timed decode steps")
     parser.add_argument("--gsm8k", action="store_true", help="also time the gsm8k eval")
     parser.add_argument(
         "--gsm8k-model", default="smollm2-135m-instruct", help="the eval's model (a tokenizer)"
@@ -336,6 +412,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     sizes = ("output_len", "num_requests", "prefix_len", "conversations", "turns", "user_len")
+    sizes += ("decode_context", "decode_steps")
     for name in sizes:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -373,6 +450,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
             record(results[setting][0])
             release_memory()
         compare(results)
+    if args.decode_bs:
+        for row in decode_rows(args):
+            rows.append(row)
+            print(f"{row['name']}: {row['step_ms']:.3f} ms per step", flush=True)
+        if args.json:
+            write_rows(args, rows)
     if args.gsm8k:
         results = {}
         with tempfile.TemporaryDirectory(prefix="bench_prefix_") as folder:

@@ -8,7 +8,7 @@ temperature 0.8 with `ignore_eos`: `off` (nothing else) and `on` (presence_penal
 frequency_penalty 0.5, repetition_penalty 1.1 and a logit_bias on LOGIT_BIAS_IDS ids, the work
 of `layers/logit_adjust.py` every step). The Scheduler runs them as a server does (the overlap
 schedule, default CUDA-graph modes: full decode graphs on CUDA) until every request decodes,
-then WARMUP untimed decode steps, then `--steps` timed ones; `step_ms` is their wall time per
+then 20 untimed decode steps, then `--steps` timed ones; `step_ms` is their wall time per
 step (the device synchronised before and after), `overhead_ms` the `on` row's excess over
 `off`. A `.json` model path is a config loaded with dummy weights.
 """
@@ -17,21 +17,22 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.request import Req
-from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 
-from common import build_runner, config_path, write_json
+from common import (
+    SCHEDULER_WARMUP_STEPS,
+    build_runner,
+    config_path,
+    scheduler_decode_ms,
+    write_json,
+)
 
 DEFAULT_MODEL = config_path("qwen3-0.6b")
-WARMUP = 20
 LOGIT_BIAS_IDS = 8
 SETTINGS: dict[str, dict[str, Any]] = {
     "off": {},
@@ -53,28 +54,10 @@ def _requests(bs: int, context: int, max_new: int, vocab: int, setting: str) -> 
 
 def time_decode(runner: ModelRunner, bs: int, context: int, steps: int, setting: str) -> float:
     """Milliseconds per decode step of `bs` requests under `setting` (see the module
-    docstring); the requests are aborted and their memory freed after."""
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    max_new = WARMUP + steps + 8
+    docstring)."""
+    max_new = SCHEDULER_WARMUP_STEPS + steps + 8
     reqs = _requests(bs, context, max_new, runner.config.vocab_size, setting)
-    sched = Scheduler(runner, frozenset(), None, 2048, None)
-    for req in reqs:
-        sched.add(req)
-    while sched.waiting or len(sched.running) < bs:  # prefill steps
-        sched.step()
-    for _ in range(WARMUP):
-        sched.step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        sched.step()
-    sync()
-    elapsed = time.perf_counter() - start
-    for req in reqs:
-        sched.abort(req.rid)
-    sched.run_to_completion()
-    sched.kv.flush()  # the next setting's scheduler shares the KV pool
-    return elapsed / steps * 1e3
+    return scheduler_decode_ms(runner, reqs, steps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    tokens_per_req = args.context + WARMUP + args.steps + 16
+    tokens_per_req = args.context + SCHEDULER_WARMUP_STEPS + args.steps + 16
     runner = build_runner(args.model_path, args.device, max(args.bs), tokens_per_req)
     model = Path(args.model_path).stem if args.model_path.endswith(".json") else args.model_path
     rows = []

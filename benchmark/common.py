@@ -39,6 +39,7 @@ from replaylm.model_executor.forward_batch import ForwardBatch
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend
 from replaylm.runtime.request import Req
+from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
@@ -259,6 +260,38 @@ def decode_batch(runner: ModelRunner, bs: int, context: int) -> tuple[list[Req],
     for r in reqs:
         r.output_ids.append(11)
     return reqs, prepare_decode(reqs, runner)
+
+
+SCHEDULER_WARMUP_STEPS = 20  # untimed decode steps before `scheduler_decode_ms` times any
+
+
+def scheduler_decode_ms(
+    runner: ModelRunner, reqs: list[Req], steps: int, prefix_cache: bool = True
+) -> float:
+    """Milliseconds per decode step of `reqs` through a Scheduler as a server runs it (the
+    overlap schedule, the runner's CUDA-graph modes): every request prefilled and decoding, then
+    SCHEDULER_WARMUP_STEPS untimed steps, then `steps` timed ones (the device synchronised
+    before and after). The requests need max_new_tokens > SCHEDULER_WARMUP_STEPS + steps; they
+    are aborted after, their KV freed and the prefix cache flushed (the runner's pool is reused)."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sched = Scheduler(runner, frozenset(), None, 2048, None, prefix_cache=prefix_cache)
+    for req in reqs:
+        sched.add(req)
+    while sched.waiting or len(sched.running) < len(reqs):  # prefill steps
+        sched.step()
+    for _ in range(SCHEDULER_WARMUP_STEPS):
+        sched.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    sync()
+    elapsed = time.perf_counter() - start
+    for req in reqs:
+        sched.abort(req.rid)
+    sched.run_to_completion()
+    sched.kv.flush()
+    return elapsed / steps * 1e3
 
 
 # ---- prefix-cache workloads (bench_prefix.py in-process, bench_serving.py over HTTP) -----------

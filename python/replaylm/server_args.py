@@ -149,11 +149,12 @@ class ServerArgs:
             "server's memory."
         ),
     )
-    max_running_requests: int = field(
-        default=256,
+    max_running_requests: int | None = field(
+        default=None,
         metadata=_opt(
-            "Most requests running at once; further requests wait in the queue. Lower it to "
-            "bound the batch size; also the largest decode batch captured in a CUDA graph."
+            "Most requests running at once; further requests wait in the queue. Default: from "
+            "the GPU's memory, 1024 from 60 GiB, 512 from 30 GiB, else 256 (256 on the CPU). "
+            "Decode batches up to 512 (or this, if lower) replay CUDA graphs by default."
         ),
     )
     context_length: int | None = field(
@@ -255,15 +256,16 @@ class ServerArgs:
         default=None,
         metadata=_opt(
             "Decode batch sizes to capture; a batch runs the smallest captured size that fits "
-            "it. Default: 1 2 4 8, then every multiple of 8 up to 256, cut at "
-            "--max-running-requests."
+            "it. Default: 1 2 4 8, every multiple of 8 up to 256, then every 64 up to 512, cut "
+            "at --max-running-requests."
         ),
     )
     decode_cuda_graph_max_bs: int | None = field(
         default=None,
         metadata=_opt(
-            "Largest decode batch size to capture from the default list; lower it to capture "
-            "fewer graphs (a shorter start-up, less memory) when batches stay small."
+            "Largest decode batch size to capture from the default list (default 512); lower it "
+            "to capture fewer graphs (a shorter start-up, less memory) when batches stay small, "
+            "raise it to capture batches up to --max-running-requests."
         ),
     )
     prefill_cuda_graph_tokens: list[int] | None = field(
@@ -440,3 +442,21 @@ def _optional_type(annotation: str) -> type:
     """`'int | None'` -> int (annotations are strings under postponed evaluation)."""
     base = annotation.replace("| None", "").strip()
     return {"int": int, "float": float, "str": str, "bool": bool, "list[int]": list}[base]
+
+
+# running-request caps by GPU memory: a larger batch reads more KV per weight read (offline
+# throughput), and costs a request-table row and penalty state per request (docs/benchmarks.md,
+# "Scale")
+RUNNING_REQUESTS_BY_GPU_GIB = ((60, 1024), (30, 512))
+DEFAULT_MAX_RUNNING_REQUESTS = 256  # the CPU, and GPUs under 30 GiB
+
+
+def default_max_running_requests(gpu_memory_bytes: int | None) -> int:
+    """The running-request cap for a GPU of `gpu_memory_bytes` (None: the CPU)."""
+    if gpu_memory_bytes is None:
+        return DEFAULT_MAX_RUNNING_REQUESTS
+    gib = gpu_memory_bytes / 2**30
+    return next(
+        (cap for least, cap in RUNNING_REQUESTS_BY_GPU_GIB if gib >= least),
+        DEFAULT_MAX_RUNNING_REQUESTS,
+    )

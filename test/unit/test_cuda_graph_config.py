@@ -42,8 +42,19 @@ def test_defaults_on_cuda():
     cfg = resolve()
     assert modes(cfg) == ("full", "breakable")
     assert cfg.decode.source == cfg.prefill.source == "default"
-    assert cfg.decode.shapes == default_decode_batch_sizes(256)
-    assert cfg.decode.shapes[:5] == (1, 2, 4, 8, 16) and cfg.decode.shapes[-1] == 256
+    # --max-running-requests not resolved for a device yet: the default list, up to 512
+    assert cfg.decode.shapes == default_decode_batch_sizes(512)
+    assert cfg.decode.shapes[:5] == (1, 2, 4, 8, 16) and cfg.decode.shapes[-5:] == (
+        256,
+        320,
+        384,
+        448,
+        512,
+    )
+    # a larger cap leaves the larger batches eager; a flag captures them
+    assert resolve(max_running_requests=1024).decode.shapes[-1] == 512
+    wide = resolve(max_running_requests=1024, decode_cuda_graph_max_bs=1024)
+    assert wide.decode.shapes[-2:] == (512, 1024)
     assert cfg.prefill.shapes[0] == 16 and cfg.prefill.shapes[-1] == 2048  # chunked prefill
     assert not cfg.warnings
 
@@ -407,7 +418,9 @@ def test_default_batch_sizes_are_clipped_to_max_running_requests():
 
 
 def test_explicit_batch_sizes_sorted_deduplicated_and_clipped_with_warnings():
-    cfg = resolve(decode_cuda_graph_bs=[8, 1, 8, 3, 300], decode_cuda_graph_max_bs=4)
+    cfg = resolve(
+        decode_cuda_graph_bs=[8, 1, 8, 3, 300], decode_cuda_graph_max_bs=4, max_running_requests=256
+    )
     assert cfg.decode.shapes == (1, 3, 8)
     assert any("dropped [300]" in w for w in cfg.warnings)
     assert any(

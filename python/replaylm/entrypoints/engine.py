@@ -55,6 +55,7 @@ class Engine:
         self.runner, self.tokenizer, self.eos_token_ids = load_runner_and_tokenizer(
             self.server_args, self.startup
         )
+        self.server_args = self.runner.args  # with the defaults resolved for the device
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
         self._decode = text_decoder(self.tokenizer) if self.tokenizer is not None else None

@@ -6,6 +6,7 @@ CUDA graph when its graph runner can run the batch, eager otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -36,7 +37,7 @@ from replaylm.model_executor.forward_stats import ForwardStats
 from replaylm.model_executor.packed_inputs import DecodeInputs
 from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.model_loader.loader import load_model, load_model_config
-from replaylm.server_args import ServerArgs
+from replaylm.server_args import ServerArgs, default_max_running_requests
 from replaylm.startup_stages import StartupStages
 from replaylm.utils import loading_threads, resolve_device, resolve_dtype
 
@@ -49,6 +50,17 @@ GRAPH_RUNNERS: dict[str, type[BaseCudaGraphRunner]] = {
 }
 
 
+def _default_running_cap(device: torch.device) -> int:
+    """--max-running-requests when not given: by the GPU's memory (logged), 256 on the CPU."""
+    memory = None
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    cap = default_max_running_requests(memory)
+    where = f"a GPU of {memory / 2**30:.0f} GiB" if memory is not None else str(device)
+    logger.info("max running requests: %d (the default for %s)", cap, where)
+    return cap
+
+
 class ModelRunner:
     """Loads the model and sizes memory at construction; then runs forward passes and sampling.
 
@@ -56,9 +68,10 @@ class ModelRunner:
     own, from its construction on), kept as `startup`."""
 
     def __init__(self, args: ServerArgs, stages: StartupStages | None = None) -> None:
-        self.args = args
         self.startup = stages or StartupStages("model runner")
         self.device = resolve_device(args.device)
+        self.max_running_requests = args.max_running_requests or _default_running_cap(self.device)
+        self.args = args = dataclasses.replace(args, max_running_requests=self.max_running_requests)
         check_pdl(args.enable_pdl is True, self.device)
         # before the model loads: a flag that does not suit the device fails the start at once
         self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)
@@ -113,7 +126,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # penalty state per request-table row, allocated when a penalised request first comes
         self.logit_adjuster = LogitAdjuster(
-            args.max_running_requests, self.config.vocab_size, self.device
+            self.max_running_requests, self.config.vocab_size, self.device
         )
         logger.info(
             "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s, "
@@ -197,7 +210,7 @@ class ModelRunner:
         )
         self.token_allocator = TokenSlotAllocator(self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(
-            self.args.max_running_requests, self.context_len, self.device
+            self.max_running_requests, self.context_len, self.device
         )
 
     def decode_inputs(self, batch_size: int) -> DecodeInputs | None:

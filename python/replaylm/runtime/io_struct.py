@@ -112,6 +112,7 @@ class SchedulerReady:
     max_total_tokens: int
     context_len: int
     vocab_size: int
+    max_running_requests: int  # resolved for the device when the flag was not given
     cuda_graphs: CudaGraphConfig  # resolved for the device the model loaded on
     cuda_graph_capture: dict[str, dict[str, Any]]  # ModelRunner.cuda_graph_stats()
     startup: dict[str, Any]  # the scheduler process's StartupStages.to_dict()

@@ -120,6 +120,7 @@ def run_scheduler_process(args: ServerArgs, conn: Connection, spawned_at: float)
                 max_total_tokens=runner.max_total_tokens,
                 context_len=runner.context_len,
                 vocab_size=runner.config.vocab_size,
+                max_running_requests=runner.max_running_requests,
                 cuda_graphs=runner.cuda_graphs,
                 cuda_graph_capture=runner.cuda_graph_stats(),
                 startup=stages.to_dict(),

@@ -119,6 +119,10 @@ class TokenizerManager:
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
+        self.max_running_requests = ready.max_running_requests  # resolved for the device
+        self.server_args = dataclasses.replace(
+            server_args, max_running_requests=self.max_running_requests
+        )
         self.cuda_graphs = ready.cuda_graphs  # as the scheduler resolved it for its device
         self.cuda_graph_capture = ready.cuda_graph_capture
         self.scheduler_startup = ready.startup
@@ -234,7 +238,7 @@ class TokenizerManager:
 
     def _check_choices(self, n: int, prompt_len: int) -> None:
         """`n` choices each hold a copy of the prompt's KV and a running slot: they must fit."""
-        limit = min(MAX_CHOICES, self.server_args.max_running_requests)
+        limit = min(MAX_CHOICES, self.max_running_requests)
         if not 1 <= n <= limit:
             raise RequestError(f"n must be in [1, {limit}], got {n}", "n")
         if n * (prompt_len + 1) > self.max_total_tokens:

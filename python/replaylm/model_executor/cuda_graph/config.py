@@ -96,7 +96,7 @@ class GraphArgs(Protocol):
     decode_cuda_graph_max_bs: int | None
     prefill_cuda_graph_tokens: list[int] | None
     prefill_cuda_graph_max_tokens: int | None
-    max_running_requests: int
+    max_running_requests: int | None  # None: not resolved for the device yet (checks only)
     chunked_prefill_size: int
     attention_backend: str
     debug_cuda_graph: bool
@@ -318,9 +318,14 @@ def _apply_rules(
 # ---- stage 4: validation and shapes ---------------------------------------------------------
 
 
+DEFAULT_DECODE_MAX_BS = 512  # larger decode batches run eagerly unless a flag captures them
+
+
 def default_decode_batch_sizes(max_bs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then every 8 up to 256, clipped to `max_bs` (which is always included)."""
-    sizes = [1, 2, 4, 8, *range(16, 257, 8)]
+    """1, 2, 4, 8, then every 8 up to 256, every 64 up to 512, clipped to `max_bs` (which is
+    always included). Beyond 256 a padding row costs its matmul rows only (attention skips
+    empty rows, and KV reads dominate such a step), so coarser steps lose little."""
+    sizes = [1, 2, 4, 8, *range(16, 257, 8), *range(320, DEFAULT_DECODE_MAX_BS + 1, 64)]
     return tuple(sorted({s for s in sizes if s < max_bs} | {max_bs}))
 
 
@@ -352,13 +357,16 @@ def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> 
         list_flag, max_flag = "--decode-cuda-graph-bs", "--decode-cuda-graph-max-bs"
         given = _check_shapes(args.decode_cuda_graph_bs, list_flag)
         max_given = _check_max(args.decode_cuda_graph_max_bs, max_flag)
-        limit, limit_flag = args.max_running_requests, "--max-running-requests"
+        limit = args.max_running_requests or DEFAULT_DECODE_MAX_BS
+        limit_flag = "--max-running-requests"
+        default_max = DEFAULT_DECODE_MAX_BS
         make_default: Callable[[int], tuple[int, ...]] = default_decode_batch_sizes
     else:
         list_flag, max_flag = "--prefill-cuda-graph-tokens", "--prefill-cuda-graph-max-tokens"
         given = _check_shapes(args.prefill_cuda_graph_tokens, list_flag)
         max_given = _check_max(args.prefill_cuda_graph_max_tokens, max_flag)
         limit, limit_flag = args.chunked_prefill_size, "--chunked-prefill-size"
+        default_max = limit
         make_default = default_prefill_token_buckets
     if not enabled:
         return ()
@@ -376,7 +384,7 @@ def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> 
                 f"{list_flag}: every shape is above {limit_flag} {limit}; nothing to capture"
             )
         return kept
-    return make_default(min(max_given or limit, limit))
+    return make_default(min(max_given or default_max, limit))
 
 
 def _validate_mode(phase: str, mode: str, flag: str | None) -> None:

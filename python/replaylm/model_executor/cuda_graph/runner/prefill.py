@@ -25,7 +25,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         )
 
     def buffer_sizes(self) -> tuple[int, int]:
-        return self.model_runner.args.max_running_requests + 1, self.shapes[-1]
+        return self.model_runner.max_running_requests + 1, self.shapes[-1]
 
     def shape_key(self, batch: ForwardBatch) -> int | None:
         if not batch.forward_mode.is_extend() or batch.batch_size >= self.max_batch_size:
