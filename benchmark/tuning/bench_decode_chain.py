@@ -78,6 +78,9 @@ ATTENTION_CELLS = (
     (16, 512),
     (32, 512),
     (64, 512),
+    (128, 512),
+    (256, 512),
+    (64, 2048),
 )
 ATTENTION_CONFIG_CELLS = ((1, 512), (8, 512), (1, 2048), (16, 512))
 MATMUL_CELLS = ((1, 512), (8, 512), (16, 512))
@@ -277,7 +280,7 @@ def sweep_cell(
 def attention_choices(bs: int, sms: int) -> dict[str, Choice]:
     default = num_kv_splits(bs, KV_HEADS, sms)
     choices = {}
-    for splits in sorted({default, 64, 16, 8, 4, 2}, reverse=True):
+    for splits in sorted({default, 64, 16, 8, 4, 2, 1}, reverse=True):
         for min_len in (MIN_SPLIT_LEN, 2 * MIN_SPLIT_LEN):
             mark = "*" if (splits, min_len) == (default, MIN_SPLIT_LEN) else ""
             choices[f"{splits} slices, min {min_len}{mark}"] = Choice(splits, min_len)

@@ -45,9 +45,9 @@ FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-pre
 MERGE_WARPS = 4  # warps of the merge kernel: docs/tuning.md, "Decode attention merge kernel"
 MIN_SPLIT_LEN = 64  # tokens (one block): docs/tuning.md, "Decode attention slices"
 # slices per request: about PROGRAMS_PER_SM programs per multiprocessor over the batch's
-# (request, KV head) pairs, rounded down to a power of two, between MIN_SPLITS and MAX_SPLITS.
-# Tuned inside a whole decode step, where fewer, longer slices win than for the kernel alone:
-# docs/tuning.md, "Decode attention slices".
+# (request, KV head) pairs, rounded down to a power of two, between MIN_SPLITS and MAX_SPLITS;
+# one slice (no merge) once those pairs alone exceed that. Tuned inside a whole decode step, where
+# fewer, longer slices win than for the kernel alone: docs/tuning.md, "Decode attention slices".
 MIN_SPLITS, MAX_SPLITS = 2, 16
 PROGRAMS_PER_SM = 2
 
@@ -61,12 +61,15 @@ def merge_unroll(num_splits: int) -> int:
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
-    """Slices per request for a batch of `batch_size`: a power of two from MIN_SPLITS to
-    MAX_SPLITS (so `merge_unroll`'s one variant serves them all), the largest with at most
-    PROGRAMS_PER_SM programs per multiprocessor unless that is below MIN_SPLITS. Depends on the
-    batch shape only, as graph capture needs."""
+    """Slices per request for a batch of `batch_size`: one when the batch's (request, KV head)
+    pairs alone exceed PROGRAMS_PER_SM programs per multiprocessor (no merge to pay for); else a
+    power of two from MIN_SPLITS to MAX_SPLITS (so `merge_unroll`'s one variant serves them
+    all), the largest with at most PROGRAMS_PER_SM programs per multiprocessor unless that is
+    below MIN_SPLITS. Depends on the batch shape only, as graph capture needs."""
     want = PROGRAMS_PER_SM * sm_count // (batch_size * num_kv_heads)
-    return min(MAX_SPLITS, max(MIN_SPLITS, 1 << max(want, 1).bit_length() - 1))
+    if want == 0:
+        return 1
+    return min(MAX_SPLITS, max(MIN_SPLITS, 1 << want.bit_length() - 1))
 
 
 @triton.jit

@@ -23,7 +23,9 @@ from replaylm.model_executor.cuda_graph.backend.base import (
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
 
-WARMUP_RUNS = 2  # eager runs before capture: lazy init, autotuning, allocator warm-up
+# eager runs before each capture: lazy init and a shape's Triton compiles happen outside it (a
+# second run changed no output and cost a third of the capture time: docs/tuning.md)
+WARMUP_RUNS = 1
 
 
 class FullCudaGraphBackend(BaseCudaGraphBackend):
