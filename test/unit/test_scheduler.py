@@ -106,3 +106,11 @@ def test_output_budget_is_clamped_to_the_cache(folder):
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     with pytest.raises(ValueError, match="KV cache size"):
         small.generate(input_ids=[5] * 100)
+
+
+def test_id_slice_is_the_slice_of_all_ids():
+    req = Req("r", [10, 11, 12, 13], SamplingParams(), 0, 8)
+    req.output_ids = [20, 21, 22]
+    for start in range(8):
+        for end in range(start, 9):
+            assert req.id_slice(start, end) == req.all_ids[start:end], (start, end)

@@ -8,7 +8,10 @@ gets them written before its batch runs.
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
+
+import torch
 
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 from replaylm.model_executor.packed_inputs import send_packed
@@ -30,7 +33,7 @@ def prepare_extend(
     table = runner.req_to_token_pool
     new_ids = []
     for i, req in enumerate(reqs):
-        todo = req.all_ids[req.kv_len :]
+        todo = req.id_slice(req.kv_len, req.num_ids)
         new_ids.append(todo if chunk_sizes is None else todo[: chunk_sizes[i]])
         table.check_fits(req.kv_len + len(new_ids[-1]))
     slots = runner.token_allocator.alloc(sum(len(t) for t in new_ids))
@@ -103,13 +106,26 @@ def fork(parent: Req, children: list[Req], runner: ModelRunner, share: bool = Fa
 
 def write_rows(spans: list[tuple[int, int, list[int]]], runner: ModelRunner) -> None:
     """Record each (row, start, slots): `slots` at positions start.. of request-table row `row`,
-    in one host-to-device copy."""
+    in one host-to-device copy. Only each span's first entry and length cross from the host: the
+    table index of every slot is expanded on the device (a cached prefix is thousands of slots
+    per request, too many to index one by one in Python)."""
+    spans = [span for span in spans if span[2]]
     if not spans:
         return
     table = runner.req_to_token_pool
-    index = [row * table.row_width + start + j for row, start, s in spans for j in range(len(s))]
-    wide, narrow = send_packed(table.device, index, [slot for _, _, s in spans for slot in s])
-    table.write(wide, narrow)
+    firsts = [row * table.row_width + start for row, start, _ in spans]
+    lengths = [len(s) for _, _, s in spans]
+    slots = array("i")
+    for _, _, s in spans:
+        slots.extend(s)
+    wide, narrow = send_packed(table.device, firsts + lengths, slots)
+    first, length = wide.split(len(spans))
+    total = len(slots)
+    # entry of slot k of span i: first[i] + (k - offset[i]), offset[i] = the lengths before i
+    offsets = torch.cumsum(length, 0) - length
+    shift = (first - offsets).repeat_interleave(length, output_size=total)
+    index = torch.arange(total, device=table.device) + shift
+    table.write(index, narrow)
 
 
 def release(req: Req, runner: ModelRunner) -> None:

@@ -58,7 +58,7 @@ class PrefixCache:
         needed)."""
         if self.tree is None or req.kv_slots or req.prompt_logprobs is not None:
             return None
-        return self.tree.match_prefix(req.all_ids[: req.num_ids - 1])
+        return self.tree.match_prefix(req.id_slice(0, req.num_ids - 1))
 
     def lock_cost(self, found: PrefixMatch | None) -> int:
         """How much locking a match would take out of `available`."""
@@ -85,7 +85,7 @@ class PrefixCache:
         if self.tree is None or req.req_pool_idx is None:
             return
         n = min(req.kv_len, req.num_ids)
-        ids = req.all_ids[:n]
+        ids = req.id_slice(0, n)
         known = self.tree.insert(ids, req.kv_slots[:n])
         duplicates = req.kv_slots[req.shared_len : known]
         found = self.tree.match_prefix(ids)
@@ -105,7 +105,7 @@ class PrefixCache:
         freeing its slots (off)."""
         if self.tree is not None and req.req_pool_idx is not None:
             n = min(req.kv_len, req.num_ids)  # an abort may leave a slot past its last token
-            known = self.tree.insert(req.all_ids[:n], req.kv_slots[:n])
+            known = self.tree.insert(req.id_slice(0, n), req.kv_slots[:n])
             self.allocator.free(req.kv_slots[req.shared_len : known] + req.kv_slots[n:])
             self._unlock(req)
             self.runner.req_to_token_pool.free(req.req_pool_idx)

@@ -84,6 +84,14 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    def id_slice(self, start: int, end: int) -> list[int]:
+        """`all_ids[start:end]` for 0 <= start <= end, building only that slice (prompts of
+        thousands of tokens are compared per request per step)."""
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        return self.input_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
+
     @property
     def num_ids(self) -> int:
         """`len(all_ids)`, without building the list (per request per step)."""

@@ -537,11 +537,20 @@ class Scheduler:
 
 def _computing_more(batch: list[Req], req: Req, cached: int) -> bool:
     """Whether a request of `batch` shares at least IN_BATCH_SHARED_MIN more prompt tokens with
-    `req` than the cache holds: admitted together, both would compute them."""
-    want = req.all_ids[: cached + IN_BATCH_SHARED_MIN]
-    if len(want) < cached + IN_BATCH_SHARED_MIN:
+    `req` than the cache holds: admitted together, both would compute them. The window past the
+    cached prefix is compared first: it differs for most pairs, the prefix is long."""
+    end = cached + IN_BATCH_SHARED_MIN
+    if req.num_ids < end:
         return False
-    return any(other.all_ids[: len(want)] == want for other in batch)
+    window = req.id_slice(cached, end)
+    prefix: list[int] | None = None
+    for other in batch:
+        if other.num_ids < end or other.id_slice(cached, end) != window:
+            continue
+        prefix = prefix if prefix is not None else req.id_slice(0, cached)
+        if other.id_slice(0, cached) == prefix:
+            return True
+    return False
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
