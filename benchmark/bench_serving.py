@@ -19,14 +19,17 @@ for strict OpenAI servers). Their lengths, drawn apart for the prompt and the ou
              clipped to [1, --random-max-input-len / --random-max-output-len (default 8 * LEN)].
              LEN is the median; the mean is LEN * exp(sigma^2 / 2) before clipping (1.65 * LEN
              at sigma 1, whose 99th percentile is 10 * LEN).
-A dataset file or URL (JSON lines or a JSON list) supplies text prompts from `--dataset-field`
-(default: the first of question, prompt, text), each asking for `--dataset-output-len` tokens.
+Each run draws random prompts of its own, and warms up on others, so that a server's prefix cache
+holds none of them from an earlier run. A dataset file or URL (JSON lines or a JSON list) supplies
+text prompts from `--dataset-field` (default: the first of question, prompt, text), each asking
+for `--dataset-output-len` tokens; every run sends the same ones, the first `--warmup` of them
+also before it.
 
 Arrivals are Poisson at each `--request-rate` (req/s; `inf` sends all at once), optionally capped
 at `--max-concurrency` requests in flight (several values: a run for each, under every rate).
 A run sends `--num-prompts` requests; with `--rate-seconds S` a run at a finite rate R sends
 round(R * S) instead (at least 100, for its percentiles), so that its arrivals last about S
-seconds at every rate of a sweep (every run sends the first of one list of prompts).
+seconds at every rate of a sweep.
 `--endpoint generate` sends them to the native `POST /generate` (replaylm, SGLang) with
 `sampling_params`.
 
@@ -250,6 +253,24 @@ def prefix_plan(args: argparse.Namespace, workload: str, rng: random.Random, num
     warmup = [draw(args.user_len) for _ in range(args.warmup)]
     turns = [[draw(args.user_len) for _ in range(num)] for _ in range(args.turns)]
     return RunPlan(specs(warmup), specs(turns[0]), turns[1:])
+
+
+def run_plan(
+    args: argparse.Namespace,
+    workload: str,
+    rng: random.Random,
+    num: int,
+    fixed: list[RequestSpec],
+) -> RunPlan:
+    """A run of `num` requests (conversations): random prompts drawn afresh (the prefix-cache
+    workloads', plain's), warmed up on others; otherwise the first of the `fixed` ones that every
+    run sends (a dataset's, json_schema's), warmed up on their first `--warmup`."""
+    if workload in PREFIX_WORKLOADS:
+        return prefix_plan(args, workload, rng, num)
+    if workload == "plain" and args.dataset == "random":
+        warmup, first = (random_specs(args, rng, n) for n in (args.warmup, num))
+        return RunPlan(warmup, first)
+    return RunPlan(fixed[: args.warmup], fixed[:num])
 
 
 def next_turn(
@@ -687,8 +708,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     most = max(run_prompts(args, rate) for rate in args.request_rate)
-    make_specs = random_specs if args.dataset == "random" else dataset_specs
-    specs = make_specs(args, rng, most)
+    # one list for every run: a dataset's prompts, and json_schema's output lengths
+    if args.dataset != "random":
+        specs = dataset_specs(args, rng, most)
+    else:
+        specs = random_specs(args, rng, most) if "json_schema" in args.workload else []
     schema = json.loads(args.json_schema.read_text()) if args.json_schema else RECORD_SCHEMA
     structured = json_schema_specs(specs, schema, random.Random(args.seed))  # leaves `rng` be
     model = asyncio.run(resolve_model(args))
@@ -696,12 +720,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = itertools.product(args.workload, args.request_rate, args.max_concurrency)
     for workload, rate, concurrency in runs:
         wanted = schema if workload == "json_schema" else None
-        num = run_prompts(args, rate)
-        if workload in PREFIX_WORKLOADS:
-            plan = prefix_plan(args, workload, rng, num)
-        else:
-            sent = structured if workload == "json_schema" else specs
-            plan = RunPlan(sent[: args.warmup], sent[:num])
+        sent = structured if workload == "json_schema" else specs
+        plan = run_plan(args, workload, rng, run_prompts(args, rate), sent)
         result = asyncio.run(run(args, model, plan, rate, concurrency, rng, wanted))
         row = summarize(args, model, workload, rate, concurrency, result)
         print_table(row)
@@ -723,7 +743,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         config = {
             **vars(args),
-            "json": str(args.json),
+            "json": args.json.name,  # the file's name only: no path of this machine
             "json_schema": schema,
             "request_rate": [str(r) for r in args.request_rate],
         }

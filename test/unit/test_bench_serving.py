@@ -103,6 +103,23 @@ def test_shared_prefix_requests_share_one_prefix_and_the_warmup_another():
     assert first[0].prompt[:6] != again[0].prompt[:6]
 
 
+def test_each_plain_run_draws_random_prompts_of_its_own_and_a_dataset_run_the_same(tmp_path):
+    args = bench.parse_args(["--random-input-len", "12", "--warmup", "2"])
+    rng = random.Random(0)
+    runs = [bench.run_plan(args, "plain", rng, n, []) for n in (5, 3)]
+    prompts = [[tuple(s.prompt) for s in plan.warmup + plan.first] for plan in runs]
+    assert [len(p) for p in prompts] == [2 + 5, 2 + 3]
+    assert len(set(prompts[0] + prompts[1])) == 7 + 5  # none sent twice, warm-up included
+    rows = [{"question": f"q{i}"} for i in range(4)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    data = bench.parse_args(["--dataset", str(tmp_path / "d.jsonl"), "--warmup", "1"])
+    fixed = bench.dataset_specs(data, random.Random(0), 6)
+    assert sorted({s.prompt for s in fixed}) == ["q0", "q1", "q2", "q3"]  # cycled to 6
+    for n in (6, 3):
+        plan = bench.run_plan(data, "plain", rng, n, fixed)
+        assert plan.warmup == fixed[:1] and plan.first == fixed[:n]
+
+
 def test_multi_turn_prompts_grow_by_each_answer_and_a_new_message():
     plan = bench.prefix_plan(args_for("--endpoint", "generate"), "multi_turn", random.Random(0), 3)
     assert [len(s.prompt) for s in plan.first] == [4, 4, 4]
