@@ -1,20 +1,37 @@
 """Online serving benchmark against any OpenAI-compatible server (streaming requests).
 
     python benchmark/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 \\
-        [--request-rate 4 8 inf] [--max-concurrency 4 32] \\
+        [--request-rate 4 8 inf] [--rate-seconds 15] [--max-concurrency 4 32] \\
+        [--random-dist uniform|lognormal] [--random-sigma 1.0] \\
         [--endpoint completions|chat|generate] \\
         [--workload plain json_schema shared_prefix multi_turn] \\
         [--dataset random | PATH.jsonl | URL] [--json out.json]
 
-Prompts: `random` sends token-id prompts of random length (uniform in
-[ratio * --random-input-len, --random-input-len]; /v1/completions only) asking for random output
-lengths with `ignore_eos` (a vLLM / SGLang / replaylm extension; `--no-ignore-eos` for strict
-OpenAI servers); a dataset file or URL (JSON lines or a JSON list) supplies text prompts from
-`--dataset-field` (default: the first of question, prompt, text), each asking for
-`--dataset-output-len` tokens. Arrivals are Poisson at each `--request-rate` (req/s; `inf` sends
-all at once), optionally capped at `--max-concurrency` requests in flight (several values: a run
-for each, under every rate). `--endpoint generate` sends them to the native `POST /generate`
-(replaylm, SGLang) with `sampling_params`.
+Prompts: `random` sends prompts of random token ids (/v1/completions or /generate) asking for
+random output lengths with `ignore_eos` (a vLLM / SGLang / replaylm extension; `--no-ignore-eos`
+for strict OpenAI servers). Their lengths, drawn apart for the prompt and the output, follow
+`--random-dist`:
+  uniform    an integer uniform in [--random-range-ratio * LEN, LEN], LEN the flag's length (as
+             SGLang's bench_serving draws them; vLLM's draws around LEN, in [LEN * (1 - r),
+             LEN * (1 + r)]). No tail: every request is about as long as the next.
+  lognormal  a long tail, like real chat traffic's (vLLM and SGLang get one only from dataset
+             files such as ShareGPT): ln(length) ~ Normal(ln LEN, --random-sigma), rounded and
+             clipped to [1, --random-max-input-len / --random-max-output-len (default 8 * LEN)].
+             LEN is the median; the mean is LEN * exp(sigma^2 / 2) before clipping (1.65 * LEN
+             at sigma 1, whose 99th percentile is 10 * LEN).
+Each run draws random prompts of its own, and warms up on others, so that a server's prefix cache
+holds none of them from an earlier run. A dataset file or URL (JSON lines or a JSON list) supplies
+text prompts from `--dataset-field` (default: the first of question, prompt, text), each asking
+for `--dataset-output-len` tokens; every run sends the same ones, the first `--warmup` of them
+also before it.
+
+Arrivals are Poisson at each `--request-rate` (req/s; `inf` sends all at once), optionally capped
+at `--max-concurrency` requests in flight (several values: a run for each, under every rate).
+A run sends `--num-prompts` requests; with `--rate-seconds S` a run at a finite rate R sends
+round(R * S) instead (at least 100, for its percentiles), so that its arrivals last about S
+seconds at every rate of a sweep.
+`--endpoint generate` sends them to the native `POST /generate` (replaylm, SGLang) with
+`sampling_params`.
 
 Workloads (`--workload`, several: a run of each): `plain` sampling, and `json_schema`,
 structured output where every request asks for the same JSON schema (`--json-schema PATH`, default
@@ -42,7 +59,9 @@ inter-token latency (the gap between streamed chunks that carry text), time per 
 end-to-end latency (mean / p50 / p90 / p99), and the prompt tokens the server reports cached
 (`usage.prompt_tokens_details.cached_tokens`; `meta_info.cached_tokens` on `/generate`) with the
 hit rate (cached over the prompt tokens of the requests that report it; None where none does).
-`--json` writes `{"config", "summary": [one flat dict per run], "requests": [...]}`.
+At the end, one line per run: rate, concurrency, req/s, output tok/s, TTFT p50 / p99, ITL p50 /
+p99 and TPOT p50. `--json` writes `{"config", "summary": [one flat dict per run], "requests":
+[...]}`; the config holds every flag, the length distribution's included.
 """
 
 from __future__ import annotations
@@ -67,6 +86,22 @@ from common import next_turn_prompts, shared_prefix_prompts, write_json
 
 DATASET_FIELDS = ("question", "prompt", "text")
 PERCENTILES = (50, 90, 99)
+LENGTH_DISTS = ("uniform", "lognormal")
+MIN_RATE_PROMPTS = 100  # --rate-seconds: enough requests at a low rate for its percentiles
+SWEEP_COLUMNS = (  # the closing table: (summary key, heading)
+    ("workload", "workload"),
+    ("request_rate", "rate"),
+    ("max_concurrency", "max conc"),
+    ("completed", "done"),
+    ("failed", "failed"),
+    ("request_throughput", "req/s"),
+    ("output_token_throughput", "out tok/s"),
+    ("p50_ttft_ms", "TTFT p50"),
+    ("p99_ttft_ms", "TTFT p99"),
+    ("p50_itl_ms", "ITL p50"),
+    ("p99_itl_ms", "ITL p99"),
+    ("p50_tpot_ms", "TPOT p50"),
+)
 WORKLOADS = ("plain", "json_schema", "shared_prefix", "multi_turn")
 PREFIX_WORKLOADS = ("shared_prefix", "multi_turn")  # token-id prompts of their own per run
 RECORD_SCHEMA = {  # the default structured-output workload: a short record
@@ -113,20 +148,35 @@ class RequestResult:
 # ---- prompts ------------------------------------------------------------------------------------
 
 
-def random_specs(args: argparse.Namespace, rng: random.Random) -> list[RequestSpec]:
-    def length(full: int) -> int:
-        return rng.randint(max(1, int(full * args.random_range_ratio)), full)
+def random_length(args: argparse.Namespace, rng: random.Random, length: int, longest: int) -> int:
+    """A prompt or output length of `--random-dist` around `length`: uniform up to it, or
+    lognormal with it as the median, clipped to [1, `longest`]."""
+    if args.random_dist == "lognormal":
+        drawn = round(rng.lognormvariate(math.log(length), args.random_sigma))
+        return min(max(1, drawn), longest)
+    return rng.randint(max(1, int(length * args.random_range_ratio)), length)
 
+
+def random_specs(args: argparse.Namespace, rng: random.Random, num: int) -> list[RequestSpec]:
+    """`num` prompts of random token ids, their prompt and output lengths of `--random-dist`."""
     specs = []
-    for _ in range(args.num_prompts):
-        n = length(args.random_input_len)
+    for _ in range(num):
+        n = random_length(args, rng, args.random_input_len, args.random_max_input_len)
         ids = [rng.randrange(*args.random_token_range) for _ in range(n)]
-        specs.append(RequestSpec(ids, length(args.random_output_len), n))
+        out = random_length(args, rng, args.random_output_len, args.random_max_output_len)
+        specs.append(RequestSpec(ids, out, n))
     return specs
 
 
-def dataset_specs(args: argparse.Namespace, rng: random.Random) -> list[RequestSpec]:
-    """Text prompts from a JSON-lines / JSON-list file or URL, shuffled, cycled to N."""
+def run_prompts(args: argparse.Namespace, rate: float) -> int:
+    """How many requests (conversations, for multi_turn) a run at `rate` sends."""
+    if args.rate_seconds is None or not math.isfinite(rate):
+        return args.num_prompts
+    return max(MIN_RATE_PROMPTS, round(rate * args.rate_seconds))
+
+
+def dataset_specs(args: argparse.Namespace, rng: random.Random, num: int) -> list[RequestSpec]:
+    """Text prompts from a JSON-lines / JSON-list file or URL, shuffled, cycled to `num`."""
     if args.dataset.startswith(("http://", "https://")):
         raw = httpx.get(args.dataset, follow_redirects=True, timeout=60).raise_for_status().text
     else:
@@ -144,8 +194,7 @@ def dataset_specs(args: argparse.Namespace, rng: random.Random) -> list[RequestS
         raise SystemExit(f"no rows of {args.dataset} have a text field among {fields}")
     rng.shuffle(prompts)
     return [
-        RequestSpec(prompts[i % len(prompts)], args.dataset_output_len, None)
-        for i in range(args.num_prompts)
+        RequestSpec(prompts[i % len(prompts)], args.dataset_output_len, None) for i in range(num)
     ]
 
 
@@ -187,8 +236,9 @@ class RunPlan:
     follow_ups: list[list[list[int]]] = field(default_factory=list)
 
 
-def prefix_plan(args: argparse.Namespace, workload: str, rng: random.Random) -> RunPlan:
-    """A run of a prefix-cache workload, on prompts drawn afresh."""
+def prefix_plan(args: argparse.Namespace, workload: str, rng: random.Random, num: int) -> RunPlan:
+    """A run of a prefix-cache workload of `num` requests (conversations), on prompts drawn
+    afresh."""
     draw, out = token_drawer(args, rng), args.random_output_len
 
     def specs(prompts: list[list[int]]) -> list[RequestSpec]:
@@ -197,12 +247,30 @@ def prefix_plan(args: argparse.Namespace, workload: str, rng: random.Random) -> 
     if workload == "shared_prefix":
         warmup, first = (
             shared_prefix_prompts(draw, n, args.prefix_len, args.suffix_len)
-            for n in (args.warmup, args.num_prompts)
+            for n in (args.warmup, num)
         )
         return RunPlan(specs(warmup), specs(first))
     warmup = [draw(args.user_len) for _ in range(args.warmup)]
-    turns = [[draw(args.user_len) for _ in range(args.num_prompts)] for _ in range(args.turns)]
+    turns = [[draw(args.user_len) for _ in range(num)] for _ in range(args.turns)]
     return RunPlan(specs(warmup), specs(turns[0]), turns[1:])
+
+
+def run_plan(
+    args: argparse.Namespace,
+    workload: str,
+    rng: random.Random,
+    num: int,
+    fixed: list[RequestSpec],
+) -> RunPlan:
+    """A run of `num` requests (conversations): random prompts drawn afresh (the prefix-cache
+    workloads', plain's), warmed up on others; otherwise the first of the `fixed` ones that every
+    run sends (a dataset's, json_schema's), warmed up on their first `--warmup`."""
+    if workload in PREFIX_WORKLOADS:
+        return prefix_plan(args, workload, rng, num)
+    if workload == "plain" and args.dataset == "random":
+        warmup, first = (random_specs(args, rng, n) for n in (args.warmup, num))
+        return RunPlan(warmup, first)
+    return RunPlan(fixed[: args.warmup], fixed[:num])
 
 
 def next_turn(
@@ -495,12 +563,26 @@ def prompt_source(args: argparse.Namespace, workload: str) -> str:
     return "json_schema_prompt" if workload == "json_schema" else args.dataset
 
 
+def _shown(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
 def print_table(row: dict[str, Any]) -> None:
     print(f"\n{' serving benchmark ':=^60}")
     for key, value in row.items():
-        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-        print(f"{key:<40}{shown:>20}")
+        print(f"{key:<40}{_shown(value):>20}")
     print("=" * 60)
+
+
+def sweep_table(summary: list[dict[str, Any]]) -> str:
+    """One line per run of `summary`: SWEEP_COLUMNS (latencies in ms)."""
+    cells = [[heading for _, heading in SWEEP_COLUMNS]]
+    cells += [[_shown(row.get(key)) for key, _ in SWEEP_COLUMNS] for row in summary]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(SWEEP_COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
 async def resolve_model(args: argparse.Namespace) -> str:
@@ -542,7 +624,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dataset-output-len", type=int, default=128)
     parser.add_argument("--random-input-len", type=int, default=512)
     parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.5)
+    parser.add_argument(
+        "--random-dist",
+        choices=LENGTH_DISTS,
+        default="uniform",
+        help="random prompts' and outputs' lengths: uniform up to the length, or lognormal "
+        "around it (the median)",
+    )
+    parser.add_argument(
+        "--random-range-ratio", type=float, default=0.5, help="uniform: the shortest share"
+    )
+    parser.add_argument(
+        "--random-sigma", type=float, default=1.0, help="lognormal: sigma of ln(length)"
+    )
+    parser.add_argument(
+        "--random-max-input-len",
+        type=int,
+        default=None,
+        help="lognormal: the longest prompt (default 8 * --random-input-len)",
+    )
+    parser.add_argument(
+        "--random-max-output-len",
+        type=int,
+        default=None,
+        help="lognormal: the longest output (default 8 * --random-output-len)",
+    )
     parser.add_argument(
         "--random-token-range",
         type=int,
@@ -562,6 +668,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests per second (Poisson); inf = all at once",
     )
     parser.add_argument(
+        "--rate-seconds",
+        type=float,
+        default=None,
+        help=f"at a finite rate R, send round(R * S) requests (at least {MIN_RATE_PROMPTS}) "
+        "instead of --num-prompts",
+    )
+    parser.add_argument(
         "--max-concurrency",
         type=int,
         nargs="+",
@@ -576,6 +689,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    args.random_max_input_len = args.random_max_input_len or 8 * args.random_input_len
+    args.random_max_output_len = args.random_max_output_len or 8 * args.random_output_len
+    if args.random_sigma <= 0:
+        parser.error("--random-sigma must be positive")
+    if args.rate_seconds is not None and args.rate_seconds <= 0:
+        parser.error("--rate-seconds must be positive")
     if args.dataset == "random" and args.endpoint == "chat" and "plain" in args.workload:
         parser.error("--dataset random sends token-id prompts: use --endpoint completions")
     if "multi_turn" in args.workload and args.endpoint != "generate":
@@ -588,7 +707,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rng = random.Random(args.seed)
-    specs = random_specs(args, rng) if args.dataset == "random" else dataset_specs(args, rng)
+    most = max(run_prompts(args, rate) for rate in args.request_rate)
+    # one list for every run: a dataset's prompts, and json_schema's output lengths
+    if args.dataset != "random":
+        specs = dataset_specs(args, rng, most)
+    else:
+        specs = random_specs(args, rng, most) if "json_schema" in args.workload else []
     schema = json.loads(args.json_schema.read_text()) if args.json_schema else RECORD_SCHEMA
     structured = json_schema_specs(specs, schema, random.Random(args.seed))  # leaves `rng` be
     model = asyncio.run(resolve_model(args))
@@ -596,11 +720,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = itertools.product(args.workload, args.request_rate, args.max_concurrency)
     for workload, rate, concurrency in runs:
         wanted = schema if workload == "json_schema" else None
-        if workload in PREFIX_WORKLOADS:
-            plan = prefix_plan(args, workload, rng)
-        else:
-            sent = structured if workload == "json_schema" else specs
-            plan = RunPlan(sent[: args.warmup], sent)
+        sent = structured if workload == "json_schema" else specs
+        plan = run_plan(args, workload, rng, run_prompts(args, rate), sent)
         result = asyncio.run(run(args, model, plan, rate, concurrency, rng, wanted))
         row = summarize(args, model, workload, rate, concurrency, result)
         print_table(row)
@@ -618,10 +739,11 @@ def main(argv: list[str] | None = None) -> None:
             }
             for r in result.results
         ]
+    print(f"\n{sweep_table(summary)}")
     if args.json:
         config = {
             **vars(args),
-            "json": str(args.json),
+            "json": args.json.name,  # the file's name only: no path of this machine
             "json_schema": schema,
             "request_rate": [str(r) for r in args.request_rate],
         }

@@ -229,9 +229,16 @@ def dummy_runner(
     )
 
 
-def build_runner(model_path: str, device: str, max_bs: int, tokens_per_req: int) -> ModelRunner:
+def build_runner(
+    model_path: str,
+    device: str,
+    max_bs: int,
+    tokens_per_req: int,
+    extra: dict[str, Any] | None = None,
+) -> ModelRunner:
     """A runner of `model_path` (a `.json` config: dummy weights) on `device`, default modes,
-    whose KV pool and request table hold `max_bs` requests of `tokens_per_req` tokens."""
+    whose KV pool and request table hold `max_bs` requests of `tokens_per_req` tokens (the KV
+    pool less where the GPU's memory ends first); `extra`: further ServerArgs fields."""
     return ModelRunner(
         ServerArgs(
             model_path=model_path,
@@ -241,6 +248,7 @@ def build_runner(model_path: str, device: str, max_bs: int, tokens_per_req: int)
             context_length=tokens_per_req,
             max_total_tokens=max_bs * tokens_per_req + 64,
             chunked_prefill_size=2048,
+            **(extra or {}),
         )
     )
 

@@ -1,7 +1,8 @@
 """PNG plots of the benchmark and accuracy JSON files (matplotlib's Agg renderer, no display).
 
     python benchmark/plot.py [--one-batch A.json ...] [--serving B.json ...] [--offline C.json ...]
-        [--startup D.json ...] [--accuracy E.json ...] [--out docs/img]
+        [--startup D.json ...] [--accuracy E.json ...]
+        [--serving-rates F.json ... [--labels NAME ...]] [--out docs/img]
 
 Each flag takes one or more files; a missing file is skipped with a message. When a flag has
 several files, each bar series is named by its file's stem (e.g. serving runs of two servers).
@@ -17,6 +18,12 @@ several files, each bar series is named by its file's stem (e.g. serving runs of
   --accuracy   test/accuracy's summary: accuracy per mode with its 95% interval, the eager run's
                interval shaded, the share of completions identical to eager's on each bar; one
                panel per eval -> accuracy.png
+  --serving-rates
+               bench_serving.py over several request rates: ITL p99, TTFT p50 and output tok/s
+               against the request rate (log scales; `inf`, all at once, drawn right of the
+               highest rate), one line per file (and per workload and max concurrency in it), so
+               that servers run with and without a flag compare on one figure; `--labels` names
+               the files' lines in order (default: their stems) -> serving_rates.png
 
 Needs matplotlib (`pip install -e ".[bench]"`).
 """
@@ -49,12 +56,13 @@ NANO_VLLM_REFERENCE = {  # nano-vllm's README: Qwen3-0.6B, 256 seqs, RTX 4070 La
 }
 
 
-def load(paths: list[Path]) -> list[Doc]:
-    """The JSON of every path that exists; a message for each that does not."""
+def load(paths: list[Path], names: list[str] | None = None) -> list[Doc]:
+    """The JSON of every path that exists, named by `names` (in order; default: the stems); a
+    message for each that does not exist."""
     docs = []
-    for path in paths:
+    for path, name in zip(paths, names or [p.stem for p in paths], strict=True):
         if path.is_file():
-            docs.append((path.stem, json.loads(path.read_text(encoding="utf-8"))))
+            docs.append((name, json.loads(path.read_text(encoding="utf-8"))))
         else:
             print(f"skipped {path}: no such file")
     return docs
@@ -204,6 +212,68 @@ def plot_serving(docs: list[Doc], out: Path) -> list[Path]:
     return [_save(fig, out / "serving.png")]
 
 
+RATE_PANELS = (  # --serving-rates: (summary key, y label, log scale)
+    ("p99_itl_ms", "ITL p99 ms (log)", True),
+    ("p50_ttft_ms", "TTFT p50 ms (log)", True),
+    ("output_token_throughput", "output tok/s", False),
+)
+RateLine = dict[float, dict[str, Any]]  # request rate (inf included) -> its summary row
+
+
+def rate_lines(docs: list[Doc]) -> dict[str, RateLine]:
+    """The docs' runs as lines over the request rate: one per file and (workload, max
+    concurrency), named by the file and, where not plain and uncapped, by those."""
+    lines: dict[str, RateLine] = {}
+    for name, doc in docs:
+        for row in doc["summary"]:
+            workload, rate, concurrency = _serving_run(row)
+            parts = [workload] if workload != "plain" else []
+            parts += [f"{concurrency} in flight"] if concurrency else []
+            label = f"{name} [{', '.join(parts)}]" if parts else name
+            lines.setdefault(label, {})[_rate(rate)] = row
+    return lines
+
+
+def rate_positions(rates: set[float]) -> dict[float, float]:
+    """Where each rate is drawn on the x axis: finite rates at themselves, inf at twice the
+    highest (1 when there is none)."""
+    finite = [r for r in rates if math.isfinite(r)]
+    far = 2 * max(finite) if finite else 1.0
+    return {r: r if math.isfinite(r) else far for r in rates}
+
+
+def plot_serving_rates(docs: list[Doc], out: Path) -> list[Path]:
+    """ITL p99, TTFT p50 and output tok/s against the request rate, a line per file (and per
+    workload and concurrency in it)."""
+    lines = rate_lines(docs)
+    where = rate_positions({rate for line in lines.values() for rate in line})
+    ticks = sorted(where)
+    fig = Figure(figsize=(15, 4.8), layout="constrained")
+    fig.suptitle("serving: latency and throughput per request rate (Poisson; inf: all at once)")
+    for ax, (key, ylabel, log) in zip(fig.subplots(1, len(RATE_PANELS)), RATE_PANELS, strict=True):
+        for label, line in lines.items():
+            rates = sorted(line)
+            values = [line[r].get(key) for r in rates]
+            ax.plot(
+                [where[r] for r in rates],
+                [math.nan if v is None else v for v in values],
+                marker="o",
+                label=label,
+            )
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_xticks([where[r] for r in ticks], [f"{r:g}" for r in ticks])
+        ax.set_xticks([], minor=True)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    return [_save(fig, out / "serving_rates.png")]
+
+
 def _mode_bars(
     docs: list[Doc], key: str, series_of: Callable[[dict[str, Any]], str], ylabel: str
 ) -> tuple[Any, Figure]:
@@ -286,6 +356,7 @@ PLOTTERS: dict[str, Callable[[list[Doc], Path], list[Path]]] = {
     "offline": plot_offline,
     "startup": plot_startup,
     "accuracy": plot_accuracy,
+    "serving_rates": plot_serving_rates,
 }
 
 
@@ -298,16 +369,20 @@ def main(argv: list[str] | None = None) -> list[Path]:
         parser.add_argument(
             f"--{kind.replace('_', '-')}", nargs="+", type=Path, default=[], metavar="JSON"
         )
+    parser.add_argument(
+        "--labels", nargs="+", default=None, help="--serving-rates: a line name per file, in order"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="default: docs/img")
     args = parser.parse_args(argv)
     if not any(getattr(args, kind) for kind in PLOTTERS):
-        parser.error(
-            "give at least one input (--one-batch, --serving, --offline, --startup, --accuracy)"
-        )
+        flags = ", ".join(f"--{kind.replace('_', '-')}" for kind in PLOTTERS)
+        parser.error(f"give at least one input ({flags})")
+    if args.labels is not None and len(args.labels) != len(args.serving_rates):
+        parser.error("--labels: one name per --serving-rates file")
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     for kind, plotter in PLOTTERS.items():
-        docs = load(getattr(args, kind))
+        docs = load(getattr(args, kind), args.labels if kind == "serving_rates" else None)
         if docs:
             written += plotter(docs, args.out)
     for path in written:

