@@ -1,25 +1,26 @@
 """Offline throughput through the in-process Engine, one row per CUDA-graph mode.
 
     python benchmark/bench_offline.py [--model-path benchmark/configs/qwen3-0.6b.json]
-        [--num-seqs 256] [--min-len 100] [--max-len 1024] [--seed 0] [--device auto]
+        [--num-seqs 256] [--min-len 100] [--max-len 1024] [--output-len N] [--seed 0]
+        [--device auto]
         [--modes full breakable tc_piecewise disabled '{"decode": "full", "prefill": "disabled"}']
         [--overlap on off] [--disable-radix-cache] [--server-args JSON ...] [--json out.json]
 
-The workload of nano-vllm's bench.py, so the numbers sit beside theirs (Qwen3-0.6B on an RTX 4070
-Laptop: nano-vllm 1,434 tok/s, vLLM 1,362 tok/s): `--num-seqs` prompts of random token ids
-(uniform in [0, 10000]), each prompt's length and its output length uniform in
-[--min-len, --max-len], sampled at temperature 0.6 with `ignore_eos`, so every request generates
-exactly its output length. A mode is a `--cuda-graph-mode` JSON object or a decode-mode name (the
-prefill phase then keeps its default). Per mode: a fresh Engine (random weights of the config's
-shapes with `--load-format dummy`), one untimed warm-up generation (the first 8 prompts whole,
-16 tokens each: Triton's JIT is not timed), then the whole batch in one
-`generate` call, timed by the wall clock (CUDA synchronised). Throughput is generated tokens per
-second. `--overlap on off` runs every mode with the overlap schedule and without it
-(`--disable-overlap-schedule`). `--server-args` takes one or more JSON objects of further Engine
-(ServerArgs) fields, e.g. `'{}' '{"max_running_requests": 512}'`: every mode runs with each.
-Prints a markdown table; `--json` writes `{"config", "summary": [one row per mode, overlap
-setting and server-args object]}`.
-"""
+The workload of nano-vllm's bench.py, so the numbers sit beside theirs (Qwen3-0.6B on an RTX
+4070 Laptop: nano-vllm 1,434 tok/s, vLLM 1,362 tok/s): `--num-seqs` prompts of random token ids
+(uniform in [0, 10000]), each prompt's length and its output length uniform in [--min-len,
+--max-len] (`--output-len N`: N tokens each; 1 times a prefill, as `--num-seqs 64 --min-len 512
+--max-len 512 --output-len 1` does for 64 x 512 prompt tokens), sampled at temperature 0.6 with
+`ignore_eos`, so every request generates exactly its output length. A mode is a `--cuda-graph-
+mode` JSON object or a decode-mode name (the prefill phase then keeps its default). Per mode: a
+fresh Engine (random weights of the config's shapes with `--load-format dummy`), one untimed
+warm-up generation (the first 8 prompts whole, 16 tokens each: Triton's JIT is not timed), then
+the whole batch in one `generate` call, timed by the wall clock (CUDA synchronised). Throughput
+is generated tokens per second. `--overlap on off` runs every mode with the overlap schedule and
+without it (`--disable-overlap-schedule`). `--server-args` takes one or more JSON objects of
+further Engine (ServerArgs) fields, e.g. `'{}' '{"max_running_requests": 512}'`: every mode runs
+with each. Prints a markdown table; `--json` writes `{"config", "summary": [one row per mode,
+overlap setting and server-args object]}`."""
 
 from __future__ import annotations
 
@@ -59,16 +60,23 @@ class Workload:
 
 
 def make_workload(
-    num_seqs: int, min_len: int, max_len: int, seed: int, vocab_size: int
+    num_seqs: int,
+    min_len: int,
+    max_len: int,
+    seed: int,
+    vocab_size: int,
+    output_len: int | None = None,
 ) -> Workload:
-    """nano-vllm's random workload; the same for every mode (it depends only on the arguments)."""
+    """nano-vllm's random workload; the same for every mode (it depends only on the arguments).
+    `output_len`: every request's output length instead of a draw like its prompt's."""
     rng = random.Random(seed)
     high = min(MAX_TOKEN_ID, vocab_size - 1)
     prompts = [
         [rng.randint(0, high) for _ in range(rng.randint(min_len, max_len))]
         for _ in range(num_seqs)
     ]
-    return Workload(prompts, [rng.randint(min_len, max_len) for _ in range(num_seqs)])
+    drawn = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
+    return Workload(prompts, drawn if output_len is None else [output_len] * num_seqs)
 
 
 def cuda_graph_mode(mode: str) -> str:
@@ -192,7 +200,12 @@ def bench_mode(
     """Build the mode's Engine, run the workload; the Engine is garbage once this returns."""
     engine = build_engine(args, mode, overlap, extra)
     workload = make_workload(
-        args.num_seqs, args.min_len, args.max_len, args.seed, engine.runner.config.vocab_size
+        args.num_seqs,
+        args.min_len,
+        args.max_len,
+        args.seed,
+        engine.runner.config.vocab_size,
+        args.output_len,
     )
     return run_mode(engine, mode, workload, extra)
 
@@ -209,6 +222,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-len", type=int, default=1024, help="longest prompt and output (tokens)"
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="every request's output tokens (default: uniform in --min-len..--max-len); "
+        "1 times a prefill",
     )
     parser.add_argument("--seed", type=int, default=0, help="the workload's and the weights'")
     parser.add_argument(
@@ -249,6 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("need 1 <= --min-len <= --max-len")
     if args.num_seqs < 1:
         parser.error("--num-seqs must be at least 1")
+    if args.output_len is not None and args.output_len < 1:
+        parser.error("--output-len must be at least 1")
     return args
 
 

@@ -189,6 +189,15 @@ class ServerArgs:
             "this to rule the overlap out when debugging."
         ),
     )
+    enable_mixed_chunk: bool = field(
+        default=False,
+        metadata=_opt(
+            "Decode the running requests in prefill steps too: their tokens ride in the same "
+            "forward as the prompt chunks (counted in --max-prefill-tokens), so a long prompt "
+            "does not pause every other request's output. By default a prefill step pauses "
+            "decoding."
+        ),
+    )
     disable_radix_cache: bool = field(
         default=False,
         metadata=_opt(

@@ -80,3 +80,34 @@ def test_graph_modes_generate_what_eager_generates(prompts, together, decode, pr
     assert _generate(graphed, prompts) == together
     stats = graphed.runner.forward_stats.phases
     assert stats["decode"].graph > 0 and stats["prefill"].graph > 0
+
+
+@pytest.mark.parametrize(
+    ("decode", "prefill"),
+    [
+        ("full", "breakable"),
+        ("breakable", "breakable"),
+        ("tc_piecewise", "tc_piecewise"),
+        ("disabled", "disabled"),
+    ],
+)
+def test_mixed_steps_generate_what_eager_generates(prompts, together, decode, prefill):
+    """`--enable-mixed-chunk`: prompts prefill 64 tokens a step beside the running requests'
+    decode tokens (through the decode kernel), in every mode; nothing changes."""
+    mixed = _engine(
+        cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}),
+        decode_cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64],
+        enable_mixed_chunk=True,
+        chunked_prefill_size=64,
+    )
+    decoding: list[int] = []  # decode tokens of each prefill step
+    forward = mixed.runner.forward
+
+    def recording(batch):
+        if batch.forward_mode.is_extend():
+            decoding.append(batch.num_decode)
+        return forward(batch)
+
+    mixed.runner.forward = recording
+    assert _generate(mixed, prompts) == together
+    assert sum(n > 0 for n in decoding) > 5, decoding

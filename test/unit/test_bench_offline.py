@@ -60,3 +60,23 @@ def test_offline_bench_generates_and_counts_every_requested_token(tmp_path):
         assert decode["graph"] == prefill["graph"] == 0  # eager on the CPU
         # every sequence needs a prefill, and the longest output that many decode steps less one
         assert prefill["eager"] >= 1 and decode["eager"] >= max(workload.output_lens) - 1
+
+
+def test_a_fixed_output_length_times_prefills_with_mixed_steps(tmp_path):
+    """`--output-len 1`: one token per request, so the run is its prefills; the same prompts as
+    without it. With mixed chunks (`--server-args`) every token still comes."""
+    bench = import_script("benchmark/bench_offline.py")
+    vocab = write_tiny_checkpoint("qwen3", tmp_path / "ckpt").config.vocab_size
+    rows = bench.main(
+        [
+            *("--model-path", str(tmp_path / "ckpt"), "--device", "cpu", "--modes", "disabled"),
+            *("--num-seqs", "4", "--min-len", "9", "--max-len", "9", "--output-len", "1"),
+            *("--server-args", "{}", '{"enable_mixed_chunk": true, "chunked_prefill_size": 8}'),
+        ]
+    )
+    fixed = bench.make_workload(4, 9, 9, 0, vocab, output_len=1)
+    assert fixed.prompts == bench.make_workload(4, 9, 9, 0, vocab).prompts
+    assert fixed.output_lens == [1] * 4
+    for row in rows:
+        assert row["output_tokens"] == row["requested_output_tokens"] == 4
+        assert row["forwards"]["decode"]["eager"] == 0  # a first token comes from its prefill

@@ -276,6 +276,30 @@ def test_backend_stores_then_attends(mode, deterministic):
     assert rel_error(out, reference(case)) < 1e-5
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_mixed_batch_decodes_its_first_requests(deterministic):
+    """A mixed step: decode tokens (one each, first) with prefill chunks after them, attended
+    through the decode kernel and the extend kernel in one call, equal the reference."""
+    backend = TritonAttnBackend(deterministic)
+    case = make_case(
+        ForwardMode.EXTEND,
+        [12, 70, 0, 33],
+        [1, 1, 17, 5],
+        4,
+        2,
+        32,
+        torch.float32,
+        "cpu",
+        seed=11,
+        backend=backend,
+    )
+    batch = dataclasses.replace(case.batch, num_decode=2)
+    backend.init_forward_metadata(batch)
+    assert backend._meta.decode.num_splits == backend._num_splits(2, batch)
+    out = store_and_attend(backend, case.q, case.k, case.v, case.layer, batch)
+    assert rel_error(out, reference(case)) < 1e-5
+
+
 def test_graph_metadata_reads_the_captured_batchs_tensors_in_place():
     """Decode metadata captured for a batch reads that batch's tensors in place: what the graph
     runner writes there after the capture (and the replay hook, which copies nothing) is what the

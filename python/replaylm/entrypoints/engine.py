@@ -60,14 +60,8 @@ class Engine:
         self._next_rid = 0
         self._decode = text_decoder(self.tokenizer) if self.tokenizer is not None else None
         self._grammar: GrammarCompiler | None = None  # made for the first constrained request
-        self.scheduler = Scheduler(
-            self.runner,
-            self.eos_token_ids,
-            self._decode,
-            self.server_args.chunked_prefill_size,
-            self.server_args.max_prefill_tokens,
-            overlap=not self.server_args.disable_overlap_schedule,
-            prefix_cache=not self.server_args.disable_radix_cache,
+        self.scheduler = Scheduler.from_args(
+            self.runner, self.eos_token_ids, self._decode, self.server_args
         )
         self.startup.mark("scheduler")
         self.startup.log_summary()

@@ -1,10 +1,12 @@
 """ForwardBatch: everything one forward pass of the model sees, as device tensors.
 
-Tokens of all requests are packed along one flat token dimension (`T` = `num_tokens`): request `i`
-owns tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`. Every field a
-kernel reads is a tensor here: a graph runner copies them into its static inputs, or reads them
-in place when the batch was built there (`DecodeInputs`); the `*_cpu` lists are host copies for
-code that needs sizes without a device sync.
+Tokens of all requests are packed along one flat token dimension (`T` = `num_tokens`): request
+`i` owns tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`. A mixed step
+is an EXTEND batch whose first `num_decode` requests are running requests' decode tokens (one
+each) riding along with the prefill chunks. Every field a kernel reads is a tensor here: a graph
+runner copies them into its static inputs, or reads them in place when the batch was built there
+(`DecodeInputs`); the `*_cpu` lists are host copies for code that needs sizes without a device
+sync.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool
     kv_pool: KVPool
     attn_backend: AttentionBackend
+    # EXTEND only: the first `num_decode` requests (and tokens) are decode tokens, one per
+    # request, which an attention backend may run through its decode kernel
+    num_decode: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +81,7 @@ class ForwardBatch:
         kv_pool: KVPool,
         attn_backend: AttentionBackend,
         into: DecodeInputs | None = None,
+        num_decode: int = 0,
     ) -> ForwardBatch:
         """Pack per-request host lists into device tensors and record every new token's KV slot
         in the request table (`req_to_token_pool.write`), so the batch's attention can read it.
@@ -149,6 +155,7 @@ class ForwardBatch:
             req_to_token_pool,
             kv_pool,
             attn_backend,
+            num_decode,
         )
 
     @classmethod
@@ -161,6 +168,7 @@ class ForwardBatch:
         req_to_token_pool: ReqToTokenPool,
         kv_pool: KVPool,
         attn_backend: AttentionBackend,
+        num_decode: int = 0,
     ) -> ForwardBatch:
         """A batch over device tensors in `PACKED_FIELDS` order (the table index is not kept)."""
         input_ids, positions, slots, _, rows, seq_lens, prefix, ext, start = fields
@@ -180,4 +188,5 @@ class ForwardBatch:
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
             attn_backend=attn_backend,
+            num_decode=num_decode,
         )

@@ -9,6 +9,7 @@ gets them written before its batch runs.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,15 +24,22 @@ if TYPE_CHECKING:
 
 
 def prepare_extend(
-    reqs: list[Req], runner: ModelRunner, chunk_sizes: list[int] | None = None
+    reqs: list[Req],
+    runner: ModelRunner,
+    chunk_sizes: list[int] | None = None,
+    decoding: Sequence[Req] = (),
 ) -> ForwardBatch:
-    """An EXTEND batch of each request's next `chunk_sizes[i]` uncached tokens (default: all).
+    """An EXTEND batch of each request's next `chunk_sizes[i]` uncached tokens (default: all),
+    after one decode token of each `decoding` request (a mixed step; as `prepare_decode`, its
+    last token, which the caller overwrites on the device when it is a step in flight's).
 
     Checks the lengths and allocates KV slots first, so ValueError or OutOfKVCacheError leaves
     every request untouched.
     """
     table = runner.req_to_token_pool
-    new_ids = []
+    new_ids = [[r.last_id] for r in decoding]
+    for req in decoding:
+        table.check_fits(req.kv_len + 1)
     for i, req in enumerate(reqs):
         todo = req.id_slice(req.kv_len, req.num_ids)
         new_ids.append(todo if chunk_sizes is None else todo[: chunk_sizes[i]])
@@ -47,12 +55,15 @@ def prepare_extend(
         req.req_pool_idx = row
     prefixes = [(row, 0, r.kv_slots) for r, row in zip(rows_needed, rows, strict=True)]
     write_rows([span for span in prefixes if span[2]], runner)  # slots found in the prefix cache
-    prefix_lens = [req.kv_len for req in reqs]
+    everyone = [*decoding, *reqs]
+    prefix_lens = [req.kv_len for req in everyone]
     start = 0
-    for req, ids in zip(reqs, new_ids, strict=True):
+    for req, ids in zip(everyone, new_ids, strict=True):
         req.kv_slots += slots[start : start + len(ids)]
         start += len(ids)
-    return _create(ForwardMode.EXTEND, reqs, new_ids, prefix_lens, slots, runner)
+    return _create(
+        ForwardMode.EXTEND, everyone, new_ids, prefix_lens, slots, runner, num_decode=len(decoding)
+    )
 
 
 def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
@@ -149,6 +160,7 @@ def _create(
     slots: list[int],
     runner: ModelRunner,
     into: DecodeInputs | None = None,
+    num_decode: int = 0,
 ) -> ForwardBatch:
     """The batch; ForwardBatch.create also records each new token's slot in the request table
     (at its request's row and its position), from the batch's one host-to-device copy."""
@@ -164,4 +176,5 @@ def _create(
         runner.kv_pool,
         runner.attn_backend,
         into,
+        num_decode,
     )

@@ -2,13 +2,15 @@
 
 Each `step()` runs one forward pass: a prefill (EXTEND) batch when waiting requests can be
 admitted, otherwise a decode batch of every running request. Prompts longer than
-`chunked_prefill_size` are prefilled a chunk per step. Admission is bounded by the request table,
-`max_prefill_tokens` and free KV slots less a reserve for the tokens running requests are still
-expected to generate (`new_token_ratio` x their remaining budget; the ratio rises after each
-retraction and decays while decoding goes well). When decode still runs out of KV slots the
-newest running requests are retracted to the front of the waiting queue (their KV freed, their
-tokens recomputed when re-admitted). The step is the only place that builds ForwardBatches
-(through `batch_ops`).
+`chunked_prefill_size` are prefilled a chunk per step. With mixed chunks (`--enable-mixed-
+chunk`) the running requests' decode tokens ride in the prefill step (first in the batch, within
+the step's token budget), so a prefill does not stall their output. Admission is bounded by the
+request table, `max_prefill_tokens` and free KV slots less a reserve for the tokens running
+requests are still expected to generate (`new_token_ratio` x their remaining budget; the ratio
+rises after each retraction and decays while decoding goes well). When decode still runs out of
+KV slots the newest running requests are retracted to the front of the waiting queue (their KV
+freed, their tokens recomputed when re-admitted). The step is the only place that builds
+ForwardBatches (through `batch_ops`).
 
 Overlap (the default; `--disable-overlap-schedule` turns it off): a decode step is launched
 before the one before it is read back. Its input tokens are that step's sampled ids, copied on
@@ -49,6 +51,7 @@ from replaylm.runtime.prompt_logprobs import PromptLogprobPlan, prompt_token_log
 from replaylm.runtime.request import FinishReason, Req
 
 if TYPE_CHECKING:
+    from replaylm.server_args import ServerArgs
     from replaylm.structured.bitmask import GrammarMask
 
 logger = logging.getLogger(__name__)
@@ -142,10 +145,13 @@ class Scheduler:
         max_prefill_tokens: int | None,
         overlap: bool = True,
         prefix_cache: bool = True,
+        mixed_chunk: bool = False,
     ) -> None:
         """`max_prefill_tokens` None: a prefill batch holds at most `chunked_prefill_size`.
         `overlap`: launch each decode step before reading the one before back. `prefix_cache`:
-        keep computed tokens in a radix tree and start prompts from their cached prefixes."""
+        keep computed tokens in a radix tree and start prompts from their cached prefixes.
+        `mixed_chunk`: decode the running requests in prefill steps too, their tokens counted in
+        the step's `max_prefill_tokens`."""
         self.runner = runner
         self.eos_ids = eos_ids
         self.decode_text = decode_text
@@ -158,6 +164,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO
         self.overlap = overlap
+        self.mixed_chunk = mixed_chunk
         self._in_flight: _Sampled | None = None  # a decode step not read back yet
         self._grammar_mask: GrammarMask | None = None  # made for the first constrained batch
         self.grammar_steps = 0  # sampling steps with a constrained request
@@ -167,6 +174,32 @@ class Scheduler:
             "on (each decode step is launched before the one before it is read back)"
             if overlap
             else "off (--disable-overlap-schedule)",
+        )
+        logger.info(
+            "mixed chunks: %s",
+            "on (running requests decode in prefill steps)"
+            if mixed_chunk
+            else "off (a prefill step pauses decoding; --enable-mixed-chunk mixes them)",
+        )
+
+    @classmethod
+    def from_args(
+        cls,
+        runner: ModelRunner,
+        eos_ids: frozenset[int],
+        decode_text: Callable[[list[int]], str] | None,
+        args: ServerArgs,
+    ) -> Scheduler:
+        """The scheduler the server's flags describe."""
+        return cls(
+            runner,
+            eos_ids,
+            decode_text,
+            args.chunked_prefill_size,
+            args.max_prefill_tokens,
+            overlap=not args.disable_overlap_schedule,
+            prefix_cache=not args.disable_radix_cache,
+            mixed_chunk=args.enable_mixed_chunk,
         )
 
     # ---- requests in and out ------------------------------------------------------------
@@ -229,47 +262,16 @@ class Scheduler:
 
     def step(self) -> list[StepOutput]:
         """Run one forward pass; return the requests that got a token (finished ones included).
-        With overlap, a decode step returns the tokens of the decode step before it."""
-        prefill = self._admit_prefill()
-        if prefill:
-            reqs, chunks = prefill
-            plan = PromptLogprobPlan.build(reqs, chunks)
-            self.kv.make_room(sum(chunks))
-            batch = prepare_extend(reqs, self.runner, chunks)
-            if plan is None:
-                logits = self.runner.forward(batch)
-            else:
-                index = torch.tensor(plan.token_index).to(batch.input_ids.device, non_blocking=True)
-                logits, hidden = self.runner.forward_keeping_hidden(batch, index)
-                plan.score(self.runner, hidden)
-            for req in reqs:
-                self.kv.cache_computed(req)
-            outputs = self._read_back()  # while the GPU runs the prefill
-            done = [i for i, r in enumerate(reqs) if r.kv_len == r.num_ids]
-            for i, req in enumerate(reqs):
-                if i in done:
-                    self.running.append(req)
-                else:
-                    self.waiting.appendleft(req)  # a chunked prompt: next chunk next step
-            done_reqs = [reqs[i] for i in done]
-            if done_reqs:
-                sample_reqs, rows = self._fork_choices(done_reqs)
-                # their first sample: penalty state from their prompt (and output, if re-admitted)
-                self.runner.logit_adjuster.init_requests(sample_reqs)
-                done_logits = logits[done]
-                if len(sample_reqs) > len(done_reqs):  # forked choices share their parent's row
-                    index = torch.tensor(rows).to(logits.device, non_blocking=True)
-                    done_logits = done_logits.index_select(0, index)
-                outputs += self._apply(self._sample(sample_reqs, done_logits))
-            return outputs
+        With overlap, a decode or mixed step returns the tokens of the step before it."""
+        admitted = self._admit_prefill()
+        if admitted:
+            return self._prefill_step(*admitted)
         outputs = []
         if self.kv.available < len(self.running):
             outputs = self._read_back()  # its finished requests free slots; retract after
         if not self.running:
             return outputs + self._read_back()
-        self.new_token_ratio = max(
-            self.min_new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
-        )
+        self._decay_new_token_ratio()
         self._retract_for_decode()
         launched = self._launch_decode()
         outputs += self._read_back()
@@ -278,16 +280,91 @@ class Scheduler:
             outputs += self._read_back()
         return outputs
 
+    def _prefill_step(
+        self, reqs: list[Req], chunks: list[int], riders: list[Req]
+    ) -> list[StepOutput]:
+        """Prefill the admitted chunks, with one decode token of each rider (a mixed step, whose
+        sampled tokens are read back as a decode step's are); the requests whose prompt is now
+        cached sample their first token."""
+        plan = PromptLogprobPlan.build(reqs, chunks)
+        self.kv.make_room(sum(chunks) + len(riders))
+        batch = prepare_extend(reqs, self.runner, chunks, decoding=riders)
+        pending = self._feed_riders(riders, batch.input_ids)
+        if plan is None:
+            logits = self.runner.forward(batch)
+        else:
+            index = torch.tensor(plan.token_index).to(batch.input_ids.device, non_blocking=True)
+            logits, hidden = self.runner.forward_keeping_hidden(batch, index)
+            plan.score(self.runner, hidden)
+        for req in reqs:
+            self.kv.cache_computed(req)
+        outputs = [] if riders else self._read_back()  # while the GPU runs the prefill
+        done = [i for i, r in enumerate(reqs) if r.kv_len == r.num_ids]
+        for i, req in enumerate(reqs):
+            if i in done:
+                self.running.append(req)
+            else:
+                self.waiting.appendleft(req)  # a chunked prompt: next chunk next step
+        sample_reqs, rows = self._fork_choices([reqs[i] for i in done])
+        # their first sample: penalty state from their prompt (and output, if re-admitted)
+        self.runner.logit_adjuster.init_requests(sample_reqs)
+        # logits rows: the riders', then the prefilled requests' (forked choices share a row)
+        rows = list(range(len(riders))) + [len(riders) + done[row] for row in rows]
+        if not rows:
+            return outputs
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
+        sampled = self._sample(riders + sample_reqs, logits, pending)
+        if not riders:
+            return outputs + self._apply(sampled)
+        self._decay_new_token_ratio()
+        outputs = self._read_back()
+        self._in_flight = sampled
+        if not self.overlap:
+            outputs += self._read_back()
+        return outputs
+
+    def _feed_riders(self, riders: list[Req], input_ids: torch.Tensor) -> dict[int, int]:
+        """Copy the step in flight's tokens into the riders' inputs (the batch's first tokens),
+        on the device; the in-flight rows by id(req), as `_sample` takes them."""
+        in_flight = self._in_flight
+        if in_flight is None or not riders:
+            return {}
+        pending = in_flight.rows
+        at = [i for i, r in enumerate(riders) if id(r) in pending]
+        rows = [pending[id(riders[i])] for i in at]
+        if at == rows:  # the usual case: every rider in flight, in the same order
+            input_ids[: len(at)].copy_(in_flight.next_ids[: len(at)])
+        elif at:
+            device = input_ids.device
+            index = torch.tensor(at).to(device, non_blocking=True)
+            ids = in_flight.next_ids[torch.tensor(rows).to(device, non_blocking=True)]
+            input_ids.index_copy_(0, index, ids)
+        return pending
+
+    def _decay_new_token_ratio(self) -> None:
+        """Decoding went well for a step: expect a little less of the running requests' budget."""
+        self.new_token_ratio = max(
+            self.min_new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+
+    def _decoding(self) -> list[Req]:
+        """The running requests a decode step computes: all but those whose token in flight is
+        their last (their end is known)."""
+        in_flight = self._in_flight
+        pending = in_flight.rows if in_flight is not None else {}
+        return [
+            r
+            for r in self.running
+            if id(r) not in pending or len(r.output_ids) + 1 < r.max_new_tokens
+        ]
+
     def _launch_decode(self) -> _Sampled | None:
         """Launch a decode step of the running requests, its input tokens those of the step in
         flight where there is one (copied on the device); None when every request ends in it."""
         in_flight = self._in_flight
         pending = in_flight.rows if in_flight is not None else {}
-        reqs = [
-            r
-            for r in self.running
-            if id(r) not in pending or len(r.output_ids) + 1 < r.max_new_tokens
-        ]
+        reqs = self._decoding()
         if not reqs:
             return None
         self.kv.make_room(len(reqs))
@@ -336,11 +413,12 @@ class Scheduler:
     def _expected_new_tokens(self, req: Req) -> int:
         return int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
 
-    def _admit_prefill(self) -> tuple[list[Req], list[int]] | None:
-        """Pick waiting requests and their chunk sizes for one EXTEND batch: in queue order, or
-        longest cached prefix first while the queue is short (see `_order_waiting`). A request
-        whose prefix another request of this batch is computing waits for the next batch, which
-        finds it cached."""
+    def _admit_prefill(self) -> tuple[list[Req], list[int], list[Req]] | None:
+        """Pick waiting requests and their chunk sizes for one EXTEND batch, and its riders (the
+        running requests to decode in it, with mixed chunks: they take their tokens out of the
+        step's budget): in queue order, or longest cached prefix first while the queue is short
+        (see `_order_waiting`). A request whose prefix another request of this batch is
+        computing waits for the next batch, which finds it cached."""
         reserved = sum(self._expected_new_tokens(r) for r in self.running)
         free_rows = self.runner.req_to_token_pool.available_size()
         if (
@@ -350,7 +428,10 @@ class Scheduler:
         ):
             return None  # nothing is admissible: skip ordering and matching the queue
         self._order_waiting()
-        budget = self.max_prefill_tokens
+        riders = self._decoding() if self.mixed_chunk else []
+        if len(riders) >= self.max_prefill_tokens:
+            riders = []  # no room for a prefill token beside them: this step prefills alone
+        budget = self.max_prefill_tokens - len(riders)
         reqs: list[Req] = []
         chunks: list[int] = []
         deferred: list[Req] = []
@@ -368,7 +449,9 @@ class Scheduler:
             todo = req.num_ids - req.kv_len - cached
             needs_row = req.req_pool_idx is None
             # keep one slot per admitted request for its first decode token
-            chunk = min(todo, self.chunk_size, budget if reqs else todo, free_kv - 1)
+            # the first chunk may exceed the budget (a step always admits one), unless riders
+            # share the step: then the batch must still fit the largest prefill graph
+            chunk = min(todo, self.chunk_size, budget if reqs or riders else todo, free_kv - 1)
             if chunk <= 0 or (needs_row and free_rows == 0):
                 break
             alone = not self.running and not reqs  # always admissible: callers clamp budgets
@@ -401,14 +484,16 @@ class Scheduler:
         if not reqs:
             return None
         logger.info(
-            "prefill batch: %d requests, %d new tokens, %d cached tokens; %d running, %d waiting",
+            "prefill batch: %d requests, %d new tokens, %d cached tokens, %d decoding alongside; "
+            "%d running, %d waiting",
             len(reqs),
             sum(chunks),
             sum(r.kv_len for r in reqs),  # before this batch: what earlier steps or the cache hold
+            len(riders),
             len(self.running),
             len(self.waiting),
         )
-        return reqs, chunks
+        return reqs, chunks, riders
 
     def _order_waiting(self) -> None:
         """Longest cached prefix first while at most LPM_MAX_WAITING requests wait (SGLang's

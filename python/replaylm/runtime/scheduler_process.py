@@ -169,15 +169,7 @@ def _build_scheduler(
     stages.mark("wait for the tokenizer")
     decode = scheduler_decoder(info, args.tokenizer_path or args.model_path)
     eos = eos_token_ids(runner, info.eos_token_id)
-    scheduler = Scheduler(
-        runner,
-        eos,
-        decode,
-        args.chunked_prefill_size,
-        args.max_prefill_tokens,
-        overlap=not args.disable_overlap_schedule,
-        prefix_cache=not args.disable_radix_cache,
-    )
+    scheduler = Scheduler.from_args(runner, eos, decode, args)
     vocabulary = info.grammar_vocabulary
     grammars = GrammarLoader(vocabulary, runner.config.vocab_size, eos) if vocabulary else None
     stages.mark("scheduler")

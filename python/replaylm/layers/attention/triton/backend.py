@@ -60,6 +60,17 @@ class _ExtendMetadata:
 
 
 @dataclass
+class _MixedMetadata:
+    """A mixed step: its first requests' decode tokens through the decode kernel, the prefill
+    chunks after them through the extend kernel (the extend kernel's tile of query rows would
+    be nearly all padding for a one-token request, its keys read once per query head)."""
+
+    decode: _DecodeMetadata
+    extend: _ExtendMetadata
+    out_cache_loc: torch.Tensor  # [T] int64, every token's
+
+
+@dataclass
 class _GraphState:
     """What captured decode graphs read beyond their batches' own tensors."""
 
@@ -87,28 +98,38 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
 
     def __init__(self, deterministic: bool = False) -> None:
         self.deterministic = deterministic
-        self._meta: _DecodeMetadata | _ExtendMetadata | None = None
+        self._meta: _DecodeMetadata | _ExtendMetadata | _MixedMetadata | None = None
         self._graph: _GraphState | None = None
 
     # ---- eager ------------------------------------------------------------------------------
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode.is_decode():
-            self._meta = _DecodeMetadata(
-                batch.req_pool_indices,
-                batch.seq_lens,
-                batch.out_cache_loc,
-                self._num_splits(batch),
+            self._meta = self._decode_metadata(batch, batch.batch_size)
+            return
+        d = batch.num_decode
+        extend = _ExtendMetadata(
+            batch.req_pool_indices[d:],
+            batch.prefix_lens[d:],
+            batch.extend_seq_lens[d:],
+            batch.extend_start_loc[d:],  # into the whole batch's tokens
+            batch.out_cache_loc,
+            max(batch.extend_seq_lens_cpu[d:], default=0),
+        )
+        self._meta = extend
+        if d:
+            self._meta = _MixedMetadata(
+                self._decode_metadata(batch, d), extend, batch.out_cache_loc
             )
-        else:
-            self._meta = _ExtendMetadata(
-                batch.req_pool_indices,
-                batch.prefix_lens,
-                batch.extend_seq_lens,
-                batch.extend_start_loc,
-                batch.out_cache_loc,
-                max(batch.extend_seq_lens_cpu, default=0),
-            )
+
+    def _decode_metadata(self, batch: ForwardBatch, bs: int) -> _DecodeMetadata:
+        """Decode metadata of the batch's first `bs` requests (its first `bs` tokens)."""
+        return _DecodeMetadata(
+            batch.req_pool_indices[:bs],
+            batch.seq_lens[:bs],
+            batch.out_cache_loc[:bs],
+            self._num_splits(bs, batch),
+        )
 
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
@@ -143,6 +164,10 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         out: torch.Tensor,
     ) -> torch.Tensor:
         meta = self._metadata()
+        if isinstance(meta, _MixedMetadata):
+            d = batch.num_decode
+            self._decode(q[:d], layer, batch, out[:d], meta.decode)
+            meta = meta.extend
         assert isinstance(meta, _ExtendMetadata), "metadata was prepared for a decode batch"
         pool = batch.kv_pool
         return extend_attention(
@@ -173,6 +198,16 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
     ) -> torch.Tensor:
         meta = self._metadata()
         assert isinstance(meta, _DecodeMetadata), "metadata was prepared for an extend batch"
+        return self._decode(q, layer, batch, out, meta)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+        out: torch.Tensor,
+        meta: _DecodeMetadata,
+    ) -> torch.Tensor:
         pool = batch.kv_pool
         workspace = meta.workspace
         if workspace is None:
@@ -216,7 +251,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             batch.req_pool_indices,
             batch.seq_lens,
             batch.out_cache_loc,
-            self._num_splits(batch),
+            self._num_splits(batch.batch_size, batch),
             graph_arrivals=graph.arrivals,
             separate_merge=True,
         )
@@ -226,7 +261,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _metadata(self) -> _DecodeMetadata | _ExtendMetadata:
+    def _metadata(self) -> _DecodeMetadata | _ExtendMetadata | _MixedMetadata:
         if self._meta is None:
             raise RuntimeError("init_forward_metadata was not called for this batch")
         return self._meta
@@ -236,9 +271,8 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             raise RuntimeError("init_cuda_graph_state was not called")
         return self._graph
 
-    def _num_splits(self, batch: ForwardBatch) -> int:
+    def _num_splits(self, bs: int, batch: ForwardBatch) -> int:
+        """KV slices per request for `bs` decode requests of `batch`."""
         if self.deterministic:
             return DETERMINISTIC_SPLITS
-        return num_kv_splits(
-            batch.batch_size, batch.kv_pool.num_kv_heads, _sm_count(batch.seq_lens.device)
-        )
+        return num_kv_splits(bs, batch.kv_pool.num_kv_heads, _sm_count(batch.seq_lens.device))

@@ -1,5 +1,5 @@
 """Prefill graphs: one per token-count bucket; any mix of requests whose new tokens sum to at
-most the bucket."""
+most the bucket (mixed steps' decode tokens included)."""
 
 from __future__ import annotations
 
@@ -71,5 +71,11 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             seq_cpu.append(pad)
             ext_cpu.append(pad)
         return buf.view(
-            ForwardMode.EXTEND, len(seq_cpu), shape, seq_cpu, ext_cpu, self.model_runner
+            ForwardMode.EXTEND,
+            len(seq_cpu),
+            shape,
+            seq_cpu,
+            ext_cpu,
+            self.model_runner,
+            batch.num_decode if batch is not None else 0,
         )

@@ -51,9 +51,10 @@ class StaticBuffers:
         seq_lens_cpu: list[int],
         extend_seq_lens_cpu: list[int],
         model_runner: ModelRunner,
+        num_decode: int = 0,
     ) -> ForwardBatch:
         """A ForwardBatch over the first `bs` requests / `num_tokens` tokens of the buffers,
-        with the model runner's pools and attention backend."""
+        with the model runner's pools and attention backend (`num_decode`: ForwardBatch's)."""
         return ForwardBatch(
             forward_mode=mode,
             batch_size=bs,
@@ -70,4 +71,5 @@ class StaticBuffers:
             req_to_token_pool=model_runner.req_to_token_pool,
             kv_pool=model_runner.kv_pool,
             attn_backend=model_runner.attn_backend,
+            num_decode=num_decode,
         )
