@@ -82,7 +82,12 @@ def _fold_cached_keys(
     return softmax_update(qk, v, m_i, l_i, acc, PRECISION)
 
 
-@triton.jit
+# the per-request index pointers sit at 8-byte offsets (a mixed step's extend requests start
+# after its decode rows): one compiled variant whatever the offset (docs/tuning.md, "Few
+# compiled variants")
+@triton.jit(
+    do_not_specialize_on_alignment=["ReqPoolIndices", "PrefixLens", "ExtendLens", "ExtendStart"]
+)
 def _extend_kernel(
     Q,
     KNew,
