@@ -22,7 +22,9 @@ QWEN3 = ROOT / "benchmark" / "configs" / "qwen3-0.6b.json"
 pytestmark = pytest.mark.gpu
 
 # kernel -> variants: the skinny matmul one per projection (qkv, o, gate-up with SiluAndMul, down,
-# the LM head's float32 logits), RMSNorm with and without the residual add, one of each other
+# the LM head's float32 logits), RMSNorm with and without the residual add, decode attention with
+# its slices merged by the merge kernel (small batches) and as one slice (batches that fill the
+# GPU: no merge), one of each other
 COUNT_VARIANTS = f"""
 import json
 from model_parity import dummy_runner
@@ -58,7 +60,7 @@ def test_decode_capture_compiles_one_variant_per_kernel_role():
         "skinny_matmul": 5,
         "rms_norm": 2,
         "qk_norm_rope": 1,
-        "decode_attention": 1,
+        "decode_attention": 2,
         "merge": 1,
         "silu_mul": 1,
     }
