@@ -160,3 +160,40 @@ def test_the_graph_path_serves_mixed_batches(folder, alone):
     assert stats["prefill"].graph > 0 and stats["prefill"].eager == 0
     assert stats["prefill"].padding_tokens > 0
     assert_kv_released(engine)
+
+
+def test_prompt_logprobs_beside_decoding_requests(folder):
+    """A request asking for prompt logprobs, prefilled in chunks beside running decodes: its
+    scored rows come after the decode tokens, and its scores equal those of it alone."""
+    prompt = PROMPTS[-1]
+
+    def scores(engine: Engine, others: list[list[int]]) -> list:
+        sched = engine.scheduler
+        for i, p in enumerate(others):
+            sched.add(Req(f"o{i}", p, SamplingParams(max_new_tokens=30, **GREEDY), 0, 30))
+        for _ in range(3):
+            sched.step()  # the others are decoding now
+        req = Req("scored", prompt, SamplingParams(max_new_tokens=2, **GREEDY), 0, 2)
+        req.prompt_logprobs = 3
+        sched.add(req)
+        outputs = []
+        while sched.has_work:
+            outputs += [o.prompt_logprobs for o in sched.step() if o.prompt_logprobs is not None]
+        assert len(outputs) == 1
+        return outputs[0]
+
+    kwargs = {"max_total_tokens": 2000, "chunked_prefill_size": 16, "max_prefill_tokens": 20}
+    alone = scores(Engine(model_path=folder, device="cpu", **kwargs), [])
+    mixed = Engine(model_path=folder, device="cpu", enable_mixed_chunk=True, **kwargs)
+    batches = _recorded_batches(mixed)
+    got = scores(mixed, PROMPTS[:3])
+    assert any(b.num_decode for b in batches)
+    assert len(got) == len(alone) == len(prompt)
+    for a, b in zip(got, alone, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert a.token_id == b.token_id
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert_kv_released(mixed)

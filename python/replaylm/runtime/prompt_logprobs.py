@@ -45,14 +45,17 @@ class PromptLogprobPlan:
     spans: list[tuple[Req, int, int]]  # (request, first position, end position) in row order
 
     @classmethod
-    def build(cls, reqs: list[Req], chunks: list[int]) -> PromptLogprobPlan | None:
-        """The plan for an EXTEND batch of `chunks[i]` new tokens of `reqs[i]` each, before the
-        batch is prepared (each request's cached length is still its prefix); None when no
-        request needs prompt scores in this batch."""
+    def build(
+        cls, reqs: list[Req], chunks: list[int], first_token: int = 0
+    ) -> PromptLogprobPlan | None:
+        """The plan for an EXTEND batch of `chunks[i]` new tokens of `reqs[i]` each, from token
+        `first_token` of the batch on (after a mixed step's decode tokens), before the batch is
+        prepared (each request's cached length is still its prefix); None when no request needs
+        prompt scores in this batch."""
         token_index: list[int] = []
         targets: list[int] = []
         spans: list[tuple[Req, int, int]] = []
-        offset = 0
+        offset = first_token
         for req, chunk in zip(reqs, chunks, strict=True):
             prefix = req.kv_len
             if req.prompt_logprobs is not None:

@@ -286,7 +286,7 @@ class Scheduler:
         """Prefill the admitted chunks, with one decode token of each rider (a mixed step, whose
         sampled tokens are read back as a decode step's are); the requests whose prompt is now
         cached sample their first token."""
-        plan = PromptLogprobPlan.build(reqs, chunks)
+        plan = PromptLogprobPlan.build(reqs, chunks, first_token=len(riders))
         self.kv.make_room(sum(chunks) + len(riders))
         batch = prepare_extend(reqs, self.runner, chunks, decoding=riders)
         pending = self._feed_riders(riders, batch.input_ids)
