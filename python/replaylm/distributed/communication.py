@@ -33,9 +33,23 @@ def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class GroupBroken(RuntimeError):
+    """A collective of the schedulers' loop failed: another rank is gone (its process died or
+    its connection closed)."""
+
+
 def broadcast_objects(objects: list[Any] | None) -> list[Any]:
     """Rank 0's `objects` on every rank (the others pass None). One collective for an empty
-    list (the common case: a scheduler step with no new requests), two otherwise."""
+    list (the common case: a scheduler step with no new requests), two otherwise. GroupBroken
+    when a rank is gone."""
+    try:
+        return _broadcast_objects(objects)
+    except RuntimeError as err:  # gloo's error for a closed connection is a plain RuntimeError
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise GroupBroken(f"a tensor-parallel rank is gone: {first_line}") from err
+
+
+def _broadcast_objects(objects: list[Any] | None) -> list[Any]:
     group = tp_group()
     rank0 = group.place.rank == 0
     payload = pickle.dumps(objects) if rank0 and objects else b""

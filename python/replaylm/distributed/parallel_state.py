@@ -6,6 +6,7 @@ and makes no collective."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -73,9 +74,10 @@ def init_tensor_parallel(rank: int, size: int, init_addr: str, device: torch.dev
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
     _group = TPGroup(TPPlace(rank, size), world, cpu_group)
     logger.info(
-        "tensor parallelism: rank %d of %d on %s (%s collectives, group met at %s)",
+        "tensor parallelism: rank %d of %d (pid %d) on %s (%s collectives, group met at %s)",
         rank,
         size,
+        os.getpid(),
         device,
         backend,
         init_addr,

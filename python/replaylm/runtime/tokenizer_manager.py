@@ -142,7 +142,7 @@ class TokenizerManager:
         try:
             msg = self._scheduler.conn.recv()
         except EOFError:
-            self._scheduler.proc.join(5)  # for its exit code
+            self._scheduler.join(5)  # for its exit code
             msg = SchedulerFailed(f"{self._scheduler.exit_reason()} while loading the model")
         if isinstance(msg, SchedulerFailed):
             self._scheduler.stop(timeout_s=5)
@@ -152,11 +152,16 @@ class TokenizerManager:
     # ---- public API -----------------------------------------------------------------------
 
     def healthy(self) -> bool:
-        return self._dead_reason is None and self._scheduler.proc.is_alive()
+        return self._dead_reason is None and self._scheduler.is_alive()
 
     def scheduler_exit_reason(self) -> str:
-        """Why the scheduler process is gone (once `healthy()` is False)."""
-        return self._dead_reason or self._scheduler.exit_reason()
+        """Why the scheduler process is gone (once `healthy()` is False); a tensor-parallel
+        rank that died first is the cause, whatever rank 0 reported after it."""
+        return (
+            self._scheduler.follower_exit_reason()
+            or self._dead_reason
+            or self._scheduler.exit_reason()
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self._require_tokenizer()
@@ -358,7 +363,7 @@ class TokenizerManager:
             try:
                 msg = self._scheduler.conn.recv()
             except (EOFError, OSError):
-                self._scheduler.proc.join(1)  # for its exit code
+                self._scheduler.join(1)  # for its exit code
                 reason = detail = self._scheduler.exit_reason()
                 break
             if isinstance(msg, SchedulerFailed):  # its error is a traceback
