@@ -33,6 +33,13 @@ def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (over the gloo group: a start-up agreement)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
+    return int(t.item())
+
+
 class GroupBroken(RuntimeError):
     """A collective of the schedulers' loop failed: another rank is gone (its process died or
     its connection closed)."""

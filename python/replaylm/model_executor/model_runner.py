@@ -11,9 +11,9 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from replaylm.distributed.parallel_state import TPPlace, init_tensor_parallel, tp_group
+from replaylm.distributed.communication import min_over_ranks
+from replaylm.distributed.parallel_state import TPPlace, init_tensor_parallel
 from replaylm.distributed.sharding import HeadShard, check_model_split
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
@@ -149,10 +149,11 @@ class ModelRunner:
             self.max_running_requests, self.config.vocab_size, self.device
         )
         logger.info(
-            "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s, "
+            "model runner ready: %s on %s%s, KV cache %d tokens (%.2f GiB), attention %s, "
             "matmul %s%s%s",
             self.dtype,
             self.device,
+            f" (tensor-parallel rank {tp_rank} of {args.tp_size})" if args.tp_size > 1 else "",
             self.max_total_tokens,
             self.kv_pool.memory_bytes() / 2**30,
             backend,
@@ -221,10 +222,9 @@ class ModelRunner:
                 f"cache after the weights ({(total - free) / 2**30:.1f} GiB used of "
                 f"{total / 2**30:.1f} GiB); raise it"
             )
-        tokens = torch.tensor([int(budget // per_token)])
-        if self.tp.size > 1:  # every rank's scheduler must see the same pool: the smallest
-            dist.all_reduce(tokens, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
-        return int(tokens.item())
+        tokens = int(budget // per_token)
+        # every rank's scheduler must see the same pool: the smallest any rank can hold
+        return tokens if self.tp.size == 1 else min_over_ranks(tokens)
 
     def _init_memory(self) -> None:
         cfg = self.config
