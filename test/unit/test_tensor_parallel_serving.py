@@ -1,8 +1,8 @@
 """Tensor parallelism end to end on the CPU (gloo ranks on loopback): the offline Engine, a
-server and a two-"node" server with `--tp-size 2` generate what one rank generates (greedy, with
-chunked prefill, retraction and aborts in the mix); the graph path under `--debug-cuda-graph`;
-a rank that dies ends the server with exit code 1 and a line naming it; sizes that do not
-divide the model are one `error:` line."""
+server and a two-"node" server with `--tp-size 2` generate what one rank generates (greedy and
+seeded sampling, with chunked prefill, retraction and aborts in the mix); the graph path under
+`--debug-cuda-graph`; a rank that dies ends the server with exit code 1 and a line naming it;
+sizes that do not divide the model are one `error:` line."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ _rng = random.Random(0)
 # prompts longer than a prefill chunk, and more KV than the pool holds at once (retraction)
 PROMPTS = [[_rng.randrange(3, 320) for _ in range(_rng.randrange(2, 60))] for _ in range(32)]
 GREEDY = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+# every other request samples (seeded, with a penalty): the ranks take rank 0's sampled ids
+PARAMS = [
+    GREEDY
+    if i % 2 == 0
+    else {**GREEDY, "temperature": 0.8, "top_p": 0.9, "seed": i, "frequency_penalty": 0.3}
+    for i in range(len(PROMPTS))
+]
 LIMITS = {
     "max_total_tokens": 400,
     "chunked_prefill_size": 32,
@@ -50,10 +57,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _engine_outputs(checkpoint: str, **args: object) -> tuple[list[list[int]], int]:
-    """Greedy outputs of PROMPTS and the number of retractions it took."""
+    """The outputs of PROMPTS under PARAMS and the number of retractions it took."""
     engine = Engine(checkpoint, device="cpu", **{**LIMITS, **args})  # type: ignore[arg-type]
     try:
-        out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        out = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
         return [o["output_ids"] for o in out], engine.scheduler.stats().num_retractions
     finally:
         engine.shutdown()
@@ -88,10 +95,10 @@ def test_debug_graph_path_on_two_ranks_generates_what_one_rank_does(checkpoint, 
 
 def _serve(server: ServerProcess) -> list[list[int]]:
     """PROMPTS through `server`, all at once, with streams cut after their first token in the
-    mix (aborted requests); the greedy outputs in prompt order."""
+    mix (aborted requests); the outputs in prompt order."""
 
-    def generate(ids: list[int]) -> list[int]:
-        body = {"input_ids": ids, "sampling_params": GREEDY}
+    def generate(ids: list[int], params: dict[str, object]) -> list[int]:
+        body = {"input_ids": ids, "sampling_params": params}
         response = httpx.post(f"{server.base_url}/generate", json=body, timeout=120)
         response.raise_for_status()
         return response.json()["output_ids"]
@@ -105,7 +112,7 @@ def _serve(server: ServerProcess) -> list[list[int]]:
 
     with ThreadPoolExecutor(len(PROMPTS) + 4) as pool:
         aborts = [pool.submit(abort, ids) for ids in PROMPTS[:4]]
-        outputs = list(pool.map(generate, PROMPTS))
+        outputs = list(pool.map(generate, PROMPTS, PARAMS))
         for aborted in aborts:
             aborted.result()
     return outputs
