@@ -79,14 +79,16 @@ def test_engine_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank):
     assert outputs == one_rank
 
 
-@pytest.mark.parametrize("mode", debug_eager_modes())
-def test_debug_graph_path_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank, mode):
+def test_debug_graph_path_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank):
+    """Both modes that `--debug-cuda-graph` runs eagerly, one per phase: the collectives run
+    inside breakable segments and inside the pieces torch.compile traced."""
+    assert set(debug_eager_modes()) == {"breakable", "tc_piecewise"}
     outputs, _ = _engine_outputs(
         checkpoint,
         tp_size=2,
         debug_cuda_graph=True,
         tc_piecewise_compiler="eager",
-        cuda_graph_mode=json.dumps({"decode": mode, "prefill": mode}),
+        cuda_graph_mode=json.dumps({"decode": "tc_piecewise", "prefill": "breakable"}),
         decode_cuda_graph_bs=[1, 2, 4, 8, 16],
         prefill_cuda_graph_tokens=[32, 64],
     )
@@ -195,3 +197,27 @@ def test_tp_flags_that_do_not_fit_are_errors_naming_them(tmp_path: Path):
         result = subprocess.run([*cmd, *flags], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith(f"error: {message}"), result.stderr
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing `spawn` children of process `pid`, oldest first."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    spawned = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sorted(int(c) for c in spawned)
+
+
+def test_a_rank_that_dies_while_loading_fails_the_start(checkpoint):
+    """Rank 1 killed as soon as it is spawned: rank 0 would wait for it to join its group; the
+    front end sees the exit and ends the start with one error line (exit code 2)."""
+    cmd = [sys.executable, "-m", "replaylm.launch_server", "--device", "cpu"]
+    flags = ["--model-path", checkpoint, "--tp-size", "2", "--log-level", "warning"]
+    proc = subprocess.Popen([*cmd, *flags], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(children := _spawned_children(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(children[1], signal.SIGKILL)  # rank 1: spawned after rank 0
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert "tensor-parallel rank" in lines[0], stderr

@@ -115,7 +115,6 @@ class SchedulerProcess:
         if self.proc.is_alive():
             with contextlib.suppress(OSError):
                 self.conn.send(ShutdownReq())
-            self.proc.join(timeout_s)
         stop_processes([self.proc, *self.followers.values()], timeout_s)
         self.conn.close()
 

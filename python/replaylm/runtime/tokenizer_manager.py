@@ -58,6 +58,8 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 MAX_CHOICES = 128  # OpenAI's limit on `n`
+STARTUP_POLL_S = 0.5  # how often the wait for the model checks the other ranks' processes
+RANK_EXIT_GRACE_S = 2.0  # how long rank 0 gets to say why after another rank exited at start
 _MAX_SEED = 2**63 - 1
 
 
@@ -139,15 +141,27 @@ class TokenizerManager:
         self._reader.start()
 
     def _wait_ready(self) -> SchedulerReady:
-        try:
-            msg = self._scheduler.conn.recv()
-        except EOFError:
-            self._scheduler.join(5)  # for its exit code
-            msg = SchedulerFailed(f"{self._scheduler.exit_reason()} while loading the model")
+        msg = self._startup_message()
         if isinstance(msg, SchedulerFailed):
             self._scheduler.stop(timeout_s=5)
             raise SchedulerStartError(msg.error)
         return msg
+
+    def _startup_message(self) -> SchedulerReady | SchedulerFailed:
+        """The scheduler's ready (or failed) message; SchedulerFailed too when it exits first,
+        or when another tensor-parallel rank exits and rank 0 does not say why soon (it may be
+        waiting for that rank to join, which would take the group's whole timeout)."""
+        conn = self._scheduler.conn
+        try:
+            while not conn.poll(STARTUP_POLL_S):
+                reason = self._scheduler.follower_exit_reason()
+                # rank 0 fails alike when the cause is a flag or the model: its message is better
+                if reason is not None and not conn.poll(RANK_EXIT_GRACE_S):
+                    return SchedulerFailed(f"{reason} while loading the model")
+            return conn.recv()
+        except EOFError:
+            self._scheduler.join(5)  # for its exit code
+            return SchedulerFailed(f"{self._scheduler.exit_reason()} while loading the model")
 
     # ---- public API -----------------------------------------------------------------------
 
