@@ -1,8 +1,9 @@
 """Tensor parallelism end to end on the CPU (gloo ranks on loopback): the offline Engine, a
 server and a two-"node" server with `--tp-size 2` generate what one rank generates (greedy and
 seeded sampling, with chunked prefill, retraction and aborts in the mix); the graph path under
-`--debug-cuda-graph`; a rank that dies ends the server with exit code 1 and a line naming it;
-sizes that do not divide the model are one `error:` line."""
+`--debug-cuda-graph`; a rank that dies ends the server with exit code 1 and a line naming it, or
+its start (while the model loads) with one `error:` line, as do sizes that do not divide the
+model and tensor-parallel flags that do not fit together."""
 
 from __future__ import annotations
 
@@ -185,7 +186,7 @@ def test_a_size_that_does_not_divide_the_heads_is_one_error_line(checkpoint):
     assert lines == ["error: --tp-size 3 does not divide the model's 4 attention heads"]
 
 
-def test_tp_flags_that_do_not_fit_are_errors_naming_them(tmp_path: Path):
+def test_tp_flags_that_do_not_fit_are_errors_naming_them():
     cmd = [sys.executable, "-m", "replaylm.launch_server", "--device", "cpu"]
     for flags, message in (
         (["--tp-size", "3", "--nnodes", "2"], "--tp-size 3 is not a multiple of --nnodes 2"),
