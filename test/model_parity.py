@@ -54,10 +54,13 @@ def dummy_runner(config: str | Path, device: str, dtype: str, **args: Any) -> Mo
 
 
 def scripted_logits(
-    runner: ModelRunner, prompt_lens: Sequence[int] = (5, 300, 33), decode_steps: int = 4
+    runner: ModelRunner,
+    prompt_lens: Sequence[int] = (5, 300, 33),
+    decode_steps: int = 4,
+    first_decode_id: int = 1000,
 ) -> list[torch.Tensor]:
     """Logits (float32 copies) of a ragged prefill of fixed prompts, then `decode_steps` decode
-    steps of fixed tokens; the KV is freed after."""
+    steps of fixed tokens (`first_decode_id` on); the KV is freed after."""
     reqs = [
         Req(i, list(range(100 + i, 100 + i + n)), SamplingParams(), 0, decode_steps + 1)
         for i, n in enumerate(prompt_lens)
@@ -65,7 +68,7 @@ def scripted_logits(
     out = [runner.forward(prepare_extend(reqs, runner)).float().clone()]
     for step in range(decode_steps):
         for req in reqs:
-            req.output_ids.append(1000 + step)
+            req.output_ids.append(first_decode_id + step)
         out.append(runner.forward(prepare_decode(reqs, runner)).float().clone())
     for req in reqs:
         release(req, runner)

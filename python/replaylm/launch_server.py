@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
+from multiprocessing.connection import wait
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
@@ -33,7 +34,12 @@ from replaylm.model_executor.cuda_graph.config import (
     check_cuda_graph_args,
     resolve_cuda_graph_config,
 )
-from replaylm.runtime.scheduler_process import SchedulerProcess, one_line_error
+from replaylm.runtime.scheduler_process import (
+    SchedulerProcess,
+    one_line_error,
+    spawn_followers,
+    stop_processes,
+)
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
 
@@ -180,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device != "auto":  # a bad combination fails here, before anything starts or logs
         _resolve_or_exit(args)
+    if args.node_rank > 0:
+        return serve_other_node(args)
     stages.mark("imports and arguments")
     scheduler = SchedulerProcess.start(args)
     stages.mark("spawn scheduler")
@@ -221,6 +229,51 @@ def main(argv: list[str] | None = None) -> int:
             manager.scheduler_exit_reason(),
         )
         return EXIT_SCHEDULER_DIED
+    return 0
+
+
+def serve_other_node(args: ServerArgs) -> int:
+    """`--node-rank` above 0: run this node's tensor-parallel ranks, which follow rank 0 on
+    node 0 (no HTTP here). The exit code: 0 once they all ended after rank 0's shutdown (or on
+    SIGINT/SIGTERM), 1 when one failed (the others are stopped; the log says which and why)."""
+    first = args.node_rank * args.ranks_per_node
+    logger.info(
+        "node %d of %d: tensor-parallel ranks %d-%d of %d, meeting at %s",
+        args.node_rank,
+        args.nnodes,
+        first,
+        first + args.ranks_per_node - 1,
+        args.tp_size,
+        args.dist_init_addr,
+    )
+    procs = spawn_followers(args, range(args.ranks_per_node))
+    signalled = False
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        nonlocal signalled
+        signalled = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    running = dict(procs)
+    while running and not signalled:
+        wait([p.sentinel for p in running.values()], timeout=0.5)
+        for rank, proc in list(running.items()):
+            if proc.is_alive():
+                continue
+            del running[rank]
+            if proc.exitcode != 0:
+                stop_processes(list(running.values()), timeout_s=5)
+                logger.error(
+                    "stopping node %d (exit code %d): the scheduler process of tensor-parallel "
+                    "rank %d exited (code %s)",
+                    args.node_rank,
+                    EXIT_SCHEDULER_DIED,
+                    rank,
+                    proc.exitcode,
+                )
+                return EXIT_SCHEDULER_DIED
+    stop_processes(list(running.values()), timeout_s=5)
     return 0
 
 

@@ -125,6 +125,39 @@ class ServerArgs:
             ("auto", "cuda", "cpu"),
         ),
     )
+    tp_size: int = field(
+        default=1,
+        metadata=_opt(
+            "Tensor parallelism: split each layer's heads, MLP columns and vocabulary over this "
+            "many ranks, one scheduler process and one GPU each (gloo processes on the CPU), "
+            "joined by torch.distributed. The model's attention heads and MLP size must divide "
+            "by it."
+        ),
+    )
+    nnodes: int = field(
+        default=1,
+        metadata=_opt(
+            "Machines the --tp-size ranks are spread over, --tp-size / --nnodes on each; start "
+            "the server on every machine with the same flags and its --node-rank.",
+            server_only=True,
+        ),
+    )
+    node_rank: int = field(
+        default=0,
+        metadata=_opt(
+            "This machine's index among --nnodes. Node 0 serves HTTP and runs rank 0; the "
+            "others run their ranks only and exit when the group ends.",
+            server_only=True,
+        ),
+    )
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Where the tensor-parallel ranks meet, HOST:PORT (node 0's address, a free port); "
+            "needed with --nnodes above 1. Default on one machine: a free port on 127.0.0.1.",
+            server_only=True,
+        ),
+    )
     seed: int = field(
         default=0,
         metadata=_opt(
@@ -385,6 +418,7 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        self._validate_tensor_parallel()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -403,6 +437,33 @@ class ServerArgs:
                 "--deterministic needs --tc-piecewise-kernels fused (with native, "
                 "compiled pieces would run the compiler's matmuls and fusions)"
             )
+
+    def _validate_tensor_parallel(self) -> None:
+        for name in ("tp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"--tp-size {self.tp_size} is not a multiple of --nnodes {self.nnodes}"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank must be in [0, {self.nnodes - 1}] for --nnodes {self.nnodes}, "
+                f"got {self.node_rank}"
+            )
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--dist-init-addr must be HOST:PORT, got '{self.dist_init_addr}'")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks each node runs."""
+        return self.tp_size // self.nnodes
 
     def check_paths(self) -> None:
         """FileNotFoundError naming the flag when the model or tokenizer path does not exist (a

@@ -3,6 +3,10 @@
 engine = Engine(model_path="smollm2-135m-instruct")
 out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
 out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
+
+With `tp_size=N` the model is split over N ranks: this process is rank 0 and spawns the others,
+which follow its scheduler as the server's do (`runtime/scheduler_process.py`); `shutdown()`
+ends them.
 """
 
 from __future__ import annotations
@@ -11,11 +15,18 @@ import random
 from typing import TYPE_CHECKING, Any, overload
 
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
-from replaylm.model_loader.tokenizer import chat_input_ids, text_decoder
+from replaylm.model_loader.tokenizer import chat_input_ids, text_decoder, tokenizer_info
+from replaylm.runtime.io_struct import ShutdownReq, TokenizedGenerateReq
 from replaylm.runtime.model_setup import load_runner_and_tokenizer
 from replaylm.runtime.request import Req, truncate_at_stop
 from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
 from replaylm.runtime.scheduler import Scheduler
+from replaylm.runtime.scheduler_process import (
+    request_of,
+    spawn_followers,
+    stop_processes,
+    with_dist_init_addr,
+)
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
@@ -52,9 +63,18 @@ class Engine:
         self.startup = startup_stages or StartupStages("engine")
         self.server_args = ServerArgs(model_path=model_path, **kwargs)
         self.server_args.validate()
+        if self.server_args.nnodes > 1:
+            raise ValueError("the offline Engine runs every tensor-parallel rank here: nnodes 1")
+        self.server_args = with_dist_init_addr(self.server_args)
+        # the other ranks load alongside this one, and follow its scheduler
+        self._followers = spawn_followers(self.server_args, range(1, self.server_args.tp_size))
         self.runner, self.tokenizer, self.eos_token_ids = load_runner_and_tokenizer(
             self.server_args, self.startup
         )
+        if self._followers:
+            from replaylm.distributed.communication import broadcast_objects
+
+            broadcast_objects([tokenizer_info(self.tokenizer)])
         self.server_args = self.runner.args  # with the defaults resolved for the device
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
@@ -110,12 +130,39 @@ class Engine:
         """
         single, id_lists = self._inputs(prompt, input_ids)
         params_list = self._params(sampling_params, len(id_lists))
-        reqs = [self._make_req(ids, p) for ids, p in zip(id_lists, params_list, strict=True)]
+        msgs = [self._request_msg(ids, p) for ids, p in zip(id_lists, params_list, strict=True)]
+        reqs = [request_of(msg, self._request_grammar(msg.sampling_params)) for msg in msgs]
         for req in reqs:
             self.scheduler.add(req)
-        self.scheduler.run_to_completion()
+        if self._followers:
+            self._run_with_followers(msgs)
+        else:
+            self.scheduler.run_to_completion()
         results = [self._result(r) for r in reqs]
         return results[0] if single else results
+
+    def _run_with_followers(self, msgs: list[TokenizedGenerateReq]) -> None:
+        """`run_to_completion` with the other ranks in step: each of their loop iterations takes
+        rank 0's messages, then steps while there is work; so does this loop."""
+        from replaylm.distributed.communication import broadcast_objects
+
+        broadcast_objects(list(msgs))
+        while self.scheduler.has_work:
+            self.scheduler.step()
+            if self.scheduler.has_work:
+                broadcast_objects([])
+
+    def shutdown(self) -> None:
+        """End the other tensor-parallel ranks' processes (none with tp_size 1). Safe to call
+        twice; the Engine generates nothing after it."""
+        if self._followers:
+            from replaylm.distributed.communication import broadcast_objects
+            from replaylm.distributed.parallel_state import destroy_tensor_parallel
+
+            broadcast_objects([ShutdownReq()])
+            stop_processes(list(self._followers.values()), timeout_s=10)
+            destroy_tensor_parallel()
+            self._followers = {}
 
     def _require_tokenizer(self) -> PreTrainedTokenizerBase:
         if self.tokenizer is None:
@@ -146,7 +193,13 @@ class Engine:
             return [SamplingParams.from_dict(p) for p in sampling_params]
         return [SamplingParams.from_dict(sampling_params or {}) for _ in range(n)]
 
-    def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
+    def _request_msg(self, ids: list[int], params: SamplingParams) -> TokenizedGenerateReq:
+        """The request as the scheduler processes get theirs (so the other ranks can make the
+        same `Req` of it)."""
+        if params.constraint is not None and self._followers:
+            raise ValueError(
+                f"{params.constraint[0]}: structured output in the offline Engine needs tp_size 1"
+            )
         runner = self.runner
         check_input_ids(ids, runner.config.vocab_size, runner.context_len, runner.max_total_tokens)
         check_vocab_ids(params, runner.config.vocab_size)
@@ -155,7 +208,7 @@ class Engine:
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         rid, self._next_rid = str(self._next_rid), self._next_rid + 1
-        return Req(rid, list(ids), params, seed, max_new, grammar=self._request_grammar(params))
+        return TokenizedGenerateReq([rid], list(ids), params, [seed], max_new, top_logprobs=None)
 
     def _request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
         """The grammar of `params`' structured-output constraint (None without one); ValueError

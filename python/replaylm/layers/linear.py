@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replaylm.distributed.communication import all_reduce
+from replaylm.distributed.sharding import Shard
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import converted, use_triton_kernels
 
@@ -77,17 +79,38 @@ def set_matmul(model: nn.Module, matmul: str) -> Counter[str]:
 
 
 class Linear(MatmulLayer):
-    """`y = x W^T (+ b)` with `W` `[out, in]`, allocated uninitialised on the default device."""
+    """`y = x W^T (+ b)` with `W` `[out, in]`, allocated uninitialised on the default device.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    `shard`: under tensor parallelism, where this rank's weight lies in the checkpoint's (dim 0:
+    a column-parallel layer, its output split over the ranks; dim 1: `RowParallelLinear`); None:
+    the whole weight."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, shard: Shard | None = None
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.matmul)
+
+    def _shard_of(self, name: str) -> Shard | None:
+        # a row-parallel bias is whole on every rank: it is added once, after the sum
+        return None if name == "bias" and self.shard is not None and self.shard.dim else self.shard
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor `full` of parameter `name`."""
+        shard = self._shard_of(name)
+        return full if shard is None else shard.take(full)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The checkpoint's shape of parameter `name`."""
+        shard, local = self._shard_of(name), getattr(self, name).shape
+        return tuple(local) if shard is None else shard.full_shape(local)
 
     def auto_matmul(self) -> str:
         """The skinny kernel for weights up to AUTO_SKINNY_MAX_BYTES, cuBLAS above."""
@@ -99,12 +122,20 @@ class MergedLinear(Linear):
     """Several projections of one input fused into one matmul (QKV, gate-up).
 
     `shards` maps a shard name to its output width, in output order; `load_shard` copies one
-    checkpoint tensor into its rows.
+    checkpoint tensor into its rows. `sources`: under tensor parallelism, where each shard's
+    rows lie in its checkpoint tensor (None: all of them).
     """
 
-    def __init__(self, input_size: int, shards: dict[str, int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        shards: dict[str, int],
+        bias: bool = False,
+        sources: dict[str, Shard] | None = None,
+    ) -> None:
         super().__init__(input_size, sum(shards.values()), bias)
         self.shard_sizes = dict(shards)
+        self.sources = sources
         self.shard_offsets: dict[str, int] = {}
         offset = 0
         for name, size in shards.items():
@@ -114,6 +145,14 @@ class MergedLinear(Linear):
     def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor, name: str) -> None:
         """Copy `tensor` (named `name` in the checkpoint) into `shard`'s rows of `param`."""
         start, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        if self.sources is not None:
+            source = self.sources[shard]
+            if tensor.shape[0] != source.full:
+                raise ValueError(
+                    f"shape mismatch for '{name}': checkpoint has {tuple(tensor.shape)}, "
+                    f"model expects {source.full_shape(tensor.shape)}"
+                )
+            tensor = source.take(tensor)
         expected = (size, *param.shape[1:])
         if tuple(tensor.shape) != expected:
             raise ValueError(
@@ -122,6 +161,19 @@ class MergedLinear(Linear):
             )
         with torch.no_grad():
             param[start : start + size].copy_(tensor)
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a fused checkpoint-shaped tensor: each shard's part, in order."""
+        if self.sources is None:
+            return full
+        wholes = full.split([s.full for s in self.sources.values()])
+        return torch.cat([s.take(w) for s, w in zip(self.sources.values(), wholes, strict=True)])
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        local = getattr(self, name).shape
+        if self.sources is None:
+            return tuple(local)
+        return (sum(s.full for s in self.sources.values()), *local[1:])
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split a fused output back into its shards, in order."""
@@ -133,8 +185,15 @@ class GateUpLinear(MergedLinear):
     `silu(x Wg^T) * (x Wu^T)`. On the skinny kernel (up to 16 rows, or `invariant`) one launch,
     SiluAndMul in its epilogue; otherwise the matmul, then SiluAndMul's own kernel."""
 
-    def __init__(self, input_size: int, intermediate_size: int) -> None:
-        super().__init__(input_size, {"gate": intermediate_size, "up": intermediate_size})
+    def __init__(
+        self, input_size: int, intermediate_size: int, source: Shard | None = None
+    ) -> None:
+        """`intermediate_size`: this rank's; `source`: where its rows lie in the checkpoint's
+        gate and up projections (None: all of them)."""
+        sources = None if source is None else {"gate": source, "up": source}
+        super().__init__(
+            input_size, {"gate": intermediate_size, "up": intermediate_size}, sources=sources
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,3 +204,17 @@ class GateUpLinear(MergedLinear):
                 x, self.weight, self.bias, all_rows=self.matmul == "invariant", gated_silu=True
             )
         return self.act(super().forward(x))
+
+
+class RowParallelLinear(Linear):
+    """A linear whose input is split over the tensor-parallel ranks (the attention output over
+    heads, the MLP's over its intermediate columns): each rank multiplies its columns of the
+    weight, and the partial sums are all-reduced, inside the forward (so a captured graph
+    segment holds the collective). Built only with more than one rank."""
+
+    def __init__(self, shard: Shard, output_size: int, bias: bool = False) -> None:
+        super().__init__(shard.size, output_size, bias, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(linear(x, self.weight, None, self.matmul))
+        return y if self.bias is None else y + self.bias

@@ -5,21 +5,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
+from replaylm.distributed.communication import all_gather_columns
 from replaylm.layers.linear import MatmulLayer, linear
+from replaylm.layers.vocab_embedding import VocabRows
 
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
 
 
-class LMHead(nn.Module):
-    """An untied LM head: its `[V, H]` weight only (checkpoint name `lm_head.weight`); the
-    projection is LogitsProcessor's, so the head is no MatmulLayer of its own."""
-
-    def __init__(self, hidden_size: int, vocab_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+class LMHead(VocabRows):
+    """An untied LM head: its `[V, H]` weight only (checkpoint name `lm_head.weight`), or this
+    rank's rows of it; the projection is LogitsProcessor's, so the head is no MatmulLayer of its
+    own."""
 
 
 class LogitsProcessor(MatmulLayer):
@@ -44,3 +42,20 @@ class LogitsProcessor(MatmulLayer):
     ) -> torch.Tensor:
         """Logits `[N, V]` (float32) of every row of `hidden [N, H]`."""
         return linear(hidden, lm_head_weight, None, self.matmul, out_dtype=torch.float32, out=out)
+
+
+class VocabParallelLogitsProcessor(LogitsProcessor):
+    """The projection with the LM head's rows split over the ranks: each rank computes its
+    slice of the vocabulary's logits, gathered once (all-gather) and cut to `vocab_size` (the
+    last slice's padding)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def project(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        local = linear(hidden, lm_head_weight, None, self.matmul, out_dtype=torch.float32)
+        logits = all_gather_columns(local)[:, : self.vocab_size]
+        return logits.contiguous() if out is None else out.copy_(logits)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replaylm.distributed.communication import broadcast_from_rank0
 from replaylm.layers.kernels import use_triton_kernels
 from replaylm.layers.sampling_hash import GOLDEN, MIX1, MIX2, UNIFORM_BITS
 from replaylm.sampling_params import SamplingParams
@@ -128,6 +129,16 @@ class Sampler(torch.nn.Module):
             noise = -torch.log(_uniform_in_order(info.seeds, steps, logits))
             sampled_ids = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+class RankZeroSampler(Sampler):
+    """The sampler of a tensor-parallel rank: every rank samples from its (gathered) logits,
+    then takes rank 0's ids, so ranks whose logits differ in the last bit never drift apart."""
+
+    def forward(
+        self, logits: torch.Tensor, info: SamplingBatchInfo, steps: torch.Tensor
+    ) -> torch.Tensor:
+        return broadcast_from_rank0(super().forward(logits, info, steps))
 
 
 def _uniform_in_order(

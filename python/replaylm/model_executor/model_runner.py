@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from replaylm.distributed.communication import min_over_ranks
+from replaylm.distributed.parallel_state import TPPlace, init_tensor_parallel
+from replaylm.distributed.sharding import HeadShard, check_model_split
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
 from replaylm.layers.kernels import (
@@ -23,7 +26,7 @@ from replaylm.layers.kernels import (
 )
 from replaylm.layers.linear import AUTO_SKINNY_MAX_BYTES, set_matmul
 from replaylm.layers.logit_adjust import LogitAdjuster, LogitAdjustments
-from replaylm.layers.sampler import Sampler, SamplingBatchInfo
+from replaylm.layers.sampler import RankZeroSampler, Sampler, SamplingBatchInfo
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
 from replaylm.mem_cache.token_allocator import TokenSlotAllocator
@@ -65,11 +68,17 @@ class ModelRunner:
     """Loads the model and sizes memory at construction; then runs forward passes and sampling.
 
     `stages`: the start-up stages of the process it loads in, marked as it goes (default: its
-    own, from its construction on), kept as `startup`."""
+    own, from its construction on), kept as `startup`. `tp_rank`: this process's rank of
+    `--tp-size` (which joins the group, at `args.dist_init_addr`, before the model loads)."""
 
-    def __init__(self, args: ServerArgs, stages: StartupStages | None = None) -> None:
+    def __init__(
+        self, args: ServerArgs, stages: StartupStages | None = None, tp_rank: int = 0
+    ) -> None:
         self.startup = stages or StartupStages("model runner")
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and args.tp_size > 1:  # one GPU per rank of a node
+            self.device = torch.device("cuda", tp_rank % args.ranks_per_node)
+            torch.cuda.set_device(self.device)
         self.max_running_requests = args.max_running_requests or _default_running_cap(self.device)
         self.args = args = dataclasses.replace(args, max_running_requests=self.max_running_requests)
         check_pdl(args.enable_pdl is True, self.device)
@@ -83,6 +92,17 @@ class ModelRunner:
         path = resolve_model_path(args.model_path)
         self.config = load_model_config(path)
         self.dtype = resolve_dtype(args.dtype, self.device, self.config.torch_dtype)
+        self.tp = TPPlace(tp_rank, args.tp_size)
+        if args.tp_size > 1:
+            cfg = self.config
+            check_model_split(
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.intermediate_size,
+                self.tp.size,
+            )
+            assert args.dist_init_addr is not None  # the launcher picks one
+            init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, self.device)
         self.startup.mark("model config")
         with loading_threads(self.device):
             self.model = load_model(
@@ -123,16 +143,17 @@ class ModelRunner:
         with loading_threads(self.device):
             self._init_memory()
         self.startup.mark("KV allocation")
-        self.sampler = Sampler()
+        self.sampler = Sampler() if self.tp.size == 1 else RankZeroSampler()
         # penalty state per request-table row, allocated when a penalised request first comes
         self.logit_adjuster = LogitAdjuster(
             self.max_running_requests, self.config.vocab_size, self.device
         )
         logger.info(
-            "model runner ready: %s on %s, KV cache %d tokens (%.2f GiB), attention %s, "
+            "model runner ready: %s on %s%s, KV cache %d tokens (%.2f GiB), attention %s, "
             "matmul %s%s%s",
             self.dtype,
             self.device,
+            f" (tensor-parallel rank {tp_rank} of {args.tp_size})" if args.tp_size > 1 else "",
             self.max_total_tokens,
             self.kv_pool.memory_bytes() / 2**30,
             backend,
@@ -179,10 +200,17 @@ class ModelRunner:
         )
         return kept
 
+    def _kv_heads(self) -> int:
+        """KV heads this rank holds (all of them without tensor parallelism)."""
+        cfg = self.config
+        return HeadShard.for_rank(
+            cfg.num_attention_heads, cfg.num_key_value_heads, self.tp
+        ).kv_heads
+
     def _kv_budget_tokens(self) -> int:
         cfg = self.config
         per_token = KVPool.bytes_per_token(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+            cfg.num_hidden_layers, self._kv_heads(), cfg.head_dim, self.dtype
         )
         if self.device.type != "cuda":
             return CPU_KV_CACHE_BYTES // per_token
@@ -194,7 +222,9 @@ class ModelRunner:
                 f"cache after the weights ({(total - free) / 2**30:.1f} GiB used of "
                 f"{total / 2**30:.1f} GiB); raise it"
             )
-        return int(budget // per_token)
+        tokens = int(budget // per_token)
+        # every rank's scheduler must see the same pool: the smallest any rank can hold
+        return tokens if self.tp.size == 1 else min_over_ranks(tokens)
 
     def _init_memory(self) -> None:
         cfg = self.config
@@ -203,7 +233,7 @@ class ModelRunner:
         self.kv_pool = KVPool(
             self.max_total_tokens,
             cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
+            self._kv_heads(),
             cfg.head_dim,
             self.dtype,
             self.device,

@@ -11,14 +11,27 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from replaylm.distributed.parallel_state import TPPlace, tp_place
+from replaylm.distributed.sharding import (
+    MLP_COLUMNS,
+    HeadShard,
+    Shard,
+    full_shape,
+    local_part,
+    vocab_shard,
+)
 from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.ops import norm_rope_store
 from replaylm.layers.kernels import use_triton_kernels
 from replaylm.layers.layernorm import RMSNorm
-from replaylm.layers.linear import GateUpLinear, Linear, MergedLinear
-from replaylm.layers.logits_processor import LMHead, LogitsProcessor
+from replaylm.layers.linear import GateUpLinear, Linear, MergedLinear, RowParallelLinear
+from replaylm.layers.logits_processor import (
+    LMHead,
+    LogitsProcessor,
+    VocabParallelLogitsProcessor,
+)
 from replaylm.layers.rotary_embedding import RotaryEmbedding
-from replaylm.layers.vocab_embedding import VocabEmbedding
+from replaylm.layers.vocab_embedding import VocabEmbedding, VocabParallelEmbedding, VocabRows
 from replaylm.model_executor.forward_batch import ForwardBatch
 from replaylm.model_loader.model_config import ModelConfig
 
@@ -33,6 +46,14 @@ _FUSED_SHARDS = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def _row_linear(shard: Shard, output_size: int, place: TPPlace) -> Linear:
+    """The projection back to the hidden size from this rank's `shard` of its input columns:
+    a plain Linear over all of them on one rank (no collective), else RowParallelLinear."""
+    if place.size == 1:
+        return Linear(shard.full, output_size)
+    return RowParallelLinear(shard, output_size)
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -41,18 +62,25 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding,
         qkv_bias: bool,
         qk_norm: bool,
+        place: TPPlace,
     ) -> None:
         super().__init__()
         h, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        heads = HeadShard.for_rank(h, hkv, place)
+        sources = heads.qkv_shards(h, hkv, d)
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": h * d, "k": hkv * d, "v": hkv * d}, bias=qkv_bias
+            config.hidden_size,
+            {name: source.size for name, source in sources.items()},
+            bias=qkv_bias,
+            sources=sources if place.size > 1 else None,
         )
-        self.o_proj = Linear(h * d, config.hidden_size)
+        o_shard = Shard(1, heads.head_start * d, heads.heads * d, h * d)
+        self.o_proj = _row_linear(o_shard, config.hidden_size, place)
         self.rotary = rotary
         self.head_dim = d
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(h, hkv, d, d**-0.5, layer_id)
+        self.attn = Attention(heads.heads, heads.kv_heads, d, d**-0.5, layer_id)
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape[0], -1)
@@ -98,10 +126,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, place: TPPlace) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)  # SiluAndMul included
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        rows = Shard.even(0, intermediate_size, place, MLP_COLUMNS)
+        self.gate_up_proj = GateUpLinear(  # SiluAndMul included
+            hidden_size, rows.size, rows if place.size > 1 else None
+        )
+        self.down_proj = _row_linear(Shard(1, rows.start, rows.size, rows.full), hidden_size, place)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -115,10 +146,11 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         qkv_bias: bool,
         qk_norm: bool,
+        place: TPPlace,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, qkv_bias, qk_norm, place)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, place)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -140,9 +172,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool, place: TPPlace) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: VocabRows = (
+            VocabEmbedding(config.vocab_size, config.hidden_size)
+            if place.size == 1
+            else VocabParallelEmbedding(vocab_shard(config.vocab_size, place), config.hidden_size)
+        )
         rotary = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -150,7 +186,7 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, qkv_bias, qk_norm)
+            LlamaDecoderLayer(config, i, rotary, qkv_bias, qk_norm, place)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -167,16 +203,28 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM: `forward(input_ids, positions, batch) -> next-token logits [B, V]` (float32)."""
+    """Causal LM: `forward(input_ids, positions, batch) -> next-token logits [B, V]` (float32).
+
+    Built for this process's tensor-parallel place (`tp_place`): on one of several ranks, its
+    share of heads, MLP columns and vocabulary, with the collectives in the row-parallel
+    projections, the embedding and the logits."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.uses_qkv_bias(config), self.uses_qk_norm())
+        place = tp_place()
+        self.model = LlamaModel(config, self.uses_qkv_bias(config), self.uses_qk_norm(), place)
+        vocab_rows = None if place.size == 1 else vocab_shard(config.vocab_size, place)
         self.lm_head = (
-            None if config.tie_word_embeddings else LMHead(config.hidden_size, config.vocab_size)
+            None
+            if config.tie_word_embeddings
+            else LMHead(config.vocab_size, config.hidden_size, vocab_rows)
         )
-        self.logits_processor = LogitsProcessor()
+        self.logits_processor = (
+            LogitsProcessor()
+            if place.size == 1
+            else VocabParallelLogitsProcessor(config.vocab_size)
+        )
 
     @staticmethod
     def uses_qkv_bias(config: ModelConfig) -> bool:
@@ -212,8 +260,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors. Raises ValueError naming the tensor on a shape mismatch, an
-        unexpected name, or parameters the checkpoint did not provide."""
+        """Load HF-named tensors (whole: each sharded layer keeps its rank's part). Raises
+        ValueError naming the tensor on a shape mismatch, an unexpected name, or parameters the
+        checkpoint did not provide."""
         params = dict(self.named_parameters())
         pending = {name: 1 for name in params}
         for name, layer in self.named_modules():
@@ -231,15 +280,18 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor '{ckpt_name}' has no parameter in the model")
             param = params[target]
+            module_name, leaf = target.rsplit(".", 1)
+            module = modules[module_name]
             if shard is None:
-                if tuple(tensor.shape) != tuple(param.shape):
+                expected = full_shape(module, leaf)
+                if tuple(tensor.shape) != expected:
                     raise ValueError(
                         f"shape mismatch for '{ckpt_name}': checkpoint has "
-                        f"{tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                        f"{tuple(tensor.shape)}, model expects {expected}"
                     )
-                param.copy_(tensor)
+                param.copy_(local_part(module, leaf, tensor))
             else:
-                modules[target.rsplit(".", 1)[0]].load_shard(param, shard, tensor, ckpt_name)
+                module.load_shard(param, shard, tensor, ckpt_name)
             pending[target] -= 1
         missing = sorted(name for name, left in pending.items() if left > 0)
         if missing:

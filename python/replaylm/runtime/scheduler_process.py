@@ -6,6 +6,12 @@ It talks to the tokenizer manager over one duplex `multiprocessing` pipe. The ma
 to load) once, then one `BatchTokenOut` per step that produced tokens or aborts. It exits on
 `ShutdownReq` or when the parent end of the pipe closes.
 
+Under tensor parallelism (`--tp-size N`) there is one such process per rank. Only rank 0 has the
+pipe; every loop iteration it broadcasts what came through it (requests, aborts, flushes, the
+shutdown; at start the TokenizerInfo) to the other ranks, and every rank runs the same scheduler
+on that same stream, so all take the same steps (the sampled ids are rank 0's: `RankZeroSampler`).
+A rank that dies breaks the others' next collective, which ends them.
+
 This module is imported by the HTTP process (to start the child), so it imports nothing heavy at
 the top: torch and the model code load in the child only, while the parent goes on with its own
 start-up (loading the tokenizer).
@@ -18,6 +24,8 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import signal
+import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -59,55 +67,119 @@ class SchedulerStartError(RuntimeError):
 
 @dataclass
 class SchedulerProcess:
-    """The scheduler child process and the parent's end of its pipe."""
+    """The scheduler child process (rank 0's) and the parent's end of its pipe, with the
+    processes of this node's other tensor-parallel ranks (`followers`)."""
 
     proc: BaseProcess
     conn: Connection
+    followers: dict[int, BaseProcess]
 
     @classmethod
     def start(cls, args: ServerArgs) -> SchedulerProcess:
-        """Spawn the child; it starts loading the model at once (send it TokenizerInfo next).
-        The child gets no secrets: it has no use for them."""
+        """Spawn the child (and the other ranks of node 0); it starts loading the model at once
+        (send it TokenizerInfo next). The children get no secrets: they have no use for them."""
+        args = with_dist_init_addr(dataclasses.replace(args, api_key=None))
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=run_scheduler_process,
-            args=(dataclasses.replace(args, api_key=None), child_conn, time.time()),
+            args=(args, child_conn, time.time()),
             daemon=True,
             name="replaylm-scheduler",
         )
         proc.start()
         child_conn.close()
-        return cls(proc, conn)
+        return cls(proc, conn, spawn_followers(args, range(1, args.ranks_per_node)))
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive() and all(p.is_alive() for p in self.followers.values())
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for rank 0's process to exit (for its exit code)."""
+        self.proc.join(timeout_s)
 
     def exit_reason(self) -> str:
-        """ "the scheduler process exited", with its exit code once it has one."""
-        code = self.proc.exitcode
-        return "the scheduler process exited" + (f" (code {code})" if code is not None else "")
+        """ "the scheduler process exited", with its exit code once it has one; a follower
+        that died first is named instead (rank 0 then fails only as its consequence)."""
+        return self.follower_exit_reason() or "the scheduler process exited" + _code(self.proc)
+
+    def follower_exit_reason(self) -> str | None:
+        """Which other tensor-parallel rank's process exited, and its code; None while all run."""
+        for rank, proc in self.followers.items():
+            if not proc.is_alive():
+                return f"the scheduler process of tensor-parallel rank {rank} exited{_code(proc)}"
+        return None
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask the child to exit; terminate it if it does not in time. Safe to call twice."""
+        """Ask the children to exit; terminate those that do not in time. Safe to call twice."""
         if self.proc.is_alive():
             with contextlib.suppress(OSError):
                 self.conn.send(ShutdownReq())
-            self.proc.join(timeout_s)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout_s)
+        stop_processes([self.proc, *self.followers.values()], timeout_s)
         self.conn.close()
 
 
-def run_scheduler_process(args: ServerArgs, conn: Connection, spawned_at: float) -> None:
+def _code(proc: BaseProcess) -> str:
+    return f" (code {proc.exitcode})" if proc.exitcode is not None else ""
+
+
+def with_dist_init_addr(args: ServerArgs) -> ServerArgs:
+    """`args` with the address where its tensor-parallel ranks meet: a free loopback port when
+    all ranks run on this machine and none was given."""
+    if args.tp_size == 1 or args.dist_init_addr is not None:
+        return args
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{port}")
+
+
+def spawn_followers(args: ServerArgs, local_ranks: range) -> dict[int, BaseProcess]:
+    """Spawn the scheduler processes of tensor-parallel ranks other than 0, by their index on
+    this node (`args.node_rank`); {rank: process}."""
+    ctx = mp.get_context("spawn")
+    procs: dict[int, BaseProcess] = {}
+    for local in local_ranks:
+        rank = args.node_rank * args.ranks_per_node + local
+        procs[rank] = ctx.Process(
+            target=run_scheduler_process,
+            args=(args, None, time.time(), rank),
+            daemon=True,
+            name=f"replaylm-scheduler-tp{rank}",
+        )
+        procs[rank].start()
+    return procs
+
+
+def stop_processes(procs: list[BaseProcess], timeout_s: float) -> None:
+    """Wait up to `timeout_s` for each process to exit, then terminate what still runs."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout_s)
+
+
+def run_scheduler_process(
+    args: ServerArgs, conn: Connection | None, spawned_at: float, tp_rank: int = 0
+) -> None:
     """Process entry point; `spawned_at`: when the parent spawned it (epoch seconds), where its
-    start-up stages begin. Ctrl-C goes to the parent, which shuts this process down."""
+    start-up stages begin. Ctrl-C goes to the parent, which shuts this process down. `conn`:
+    the pipe to the tokenizer manager, rank 0's only (None: a follower of tensor-parallel rank
+    `tp_rank`, which exits with code 1 when it fails)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name = "scheduler" if args.tp_size == 1 else f"scheduler tp{tp_rank}"
     logging.basicConfig(
         level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
     )
     stages = StartupStages("scheduler", spawned_at)
     stages.mark("spawn")
     logger.info("scheduler process started: importing torch and the model code")
+    if conn is None:
+        sys.exit(_run_follower(args, tp_rank, stages))
     try:
         built = _build_scheduler(args, conn, stages)
         if built is None:
@@ -136,9 +208,22 @@ def run_scheduler_process(args: ServerArgs, conn: Connection, spawned_at: float)
         _loop(scheduler, conn, grammars)
     except (EOFError, BrokenPipeError):
         logger.info("parent process gone; scheduler exiting")
-    except Exception:
+    except Exception as err:
+        if _group_broken(err):  # another rank died: its death is the story, not this traceback
+            logger.error("scheduler stops: %s", one_line_error(err))
+            conn.send(SchedulerFailed(one_line_error(err)))
+            return
         logger.exception("scheduler crashed")
         conn.send(SchedulerFailed(traceback.format_exc()))
+
+
+def _group_broken(err: Exception) -> bool:
+    """Whether `err` is the tensor-parallel group breaking (a rank gone), not a bug here."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    from replaylm.distributed.communication import GroupBroken
+
+    return isinstance(err, GroupBroken)
 
 
 def one_line_error(err: BaseException) -> str:
@@ -150,18 +235,39 @@ def one_line_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
+def _run_follower(args: ServerArgs, tp_rank: int, stages: StartupStages) -> int:
+    """A follower rank's life: its exit code, 0 after rank 0's ShutdownReq, 1 (one log line
+    saying why) when anything fails, a broken group included. A start-up failure on node 0 is
+    logged quietly: rank 0 fails alike (the same flags and model) and the front end says why."""
+    started = False
+    try:
+        built = _build_scheduler(args, None, stages, tp_rank)
+        if built is not None:
+            started = True
+            # its batches are rank 0's, which logs them
+            logging.getLogger("replaylm.runtime.scheduler").setLevel(logging.WARNING)
+            _loop(built[0], None, built[1])
+        return 0
+    except Exception as err:
+        logger.debug("tensor-parallel rank %d failed", tp_rank, exc_info=True)
+        level = logging.ERROR if started or args.node_rank > 0 else logging.INFO
+        logger.log(level, "tensor-parallel rank %d stops: %s", tp_rank, one_line_error(err))
+        return 1
+
+
 def _build_scheduler(
-    args: ServerArgs, conn: Connection, stages: StartupStages
+    args: ServerArgs, conn: Connection | None, stages: StartupStages, tp_rank: int = 0
 ) -> tuple[Scheduler, GrammarLoader | None] | None:
-    """Load the model, then take the manager's TokenizerInfo; the scheduler and the loader of
-    structured-output grammars (None: no structured output), or None if it sent ShutdownReq."""
+    """Load the model, then take the manager's TokenizerInfo (a follower rank: rank 0's
+    broadcast of it); the scheduler and the loader of structured-output grammars (None: no
+    structured output), or None if the manager sent ShutdownReq."""
     from replaylm.model_executor.model_runner import ModelRunner
     from replaylm.runtime.model_setup import eos_token_ids
     from replaylm.runtime.scheduler import Scheduler
 
     stages.mark("imports")
-    runner = ModelRunner(args, stages)
-    info = conn.recv()
+    runner = ModelRunner(args, stages, tp_rank)
+    info = _first_message(conn, args.tp_size)
     if isinstance(info, ShutdownReq):
         return None
     if not isinstance(info, TokenizerInfo):
@@ -176,33 +282,59 @@ def _build_scheduler(
     return scheduler, grammars
 
 
-def _loop(scheduler: Scheduler, conn: Connection, grammars: GrammarLoader | None) -> None:
+def _first_message(conn: Connection | None, tp_size: int) -> object:
+    """The manager's first message (rank 0 passes it on to the other ranks); a follower rank
+    (`conn` None) gets it from rank 0."""
+    if tp_size == 1:
+        assert conn is not None  # without tensor parallelism the one process has the pipe
+        return conn.recv()
+    from replaylm.distributed.communication import broadcast_objects
+
+    return broadcast_objects(None if conn is None else [conn.recv()])[0]
+
+
+def _receive(conn: Connection | None, scheduler: Scheduler, tp_size: int) -> list[object]:
+    """This iteration's messages: what came through the pipe (waiting while there is no work),
+    and under tensor parallelism rank 0's list on every rank. A closed pipe reads as a
+    ShutdownReq, so the other ranks stop too."""
+    messages: list[object] = []
+    if conn is not None:
+        timeout = 0.0 if scheduler.has_work else IDLE_POLL_S
+        try:
+            while conn.poll(timeout):
+                messages.append(conn.recv())
+                timeout = 0.0
+        except (EOFError, BrokenPipeError):
+            logger.info("parent process gone; scheduler exiting")
+            messages.append(ShutdownReq())
+    if tp_size == 1:
+        return messages
+    from replaylm.distributed.communication import broadcast_objects
+
+    return broadcast_objects(messages if conn is not None else None)
+
+
+def _loop(scheduler: Scheduler, conn: Connection | None, grammars: GrammarLoader | None) -> None:
+    """Apply each iteration's messages, then step; `conn` None on a follower rank, which
+    takes rank 0's messages and sends nothing."""
+    tp_size = scheduler.runner.tp.size
     while True:
         aborted: list[Req] = []
-        timeout = 0.0 if scheduler.has_work else IDLE_POLL_S
-        while conn.poll(timeout):
-            msg = conn.recv()
-            timeout = 0.0
+        for msg in _receive(conn, scheduler, tp_size):
             if isinstance(msg, ShutdownReq):
                 return
             if isinstance(msg, TokenizedGenerateReq):
-                scheduler.add(
-                    Req(
-                        msg.rids[0],
-                        msg.input_ids,
-                        msg.sampling_params,
-                        msg.seeds[0],
-                        msg.max_new_tokens,
-                        top_logprobs=msg.top_logprobs,
-                        prompt_logprobs=msg.prompt_logprobs,
-                        forks=list(zip(msg.rids[1:], msg.seeds[1:], strict=True)),
-                        grammar=_load_grammar(msg, grammars),
-                    )
-                )
+                scheduler.add(request_of(msg, _load_grammar(msg, grammars)))
             elif isinstance(msg, AbortReq) and (req := scheduler.abort(msg.rid)) is not None:
                 aborted.append(req)
             elif isinstance(msg, FlushCacheReq):
-                conn.send(FlushCacheOut(scheduler.kv.flush()))
+                flushed = scheduler.kv.flush()
+                if conn is not None:
+                    conn.send(FlushCacheOut(flushed))
+        if conn is None:  # a follower: the same steps, no outputs
+            if scheduler.has_work:
+                scheduler.step()
+            continue
         outputs = [ReqTokenOut(r.rid, [], None, r.finish_reason, len(r.input_ids)) for r in aborted]
         if scheduler.has_work:
             outputs += [
@@ -220,6 +352,21 @@ def _loop(scheduler: Scheduler, conn: Connection, grammars: GrammarLoader | None
             ]
         if outputs or aborted:
             conn.send(BatchTokenOut(outputs, scheduler.stats()))
+
+
+def request_of(msg: TokenizedGenerateReq, grammar: RequestGrammar | None) -> Req:
+    """The scheduler's request for `msg` (its first choice; the others are its forks)."""
+    return Req(
+        msg.rids[0],
+        msg.input_ids,
+        msg.sampling_params,
+        msg.seeds[0],
+        msg.max_new_tokens,
+        top_logprobs=msg.top_logprobs,
+        prompt_logprobs=msg.prompt_logprobs,
+        forks=list(zip(msg.rids[1:], msg.seeds[1:], strict=True)),
+        grammar=grammar,
+    )
 
 
 def _load_grammar(

@@ -58,6 +58,8 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 MAX_CHOICES = 128  # OpenAI's limit on `n`
+STARTUP_POLL_S = 0.5  # how often the wait for the model checks the other ranks' processes
+RANK_EXIT_GRACE_S = 2.0  # how long rank 0 gets to say why after another rank exited at start
 _MAX_SEED = 2**63 - 1
 
 
@@ -139,24 +141,41 @@ class TokenizerManager:
         self._reader.start()
 
     def _wait_ready(self) -> SchedulerReady:
-        try:
-            msg = self._scheduler.conn.recv()
-        except EOFError:
-            self._scheduler.proc.join(5)  # for its exit code
-            msg = SchedulerFailed(f"{self._scheduler.exit_reason()} while loading the model")
+        msg = self._startup_message()
         if isinstance(msg, SchedulerFailed):
             self._scheduler.stop(timeout_s=5)
             raise SchedulerStartError(msg.error)
         return msg
 
+    def _startup_message(self) -> SchedulerReady | SchedulerFailed:
+        """The scheduler's ready (or failed) message; SchedulerFailed too when it exits first,
+        or when another tensor-parallel rank exits and rank 0 does not say why soon (it may be
+        waiting for that rank to join, which would take the group's whole timeout)."""
+        conn = self._scheduler.conn
+        try:
+            while not conn.poll(STARTUP_POLL_S):
+                reason = self._scheduler.follower_exit_reason()
+                # rank 0 fails alike when the cause is a flag or the model: its message is better
+                if reason is not None and not conn.poll(RANK_EXIT_GRACE_S):
+                    return SchedulerFailed(f"{reason} while loading the model")
+            return conn.recv()
+        except EOFError:
+            self._scheduler.join(5)  # for its exit code
+            return SchedulerFailed(f"{self._scheduler.exit_reason()} while loading the model")
+
     # ---- public API -----------------------------------------------------------------------
 
     def healthy(self) -> bool:
-        return self._dead_reason is None and self._scheduler.proc.is_alive()
+        return self._dead_reason is None and self._scheduler.is_alive()
 
     def scheduler_exit_reason(self) -> str:
-        """Why the scheduler process is gone (once `healthy()` is False)."""
-        return self._dead_reason or self._scheduler.exit_reason()
+        """Why the scheduler process is gone (once `healthy()` is False); a tensor-parallel
+        rank that died first is the cause, whatever rank 0 reported after it."""
+        return (
+            self._scheduler.follower_exit_reason()
+            or self._dead_reason
+            or self._scheduler.exit_reason()
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self._require_tokenizer()
@@ -358,7 +377,7 @@ class TokenizerManager:
             try:
                 msg = self._scheduler.conn.recv()
             except (EOFError, OSError):
-                self._scheduler.proc.join(1)  # for its exit code
+                self._scheduler.join(1)  # for its exit code
                 reason = detail = self._scheduler.exit_reason()
                 break
             if isinstance(msg, SchedulerFailed):  # its error is a traceback

@@ -1,0 +1,116 @@
+"""Tensor parallelism on the CPU (gloo ranks on loopback): the logits of every tensor-parallel
+size equal one rank's, for each loader (safetensors, dummy, GGUF) and model family, and sizes
+that do not divide the model are one-line errors naming both numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_loader.builtin_models import DEFAULT_MODEL
+from replaylm.server_args import ServerArgs
+
+from model_parity import scripted_logits
+from tiny_checkpoints import write_tiny_checkpoint
+from tp_ranks import run_ranks, runner_logits
+
+# a dummy Llama whose heads, KV heads and MLP divide by 2 and 3, and whose vocabulary does not
+# (the last rank's rows are padding)
+DUMMY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 331,
+    "hidden_size": 96,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 6,
+    "max_position_embeddings": 256,
+}
+
+
+def _args(model_path: str, **extra: object) -> ServerArgs:
+    base: dict[str, object] = {
+        "device": "cpu",
+        "dtype": "float32",
+        "max_total_tokens": 512,
+        "max_running_requests": 8,
+        "context_length": 256,
+    }
+    return ServerArgs(model_path=model_path, **{**base, **extra})  # type: ignore[arg-type]
+
+
+def _assert_logits_match(args: ServerArgs, tp_size: int) -> None:
+    ref = runner_logits(args, rank=0)
+    ours = run_ranks(runner_logits, _with_tp(args, tp_size))
+    assert len(ours) == len(ref)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert a.shape == b.shape, step
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
+
+
+def _with_tp(args: ServerArgs, tp_size: int) -> ServerArgs:
+    return dataclasses.replace(args, tp_size=tp_size)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3"])
+def test_safetensors_logits_match_one_rank(tmp_path: Path, kind: str) -> None:
+    """llama3: untied head; qwen2: QKV biases; qwen3: q/k norm, one KV head replicated."""
+    write_tiny_checkpoint(kind, tmp_path)
+    _assert_logits_match(_args(str(tmp_path)), tp_size=2)
+
+
+def test_dummy_logits_match_one_rank_on_three_ranks(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(DUMMY_CONFIG))
+    _assert_logits_match(_args(str(config), load_format="dummy"), tp_size=3)
+
+
+def test_gguf_builtin_logits_match_one_rank_on_three_ranks() -> None:
+    """SmolLM2-135M: 9 heads, 3 KV heads, so 3 ranks (and not 2)."""
+    _assert_logits_match(_args(DEFAULT_MODEL, max_total_tokens=256), tp_size=3)
+
+
+@pytest.mark.parametrize(
+    ("changes", "tp_size", "message"),
+    [
+        ({}, 5, "--tp-size 5 does not divide the model's 12 attention heads"),
+        ({}, 4, "--tp-size 4 does not divide the model's 6 KV heads"),
+        (
+            {"num_key_value_heads": 1, "intermediate_size": 200},
+            3,
+            "--tp-size 3 does not divide the model's 200 intermediate (MLP) columns",
+        ),
+        (
+            {"num_key_value_heads": 4},
+            6,
+            "--tp-size 6 is not a multiple of the model's 4 KV heads (with fewer KV heads "
+            "than ranks, each is replicated on as many ranks)",
+        ),
+    ],
+)
+def test_sizes_that_do_not_divide_are_one_line_errors(
+    tmp_path: Path, changes: dict[str, int], tp_size: int, message: str
+) -> None:
+    """Checked before the rank joins its group, so every rank fails alike and at once."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**DUMMY_CONFIG, **changes}))
+    args = _with_tp(_args(str(config), load_format="dummy"), tp_size)
+    with pytest.raises(ValueError) as err:
+        ModelRunner(args, tp_rank=0)
+    assert str(err.value) == message
+
+
+def test_one_rank_builds_no_parallel_layers(tmp_path: Path) -> None:
+    """--tp-size 1 keeps the plain layers: no collective anywhere in its forward."""
+    write_tiny_checkpoint("llama3", tmp_path)
+    runner = ModelRunner(_args(str(tmp_path)))
+    names = {type(m).__name__ for m in runner.model.modules()}
+    assert not {n for n in names if "Parallel" in n or n == "RankZeroSampler"}
+    assert type(runner.sampler).__name__ == "Sampler"
+    assert torch.isfinite(scripted_logits(runner, (3,), 1, first_decode_id=7)[0]).all()
