@@ -74,8 +74,10 @@ def one_rank(checkpoint: str) -> list[list[int]]:
     return outputs
 
 
-def test_engine_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank):
-    outputs, retractions = _engine_outputs(checkpoint, tp_size=2)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_engine_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank, mixed):
+    """Also with mixed chunks: every rank mixes the same decode tokens into the same steps."""
+    outputs, retractions = _engine_outputs(checkpoint, tp_size=2, enable_mixed_chunk=mixed)
     assert retractions > 0
     assert outputs == one_rank
 
