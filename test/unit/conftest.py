@@ -14,6 +14,14 @@ from server_process import ServerProcess, start_server
 from tiny_checkpoints import write_tiny_checkpoint
 
 
+@pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random tiny Llama 3 checkpoint's folder (the scheduler tests' model)."""
+    path = tmp_path_factory.mktemp("tiny_llama3")
+    write_tiny_checkpoint("llama3", path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def client(http_server: ServerProcess) -> openai.OpenAI:
     """The official `openai` client of `http_server`."""

@@ -19,7 +19,6 @@ from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 
 from penalty_reference import check_against_reference, record_sampling
-from tiny_checkpoints import write_tiny_checkpoint
 
 EOS = 2  # the tiny checkpoints' eos_token_id
 PROMPTS = [[(7 * i + j) % 300 + 3 for j in range(4 + 3 * i)] for i in range(7)]
@@ -38,15 +37,8 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    write_tiny_checkpoint("llama3", path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def engine(folder) -> Engine:
-    return Engine(model_path=folder, device="cpu", max_total_tokens=2000)
+def engine(tiny_llama3) -> Engine:
+    return Engine(model_path=tiny_llama3, device="cpu", max_total_tokens=2000)
 
 
 def _reqs(max_new: int = 14) -> list[Req]:
@@ -121,10 +113,10 @@ def test_plain_requests_sample_as_without_penalised_companions(engine, runs):
     assert [reqs[i].output_ids for i in plain] == [runs[True][i].output_ids for i in plain]
 
 
-def test_state_is_rebuilt_after_retraction(folder, engine, monkeypatch):
+def test_state_is_rebuilt_after_retraction(tiny_llama3, engine, monkeypatch):
     roomy = _reqs(30)
     _run(_scheduler(engine, True), roomy)
-    tiny = Engine(model_path=folder, device="cpu", max_total_tokens=100)
+    tiny = Engine(model_path=tiny_llama3, device="cpu", max_total_tokens=100)
     sched = _scheduler(tiny, True)
     sched.new_token_ratio = sched.min_new_token_ratio = 0.0  # admit eagerly, retract later
     calls = record_sampling(tiny.runner, monkeypatch)

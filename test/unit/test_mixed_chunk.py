@@ -16,24 +16,15 @@ from replaylm.model_executor.forward_batch import ForwardBatch
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 
-from tiny_checkpoints import write_tiny_checkpoint
-
 GREEDY = {"ignore_eos": True, "temperature": 0.0}
 MAX_NEW = 14
 PROMPTS = [[(7 * i + 3 * j) % 300 + 3 for j in range(3 + 5 * i)] for i in range(10)]  # 3..48
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    write_tiny_checkpoint("llama3", path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def alone(folder) -> list[list[int]]:
+def alone(tiny_llama3) -> list[list[int]]:
     """Each prompt's greedy output when it runs by itself."""
-    engine = Engine(model_path=folder, device="cpu", max_total_tokens=2000)
+    engine = Engine(model_path=tiny_llama3, device="cpu", max_total_tokens=2000)
     params = {"max_new_tokens": MAX_NEW, **GREEDY}
     return [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in PROMPTS]
 
@@ -71,10 +62,10 @@ def _run_in_waves(engine: Engine, abort: int | None = None) -> list[Req]:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_mixed_steps_equal_each_request_alone(folder, alone, overlap):
+def test_mixed_steps_equal_each_request_alone(tiny_llama3, alone, overlap):
     budget = 20
     engine = Engine(
-        model_path=folder,
+        model_path=tiny_llama3,
         device="cpu",
         max_total_tokens=2000,
         chunked_prefill_size=16,
@@ -99,11 +90,11 @@ def test_mixed_steps_equal_each_request_alone(folder, alone, overlap):
     assert_kv_released(engine)
 
 
-def test_mixed_steps_keep_every_output_through_retraction(folder, alone):
+def test_mixed_steps_keep_every_output_through_retraction(tiny_llama3, alone):
     """A KV pool too small for the prompts' outputs: running requests are retracted and
     recomputed (in mixed steps, beside the decoding ones) and nothing changes."""
     engine = Engine(
-        model_path=folder,
+        model_path=tiny_llama3,
         device="cpu",
         max_total_tokens=120,
         chunked_prefill_size=16,
@@ -118,11 +109,11 @@ def test_mixed_steps_keep_every_output_through_retraction(folder, alone):
     assert_kv_released(engine)
 
 
-def test_no_room_beside_the_running_requests_prefills_alone(folder, alone):
+def test_no_room_beside_the_running_requests_prefills_alone(tiny_llama3, alone):
     """When the running requests alone fill the step's budget, a prefill step runs without them
     (as with mixing off) rather than starving the waiting prompts."""
     engine = Engine(
-        model_path=folder,
+        model_path=tiny_llama3,
         device="cpu",
         max_total_tokens=2000,
         chunked_prefill_size=4,
@@ -137,11 +128,11 @@ def test_no_room_beside_the_running_requests_prefills_alone(folder, alone):
     assert len(plain) > 1  # the first prefill, and those with 4+ requests running
 
 
-def test_the_graph_path_serves_mixed_batches(folder, alone):
+def test_the_graph_path_serves_mixed_batches(tiny_llama3, alone):
     """Under `--debug-cuda-graph` the breakable prefill runner takes mixed batches: its static
     buffers and padding request keep the decode tokens first."""
     engine = Engine(
-        model_path=folder,
+        model_path=tiny_llama3,
         device="cpu",
         max_total_tokens=2000,
         max_running_requests=16,
@@ -162,7 +153,7 @@ def test_the_graph_path_serves_mixed_batches(folder, alone):
     assert_kv_released(engine)
 
 
-def test_prompt_logprobs_beside_decoding_requests(folder):
+def test_prompt_logprobs_beside_decoding_requests(tiny_llama3):
     """A request asking for prompt logprobs, prefilled in chunks beside running decodes: its
     scored rows come after the decode tokens, and its scores equal those of it alone."""
     prompt = PROMPTS[-1]
@@ -183,8 +174,8 @@ def test_prompt_logprobs_beside_decoding_requests(folder):
         return outputs[0]
 
     kwargs = {"max_total_tokens": 2000, "chunked_prefill_size": 16, "max_prefill_tokens": 20}
-    alone = scores(Engine(model_path=folder, device="cpu", **kwargs), [])
-    mixed = Engine(model_path=folder, device="cpu", enable_mixed_chunk=True, **kwargs)
+    alone = scores(Engine(model_path=tiny_llama3, device="cpu", **kwargs), [])
+    mixed = Engine(model_path=tiny_llama3, device="cpu", enable_mixed_chunk=True, **kwargs)
     batches = _recorded_batches(mixed)
     got = scores(mixed, PROMPTS[:3])
     assert any(b.num_decode for b in batches)

@@ -13,21 +13,12 @@ from replaylm.entrypoints.engine import Engine
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 
-from tiny_checkpoints import write_tiny_checkpoint
-
 GREEDY = {"ignore_eos": True, "temperature": 0.0}
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    write_tiny_checkpoint("llama3", path)
-    return str(path)
-
-
-def _engine(folder: str, cache: bool = True, **kwargs) -> Engine:
+def _engine(tiny_llama3: str, cache: bool = True, **kwargs) -> Engine:
     args = {"max_total_tokens": 4000, "disable_radix_cache": not cache, **kwargs}
-    return Engine(model_path=folder, device="cpu", **args)
+    return Engine(model_path=tiny_llama3, device="cpu", **args)
 
 
 def _shared_prefix_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -46,8 +37,8 @@ def _generate(engine: Engine, prompts: list[list[int]], max_new: int) -> list[di
     return engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": max_new, **GREEDY})
 
 
-def test_a_repeated_prompt_reuses_its_prefix(folder):
-    engine = _engine(folder)
+def test_a_repeated_prompt_reuses_its_prefix(tiny_llama3):
+    engine = _engine(tiny_llama3)
     prompt = _shared_prefix_prompts(1)[0]
     first = _generate(engine, [prompt], 6)[0]
     assert first["meta_info"]["cached_tokens"] == 0
@@ -69,10 +60,10 @@ def test_a_repeated_prompt_reuses_its_prefix(folder):
     ],
     ids=["roomy", "chunked", "tiny_pool"],
 )
-def test_outputs_equal_the_cache_off(folder, setting):
+def test_outputs_equal_the_cache_off(tiny_llama3, setting):
     prompts = _shared_prefix_prompts(24)
-    expected = [o["output_ids"] for o in _generate(_engine(folder, cache=False), prompts, 12)]
-    engine = _engine(folder, **setting)
+    expected = [o["output_ids"] for o in _generate(_engine(tiny_llama3, cache=False), prompts, 12)]
+    engine = _engine(tiny_llama3, **setting)
     for round_ in range(2):  # the second round finds the first's prompts cached
         outs = _generate(engine, prompts, 12)
         assert [o["output_ids"] for o in outs] == expected, round_
@@ -83,21 +74,23 @@ def test_outputs_equal_the_cache_off(folder, setting):
     assert_kv_released(engine)
 
 
-def test_mixed_requests_with_aborts_on_a_tiny_pool(folder):
+def test_mixed_requests_with_aborts_on_a_tiny_pool(tiny_llama3):
     """200 requests with shared prefixes arriving over time on a pool that forces eviction and
     retraction, a quarter aborted mid-flight: every other output equals its solo run, and
     nothing leaks."""
     prompts = _shared_prefix_prompts(200, seed=1)
     rng = random.Random(2)
     max_new = [rng.randrange(1, 16) for _ in prompts]
-    solo_engine = _engine(folder, cache=False)
+    solo_engine = _engine(tiny_llama3, cache=False)
     solo = [
         solo_engine.generate(input_ids=p, sampling_params={"max_new_tokens": m, **GREEDY})[
             "output_ids"
         ]
         for p, m in zip(prompts, max_new, strict=True)
     ]
-    engine = _engine(folder, max_total_tokens=300, chunked_prefill_size=32, max_prefill_tokens=64)
+    engine = _engine(
+        tiny_llama3, max_total_tokens=300, chunked_prefill_size=32, max_prefill_tokens=64
+    )
     sched = engine.scheduler
     reqs = [
         Req(f"r{i}", p, SamplingParams(max_new_tokens=m, **GREEDY), 0, m)
@@ -128,8 +121,8 @@ def test_mixed_requests_with_aborts_on_a_tiny_pool(folder):
     assert_kv_released(engine)
 
 
-def test_flush_frees_only_what_no_request_holds(folder):
-    engine = _engine(folder)
+def test_flush_frees_only_what_no_request_holds(tiny_llama3):
+    engine = _engine(tiny_llama3)
     prompts = _shared_prefix_prompts(3)
     _generate(engine, prompts, 4)
     sched = engine.scheduler
@@ -145,8 +138,8 @@ def test_flush_frees_only_what_no_request_holds(folder):
     assert_kv_released(engine)
 
 
-def test_prompt_logprobs_requests_compute_every_position(folder):
-    engine = _engine(folder)
+def test_prompt_logprobs_requests_compute_every_position(tiny_llama3):
+    engine = _engine(tiny_llama3)
     prompt = _shared_prefix_prompts(1)[0]
     _generate(engine, [prompt], 2)
     req = Req("lp", prompt, SamplingParams(max_new_tokens=2, **GREEDY), 0, 2, prompt_logprobs=0)

@@ -13,21 +13,12 @@ from replaylm.entrypoints.engine import Engine
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 
-from tiny_checkpoints import write_tiny_checkpoint
-
 GREEDY = {"ignore_eos": True, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    write_tiny_checkpoint("llama3", path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def roomy(folder) -> Engine:
-    return Engine(model_path=folder, device="cpu", max_total_tokens=2000)
+def roomy(tiny_llama3) -> Engine:
+    return Engine(model_path=tiny_llama3, device="cpu", max_total_tokens=2000)
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -39,14 +30,14 @@ def _alone(engine: Engine, prompts: list[list[int]], max_new: int) -> list[list[
     return [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
 
 
-def test_a_tiny_kv_pool_keeps_outputs(folder, roomy):
+def test_a_tiny_kv_pool_keeps_outputs(tiny_llama3, roomy):
     """With no decode reserve (aggressive admission) the scheduler must retract requests
     mid-decode and recompute them; the default reserve retracts less. Outputs never change."""
     prompts = _prompts(5)
     expected = _alone(roomy, prompts, 40)
     retractions = {}
     for policy in ("aggressive", "default"):
-        tiny = Engine(model_path=folder, device="cpu", max_total_tokens=100)
+        tiny = Engine(model_path=tiny_llama3, device="cpu", max_total_tokens=100)
         if policy == "aggressive":
             tiny.scheduler.new_token_ratio = tiny.scheduler.min_new_token_ratio = 0.0
         outs = tiny.generate(input_ids=prompts, sampling_params={"max_new_tokens": 40, **GREEDY})
@@ -56,11 +47,11 @@ def test_a_tiny_kv_pool_keeps_outputs(folder, roomy):
     assert retractions["aggressive"] > retractions["default"], retractions
 
 
-def test_chunked_prefill_equals_unchunked(folder, roomy):
+def test_chunked_prefill_equals_unchunked(tiny_llama3, roomy):
     prompts = _prompts(4)
     expected = _alone(roomy, prompts, 8)
     chunked = Engine(
-        model_path=folder,
+        model_path=tiny_llama3,
         device="cpu",
         max_total_tokens=2000,
         chunked_prefill_size=4,
@@ -99,8 +90,8 @@ def test_requests_joining_between_steps_and_abort(roomy):
     assert_kv_released(roomy)
 
 
-def test_output_budget_is_clamped_to_the_cache(folder):
-    small = Engine(model_path=folder, device="cpu", max_total_tokens=100)
+def test_output_budget_is_clamped_to_the_cache(tiny_llama3):
+    small = Engine(model_path=tiny_llama3, device="cpu", max_total_tokens=100)
     out = small.generate(input_ids=[5] * 10, sampling_params={"max_new_tokens": 500, **GREEDY})
     assert out["meta_info"]["completion_tokens"] == 90
     assert out["meta_info"]["finish_reason"]["type"] == "length"
