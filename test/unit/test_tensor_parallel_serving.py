@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -135,14 +134,15 @@ def test_server_on_two_ranks_generates_what_one_rank_does(server_factory, checkp
 
 
 @pytest.fixture
-def other_node(checkpoint: str) -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """`start(*flags)`: a `--node-rank 1` launch_server (no HTTP), killed after the test."""
+def other_node(checkpoint: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """`start(*flags)`: a `--node-rank 1` launch_server (no HTTP), killed after the test; the
+    i-th one started logs to `tmp_path / f"other_node_{i}.log"`."""
     started: list[subprocess.Popen[str]] = []
 
     def start(*flags: str) -> subprocess.Popen[str]:
-        log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - read by the test, closed with it
         cmd = [sys.executable, "-m", "replaylm.launch_server", "--device", "cpu", *flags]
-        started.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True))
+        with open(tmp_path / f"other_node_{len(started)}.log", "w") as log:
+            started.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True))
         return started[-1]
 
     yield start
@@ -152,7 +152,9 @@ def other_node(checkpoint: str) -> Iterator[Callable[..., subprocess.Popen[str]]
             proc.wait()
 
 
-def test_two_nodes_on_loopback_generate_what_one_rank_does(checkpoint, one_rank, other_node):
+def test_two_nodes_on_loopback_generate_what_one_rank_does(
+    checkpoint, one_rank, other_node, tmp_path
+):
     group = ["--tp-size", "2", "--nnodes", "2", f"--dist-init-addr=127.0.0.1:{free_port()}"]
     node1 = other_node("--model-path", checkpoint, *group, "--node-rank", "1", *FLAGS)
     node0 = start_server("--model-path", checkpoint, *group, "--node-rank", "0", *FLAGS)
@@ -160,7 +162,8 @@ def test_two_nodes_on_loopback_generate_what_one_rank_does(checkpoint, one_rank,
         assert _serve(node0) == one_rank
     finally:
         node0.stop()
-    assert node1.wait(timeout=30) == 0  # rank 0's shutdown ends the other node's rank
+    # rank 0's shutdown ends the other node's rank
+    assert node1.wait(timeout=30) == 0, (tmp_path / "other_node_0.log").read_text()[-4000:]
 
 
 def test_a_rank_that_dies_stops_the_server(server_factory, checkpoint):

@@ -4,6 +4,7 @@ over its gloo group."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from typing import Any
 
@@ -38,6 +39,14 @@ def min_over_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
     return int(t.item())
+
+
+def part_together() -> None:
+    """Wait, at shutdown, until every rank has taken rank 0's last broadcast: a rank that left
+    at once could close its connections while another still reads it, which that rank would
+    take for a peer's death. A rank already gone is no error here."""
+    with contextlib.suppress(RuntimeError):
+        dist.barrier(group=tp_group().cpu_group)
 
 
 class GroupBroken(RuntimeError):

@@ -322,6 +322,10 @@ def _loop(scheduler: Scheduler, conn: Connection | None, grammars: GrammarLoader
         aborted: list[Req] = []
         for msg in _receive(conn, scheduler, tp_size):
             if isinstance(msg, ShutdownReq):
+                if tp_size > 1:
+                    from replaylm.distributed.communication import part_together
+
+                    part_together()
                 return
             if isinstance(msg, TokenizedGenerateReq):
                 scheduler.add(request_of(msg, _load_grammar(msg, grammars)))
