@@ -3,6 +3,7 @@
     python benchmark/bench_one_batch.py [--models qwen3-0.6b llama-3.1-8b] [--bs 1 8 64]
                                         [--context 512] [--runs JSON ...] [--json out.json]
                                         [--server-args '{}' '{"small_batch_matmul": "triton"}']
+                                        [--tp-size 1 2 4]
 
 Dummy weights with real architectures' configs (benchmark/configs/). Per model one ModelRunner is
 built per run (default: `{"decode": "full", "prefill": "breakable"}`, `{"decode": "breakable"}`,
@@ -21,26 +22,35 @@ objects, every run is repeated for each (a "variant" column), so kernels compare
 Triton kernels (`native_only()`: eager, full and breakable run it unfused, tc_piecewise hands it
 to its compiler as `--tc-piecewise-kernels native` does): what the compiler's own fusion is worth
 under the same graph breaks.
+`--tp-size N ...` repeats every run with the model split over N GPUs: one process per rank (each
+builds its runner and runs the same steps, so the collectives meet), rank 0's times reported,
+every rank's capture. Its decode rows add `all-reduce ms`: the all-reduce kernels' time per step
+(torch.profiler over graph replays); its floor counts one rank's share of weights and KV.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 from pathlib import Path
 
 import torch
 
+from replaylm.distributed.launch import run_on_ranks
 from replaylm.layers.kernels import native_only
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_extend, release
+from replaylm.server_args import ServerArgs
 
 from common import (
+    config_path,
     copy_bandwidth_gbs,
     cuda_time_ms,
     decode_batch,
     dummy_runner,
+    kernel_table,
     release_memory,
     synthetic_requests,
     write_json,
@@ -52,6 +62,9 @@ RUNS = [  # --cuda-graph-mode of each runner built per model
     '{"decode": "breakable", "prefill": "disabled"}',
     '{"decode": "tc_piecewise", "prefill": "tc_piecewise"}',
 ]
+PROFILED_REPLAYS = 20  # decode replays under torch.profiler for the all-reduce's share
+COLLECTIVE_KERNELS = ("nccl", "allreduce", "all_reduce")  # in the kernels' names, lower case
+RANK_TIMEOUT_S = 3600.0  # all runs of one model on one tensor-parallel size
 
 
 @torch.inference_mode()
@@ -82,6 +95,9 @@ def time_decode(runner: ModelRunner, bs: int, context: int, eager: bool) -> dict
         "graph_ms": cuda_time_ms(lambda: graphs.replay(batch)),
         "back_to_back_ms": cuda_time_ms(lambda: graphs.replay(batch), repeat=10, calls=10),
     }
+    if runner.tp.size > 1:
+        kernels, _ = kernel_table(lambda: graphs.replay(batch), PROFILED_REPLAYS)
+        out["all_reduce_ms"] = sum(k["total_us"] for k in kernels if _collective(k["kernel"])) / 1e3
     if eager:
         out["eager_ms"] = cuda_time_ms(lambda: eager_forward(runner, batch))
     for r in reqs:
@@ -89,17 +105,28 @@ def time_decode(runner: ModelRunner, bs: int, context: int, eager: bool) -> dict
     return out
 
 
+def _collective(kernel: str) -> bool:
+    return any(name in kernel.lower() for name in COLLECTIVE_KERNELS)
+
+
 def decode_bytes(runner: ModelRunner, bs: int, context: int) -> int:
+    """What one rank's decode step reads: its weights and its KV heads' cache."""
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    cfg = runner.config
-    kv = runner.kv_pool.bytes_per_token(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, runner.dtype
+    pool = runner.kv_pool
+    kv = pool.bytes_per_token(
+        runner.config.num_hidden_layers, pool.num_kv_heads, pool.head_dim, runner.dtype
     )
     return weights + bs * context * kv
 
 
 def capture_row(model: str, runner: ModelRunner, phase: str) -> dict:
-    return {"model": model, "phase": phase, **runner.cuda_graph_stats()[phase]}
+    return {
+        "model": model,
+        "phase": phase,
+        "tp_size": runner.tp.size,
+        "tp_rank": runner.tp.rank,
+        **runner.cuda_graph_stats()[phase],
+    }
 
 
 def bench_model(
@@ -110,28 +137,56 @@ def bench_model(
     bandwidth: float,
     extra: dict | None = None,
     kernels: str = "fused",
+    tp: ServerArgs | None = None,
+    tp_rank: int = 0,
 ) -> tuple[list[dict], list[dict]]:
     """Each run is a `--cuda-graph-mode` JSON; eager times come from the first runner. Rows and
     captures name `extra` as their "variant" and `kernels` (fused, or native: every runner built
-    and timed in `native_only()`) as their "kernels"."""
+    and timed in `native_only()`) as their "kernels". `tp`: this process is a rank of
+    `run_on_ranks` (its `tp_size` and `dist_init_addr`), `tp_rank` its rank."""
     extra = extra or {}
     variant = json.dumps(extra)
     route = contextlib.nullcontext()
     if kernels == "native":
         route, extra = native_only(), {**extra, "tc_piecewise_kernels": "native"}
+    if tp is not None:
+        extra = {**extra, "tp_size": tp.tp_size, "dist_init_addr": tp.dist_init_addr}
     with route:
-        rows, captures = _bench_runs(model, runs, bs_list, context, bandwidth, extra)
+        rows, captures = _bench_runs(model, runs, bs_list, context, bandwidth, extra, tp_rank)
     for r in rows + captures:
         r.update(variant=variant, kernels=kernels)
     return rows, captures
 
 
+def bench_on_ranks(tp_size: int, model: str, *bench_args) -> tuple[list[dict], list[dict]]:
+    """`bench_model(model, *bench_args)` with the model split over `tp_size` GPUs: rank 0's
+    rows, every rank's captures."""
+    if tp_size == 1:
+        return bench_model(model, *bench_args)
+    group = ServerArgs(model_path=str(config_path(model)), tp_size=tp_size)
+    job = functools.partial(_bench_rank, model, *bench_args)
+    results = run_on_ranks(job, group, RANK_TIMEOUT_S)
+    return results[0][0], [c for _, captures in results for c in captures]
+
+
+def _bench_rank(*args) -> tuple[list[dict], list[dict]]:
+    """`bench_model(model, *bench_args)` as `run_on_ranks` calls it: (..., group, rank)."""
+    *bench_args, group, rank = args
+    return bench_model(*bench_args, tp=group, tp_rank=rank)
+
+
 def _bench_runs(
-    model: str, runs: list[str], bs_list: list[int], context: int, bandwidth: float, extra: dict
+    model: str,
+    runs: list[str],
+    bs_list: list[int],
+    context: int,
+    bandwidth: float,
+    extra: dict,
+    tp_rank: int,
 ) -> tuple[list[dict], list[dict]]:
     rows, captures, eager = [], [], {}
     for modes in runs:
-        runner = dummy_runner(model, modes, max(bs_list), context, extra)
+        runner = dummy_runner(model, modes, max(bs_list), context, extra, tp_rank)
         config = json.loads(modes)
         for phase in ("decode", "prefill"):
             if config.get(phase, "disabled") != "disabled":
@@ -144,6 +199,7 @@ def _bench_runs(
                 rows.append(
                     {
                         "model": model,
+                        "tp_size": runner.tp.size,
                         "step": step,
                         "mode": config["prefill"],
                         "eager_ms": eager[step],
@@ -159,11 +215,13 @@ def _bench_runs(
                 rows.append(
                     {
                         "model": model,
+                        "tp_size": runner.tp.size,
                         "step": step,
                         "mode": config["decode"],
                         "eager_ms": eager[step],
                         "graph_ms": t["graph_ms"],
                         "back_to_back_ms": t["back_to_back_ms"],
+                        **({"all_reduce_ms": t["all_reduce_ms"]} if "all_reduce_ms" in t else {}),
                         "floor_ms": decode_bytes(runner, bs, context) / (bandwidth * 1e6),
                     }
                 )
@@ -205,41 +263,53 @@ def main() -> None:
         help="the layers' fused Triton kernels, or their torch code "
         "(native_only); several: every run once per choice",
     )
+    parser.add_argument(
+        "--tp-size",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="tensor-parallel sizes (one GPU per rank); several: every run once per size",
+    )
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth_gbs()
     rows, captures = [], []
     for model in args.models:
-        for kernels in args.kernels:
-            for extra in args.server_args:
-                model_rows, model_captures = bench_model(
-                    model, args.runs, args.bs, args.context, bandwidth, extra, kernels
-                )
-                rows += model_rows
-                captures += model_captures
+        for tp_size in args.tp_size:
+            for kernels in args.kernels:
+                for extra in args.server_args:
+                    model_rows, model_captures = bench_on_ranks(
+                        tp_size, model, args.runs, args.bs, args.context, bandwidth, extra, kernels
+                    )
+                    rows += model_rows
+                    captures += model_captures
 
     print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; decode context {args.context} tokens")
     print(
-        f"{'model':14} {'step':18} {'mode':13} {'eager ms':>9} {'graph ms':>9} "
-        f"{'speedup':>8} {'back-to-back ms':>16} {'floor ms':>9} {'kernels':7}  variant"
+        f"{'model':14} {'tp':>2} {'step':18} {'mode':13} {'eager ms':>9} {'graph ms':>9} "
+        f"{'speedup':>8} {'back-to-back ms':>16} {'all-reduce ms':>14} {'floor ms':>9} "
+        f"{'kernels':7}  variant"
     )
     for r in rows:
         floor = f"{r['floor_ms']:9.3f}" if r["floor_ms"] is not None else f"{'':9}"
         b2b = f"{r['back_to_back_ms']:16.3f}" if "back_to_back_ms" in r else f"{'':16}"
+        reduce = f"{r['all_reduce_ms']:14.3f}" if "all_reduce_ms" in r else f"{'':14}"
         print(
-            f"{r['model']:14} {r['step']:18} {r['mode']:13} {r['eager_ms']:9.3f} "
-            f"{r['graph_ms']:9.3f} {r['speedup']:8.2f} {b2b} {floor} {r['kernels']:7}  "
-            f"{r['variant']}"
+            f"{r['model']:14} {r['tp_size']:2} {r['step']:18} {r['mode']:13} "
+            f"{r['eager_ms']:9.3f} {r['graph_ms']:9.3f} {r['speedup']:8.2f} {b2b} {reduce} "
+            f"{floor} {r['kernels']:7}  {r['variant']}"
         )
     for c in captures:
         compile_s = f" after {c['compile_s']} s compiling" if c["compile_s"] is not None else ""
+        rank = f" tp{c['tp_rank']}/{c['tp_size']}" if c["tp_size"] > 1 else ""
         print(
-            f"{c['model']}: {c['phase']} {c['mode']}: {c['shapes']} shapes captured in "
+            f"{c['model']}{rank}: {c['phase']} {c['mode']}: {c['shapes']} shapes captured in "
             f"{c['capture_s']} s{compile_s}, {c['graph_mib']} MiB  {c['kernels']} {c['variant']}"
         )
     summary = [
         {
             "model": r["model"],
+            "tp_size": r["tp_size"],
             "step": r["step"],
             "mode": r["mode"],
             "variant": r["variant"],
@@ -252,6 +322,11 @@ def main() -> None:
                 else {}
             ),
             **({"over_floor": round(r["graph_ms"] / r["floor_ms"], 2)} if r["floor_ms"] else {}),
+            **(
+                {"all_reduce_share": round(r["all_reduce_ms"] / r["graph_ms"], 3)}
+                if "all_reduce_ms" in r
+                else {}
+            ),
         }
         for r in rows
         if r["step"] in ("decode bs1", "prefill 1x128")
@@ -263,6 +338,7 @@ def main() -> None:
                 "copy_bandwidth_gbs": bandwidth,
                 "server_args": args.server_args,
                 "kernels": args.kernels,
+                "tp_size": args.tp_size,
                 "rows": rows,
                 "captures": captures,
                 "summary": summary,

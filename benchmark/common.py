@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 import torch
 import triton
+from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from replaylm.layers.attention.triton.common import KernelConfig
@@ -104,6 +106,30 @@ def capture_graph(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
 def replay_us(body: Callable[[], object], warmup: int = 20, repeat: int = 100) -> float:
     """Median microseconds per replay of a CUDA graph of `body()`."""
     return cuda_time_ms(capture_graph(body).replay, warmup, repeat) * 1e3
+
+
+def kernel_table(replay: Callable[[], object], replays: int) -> tuple[list[dict], float]:
+    """(rows of {kernel, per_step, each_us, total_us} by total time, kernel microseconds per
+    step) of `replays` calls of `replay` under the profiler."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            times[event.name].append(event.device_time)
+    rows = [
+        {
+            "kernel": name[:90],
+            "per_step": len(ts) / replays,
+            "each_us": sum(ts) / len(ts),
+            "total_us": sum(ts) / replays,
+        }
+        for name, ts in times.items()
+    ]
+    rows.sort(key=lambda r: -r["total_us"])
+    return rows, sum(r["total_us"] for r in rows)
 
 
 # ---- results -------------------------------------------------------------------------------------
@@ -207,11 +233,17 @@ def _healthy(url: str) -> bool:
 
 
 def dummy_runner(
-    model: str, modes: str, max_bs: int, context: int, extra: dict[str, Any] | None = None
+    model: str,
+    modes: str,
+    max_bs: int,
+    context: int,
+    extra: dict[str, Any] | None = None,
+    tp_rank: int = 0,
 ) -> ModelRunner:
     """A CUDA runner of `model`'s config with dummy bf16 weights under `--cuda-graph-mode modes`,
     room for `max_bs` requests of `context` tokens, default decode shapes (up to 256) and prefill
-    buckets (up to 2048); `extra`: further ServerArgs fields."""
+    buckets (up to 2048); `extra`: further ServerArgs fields (with `tp_size` and
+    `dist_init_addr`: the runner of rank `tp_rank`)."""
     return ModelRunner(
         ServerArgs(
             model_path=str(config_path(model)),
@@ -225,7 +257,8 @@ def dummy_runner(
             chunked_prefill_size=2048,
             mem_fraction_static=0.85,
             **(extra or {}),
-        )
+        ),
+        tp_rank=tp_rank,
     )
 
 

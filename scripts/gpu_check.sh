@@ -37,6 +37,13 @@
 #   tok/s per rate, a line per server) when matplotlib imports.
 #   decode_host_scale: decode_host's host time per step at 256, 512 and 1024 running requests
 #   (Qwen3-0.6B, dummy weights, 256-token prompts: 1024 of 512 would not fit the KV cache).
+#   Multi-GPU (tensor parallelism, not in the default list; test/gpu/test_tensor_parallel_cuda.py
+#   runs with the tests where the machine has 2 GPUs or more):
+#   one_batch_tp: Llama-3.1-8B, full decode and breakable prefill, at TP 1, 2 and 4 (those the
+#   machine's GPUs allow), decode with the all-reduce's time per step; one_batch_70b: Llama-3.1-70B's
+#   shape at TP 4 and 8 (as allowed) against its floor; offline_tp: nano-vllm's offline workload on
+#   Llama-3.1-8B at TP 1 and 2, full decode graphs.
+#   NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and its torch and NVSHMEM switches).
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
 #   (the all-mode accuracy suite: GPU_CHECK_TARGETS=test/accuracy/test_mode_accuracy.py)
 #   (pytest args are added to the targets, not instead of them)
@@ -48,6 +55,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/.gpu/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -59,6 +67,12 @@ export PYTHONPATH="$PWD/python:$PWD/test:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/gpu.txt"
+
+gpus=$(nvidia-smi -L | wc -l)
+tp_sizes() {  # those of the arguments this machine's GPUs allow
+    local n
+    for n in "$@"; do [ "$n" -le "$gpus" ] && printf '%s ' "$n"; done
+}
 
 tests_rc=0
 if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
@@ -159,6 +173,15 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
                 --server-args "${kernel_variants[@]}" ;;
             profile) run_bench bench_profile benchmark/tuning/bench_profile.py \
                 --models qwen3-0.6b llama-3.1-8b --server-args "${kernel_variants[@]}" ;;
+            one_batch_tp) run_bench bench_one_batch_tp benchmark/bench_one_batch.py \
+                --models llama-3.1-8b --runs '{"decode": "full", "prefill": "breakable"}' \
+                --tp-size $(tp_sizes 1 2 4) ;;
+            one_batch_70b) run_bench bench_one_batch_70b benchmark/bench_one_batch.py \
+                --models llama-3.1-70b --runs '{"decode": "full", "prefill": "breakable"}' \
+                --tp-size $(tp_sizes 4 8) ;;
+            offline_tp) run_bench bench_offline_tp benchmark/bench_offline.py --modes full \
+                --model-path benchmark/configs/llama-3.1-8b.json \
+                --server-args '{}' '{"tp_size": 2}' ;;
             one_batch_det) run_bench bench_one_batch_det benchmark/bench_one_batch.py \
                 --models qwen3-0.6b --server-args '{"deterministic": true}' ;;
             one_batch_native) run_bench bench_one_batch_native benchmark/bench_one_batch.py \

@@ -18,44 +18,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common.py
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from replaylm.model_executor.model_runner import ModelRunner
 
-from common import cuda_time_ms, decode_batch, dummy_runner, release_memory, write_json
+from common import (
+    cuda_time_ms,
+    decode_batch,
+    dummy_runner,
+    kernel_table,
+    release_memory,
+    write_json,
+)
 
 PROFILED_REPLAYS = 10
-
-
-def kernel_table(replay: Callable[[], object], replays: int) -> tuple[list[dict], float]:
-    """(rows of {kernel, per_step, each_us, total_us} by total time, kernel microseconds per
-    step) of `replays` calls of `replay` under the profiler."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            replay()
-        torch.cuda.synchronize()
-    times: dict[str, list[float]] = defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            times[event.name].append(event.device_time)
-    rows = [
-        {
-            "kernel": name[:90],
-            "per_step": len(ts) / replays,
-            "each_us": sum(ts) / len(ts),
-            "total_us": sum(ts) / replays,
-        }
-        for name, ts in times.items()
-    ]
-    rows.sort(key=lambda r: -r["total_us"])
-    return rows, sum(r["total_us"] for r in rows)
 
 
 @torch.inference_mode()

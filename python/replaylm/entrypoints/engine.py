@@ -156,10 +156,11 @@ class Engine:
         """End the other tensor-parallel ranks' processes (none with tp_size 1). Safe to call
         twice; the Engine generates nothing after it."""
         if self._followers:
-            from replaylm.distributed.communication import broadcast_objects
+            from replaylm.distributed.communication import broadcast_objects, part_together
             from replaylm.distributed.parallel_state import destroy_tensor_parallel
 
             broadcast_objects([ShutdownReq()])
+            part_together()  # the followers' barrier after the shutdown message
             stop_processes(list(self._followers.values()), timeout_s=10)
             destroy_tensor_parallel()
             self._followers = {}
