@@ -116,7 +116,7 @@ def run_mode(engine: Engine, mode: str, workload: Workload, extra: str = "{}") -
     engine.generate(
         input_ids=workload.prompts[:WARMUP_SEQS], sampling_params=_params(WARMUP_TOKENS)
     )
-    engine.scheduler.kv.flush()  # the timed prompts find none of the warm-up's cached
+    engine.flush_cache()  # the timed prompts find none of the warm-up's cached
     engine.runner.forward_stats = ForwardStats()  # count the timed run's forwards only
     _sync(engine)
     start = time.perf_counter()

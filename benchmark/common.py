@@ -109,8 +109,8 @@ def replay_us(body: Callable[[], object], warmup: int = 20, repeat: int = 100) -
 
 
 def kernel_table(replay: Callable[[], object], replays: int) -> tuple[list[dict], float]:
-    """(rows of {kernel, per_step, each_us, total_us} by total time, kernel microseconds per
-    step) of `replays` calls of `replay` under the profiler."""
+    """(rows of {kernel, per_step, each_us, median_us, total_us} by total time, kernel
+    microseconds per step) of `replays` calls of `replay` under the profiler."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             replay()
@@ -124,6 +124,7 @@ def kernel_table(replay: Callable[[], object], replays: int) -> tuple[list[dict]
             "kernel": name[:90],
             "per_step": len(ts) / replays,
             "each_us": sum(ts) / len(ts),
+            "median_us": statistics.median(ts),
             "total_us": sum(ts) / replays,
         }
         for name, ts in times.items()

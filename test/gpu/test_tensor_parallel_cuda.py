@@ -70,22 +70,6 @@ def _name(modes: dict[str, str]) -> str:
     return f"{modes['decode']}-{modes['prefill']}"
 
 
-@functools.cache
-def _one_rank_logits(modes: str) -> list[np.ndarray]:
-    return run_ranks(runner_logits, _args(json.loads(modes), "bfloat16"))
-
-
-@pytest.mark.parametrize("tp_size", TP_SIZES)
-@pytest.mark.parametrize("modes", MODES, ids=_name)
-def test_logits_match_one_rank(modes, tp_size):
-    ref = _one_rank_logits(json.dumps(modes))
-    ours = run_ranks(runner_logits, _args(modes, "bfloat16", tp_size))
-    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        err = rel_error(torch.from_numpy(a), torch.from_numpy(b))
-        print(f"{_name(modes)} TP={tp_size} step {step}: relative error {err:.2e}")
-        assert err < REL_TOL, step
-
-
 def _generate(args: ServerArgs) -> tuple[Engine, list[list[int]]]:
     engine = Engine(**vars(args))
     out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
@@ -110,3 +94,19 @@ def test_greedy_generations_match_one_rank(modes):
         del one_rank
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@functools.cache
+def _one_rank_logits(modes: str) -> list[np.ndarray]:
+    return run_ranks(runner_logits, _args(json.loads(modes), "bfloat16"))
+
+
+@pytest.mark.parametrize("tp_size", TP_SIZES)
+@pytest.mark.parametrize("modes", MODES, ids=_name)
+def test_logits_match_one_rank(modes, tp_size):
+    ref = _one_rank_logits(json.dumps(modes))
+    ours = run_ranks(runner_logits, _args(modes, "bfloat16", tp_size))
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        err = rel_error(torch.from_numpy(a), torch.from_numpy(b))
+        print(f"{_name(modes)} TP={tp_size} step {step}: relative error {err:.2e}")
+        assert err < REL_TOL, step

@@ -35,7 +35,7 @@ def engine(tmp_path_factory) -> Engine:
 def _scheduler(engine: Engine, overlap: bool) -> Scheduler:
     """A fresh scheduler over the engine's KV pool, in place of the engine's (whose prefix cache
     gives its slots back first)."""
-    engine.scheduler.kv.flush()
+    engine.flush_cache()
     engine.scheduler = Scheduler(
         engine.runner,
         frozenset(),

@@ -81,6 +81,19 @@ def test_engine_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank, 
     assert outputs == one_rank
 
 
+def test_cache_flush_reaches_every_rank(checkpoint, one_rank):
+    """After a run and `flush_cache`, the ranks batch the same prompts alike again: a rank
+    still holding cached prefixes would prefill fewer tokens than rank 0 and break step."""
+    engine = Engine(checkpoint, device="cpu", tp_size=2, **LIMITS)  # type: ignore[arg-type]
+    try:
+        engine.generate(input_ids=PROMPTS[:8], sampling_params=PARAMS[:8])
+        assert engine.flush_cache() > 0
+        out = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+        assert [o["output_ids"] for o in out] == one_rank
+    finally:
+        engine.shutdown()
+
+
 def test_debug_graph_path_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank):
     """Both modes that `--debug-cuda-graph` runs eagerly, one per phase: the collectives run
     inside breakable segments and inside the pieces torch.compile traced."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replaylm.distributed.parallel_state import tp_group
+from replaylm.distributed.parallel_state import destroy_tensor_parallel, tp_group
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -42,11 +42,13 @@ def min_over_ranks(value: int) -> int:
 
 
 def part_together() -> None:
-    """Wait, at shutdown, until every rank has taken rank 0's last broadcast: a rank that left
-    at once could close its connections while another still reads it, which that rank would
-    take for a peer's death. A rank already gone is no error here."""
+    """At shutdown, on every rank: wait until every rank has taken rank 0's last broadcast (a
+    rank that left at once could close its connections while another still reads it, which
+    that rank would take for a peer's death), then leave the group together (NCCL's teardown
+    waits for every rank's). A rank already gone is no error at the barrier."""
     with contextlib.suppress(RuntimeError):
         dist.barrier(group=tp_group().cpu_group)
+    destroy_tensor_parallel()
 
 
 class GroupBroken(RuntimeError):

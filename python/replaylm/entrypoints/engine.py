@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.model_loader.tokenizer import chat_input_ids, text_decoder, tokenizer_info
-from replaylm.runtime.io_struct import ShutdownReq, TokenizedGenerateReq
+from replaylm.runtime.io_struct import FlushCacheReq, ShutdownReq, TokenizedGenerateReq
 from replaylm.runtime.model_setup import load_runner_and_tokenizer
 from replaylm.runtime.request import Req, truncate_at_stop
 from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
@@ -152,17 +152,25 @@ class Engine:
             if self.scheduler.has_work:
                 broadcast_objects([])
 
+    def flush_cache(self) -> int:
+        """Evict every cached prefix (on every tensor-parallel rank: their caches must stay
+        alike, or the ranks would batch differently); the number of tokens freed."""
+        if self._followers:
+            from replaylm.distributed.communication import broadcast_objects
+
+            broadcast_objects([FlushCacheReq()])
+        return self.scheduler.kv.flush()
+
     def shutdown(self) -> None:
         """End the other tensor-parallel ranks' processes (none with tp_size 1). Safe to call
         twice; the Engine generates nothing after it."""
         if self._followers:
             from replaylm.distributed.communication import broadcast_objects, part_together
-            from replaylm.distributed.parallel_state import destroy_tensor_parallel
 
             broadcast_objects([ShutdownReq()])
-            part_together()  # the followers' barrier after the shutdown message
+            self.runner.free_cuda_graphs()  # as the followers do on the shutdown message
+            part_together()
             stop_processes(list(self._followers.values()), timeout_s=10)
-            destroy_tensor_parallel()
             self._followers = {}
 
     def _require_tokenizer(self) -> PreTrainedTokenizerBase:

@@ -182,6 +182,16 @@ class ModelRunner:
                 self.startup.mark(f"{'compile and capture' if compiled else 'capture'} {phase}")
         return runners
 
+    def free_cuda_graphs(self) -> None:
+        """Free every captured graph; later steps run eager. Before a tensor-parallel rank
+        leaves its group: NCCL's teardown hangs while graphs that captured its collectives
+        live (pytorch/pytorch#115388)."""
+        for runner in self.graph_runners.values():
+            runner.cleanup()
+        self.graph_runners = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def cuda_graph_stats(self) -> dict[str, dict[str, Any]]:
         """Per captured phase: mode, number of shapes, capture seconds, graph memory (MiB) and,
         for tc_piecewise, compile seconds (reported by /get_server_info)."""

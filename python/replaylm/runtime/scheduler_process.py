@@ -325,6 +325,7 @@ def _loop(scheduler: Scheduler, conn: Connection | None, grammars: GrammarLoader
                 if tp_size > 1:
                     from replaylm.distributed.communication import part_together
 
+                    scheduler.runner.free_cuda_graphs()
                     part_together()
                 return
             if isinstance(msg, TokenizedGenerateReq):

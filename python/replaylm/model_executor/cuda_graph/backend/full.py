@@ -64,4 +64,6 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         return out
 
     def cleanup(self) -> None:
+        for graph, _ in self._graphs.values():
+            graph.reset()
         self._graphs.clear()
