@@ -40,8 +40,9 @@
 #   Multi-GPU (tensor parallelism, not in the default list; test/gpu/test_tensor_parallel_cuda.py
 #   runs with the tests where the machine has 2 GPUs or more):
 #   one_batch_tp: Llama-3.1-8B, full decode and breakable prefill, at TP 1, 2 and 4 (those the
-#   machine's GPUs allow), decode with the all-reduce's time per step; one_batch_70b: Llama-3.1-70B's
-#   shape at TP 4 and 8 (as allowed) against its floor; offline_tp: nano-vllm's offline workload on
+#   machine's GPUs allow), decode with the all-reduce's time per step, with NCCL's all-reduce and
+#   with --tp-all-reduce one-shot; one_batch_70b: Llama-3.1-70B's shape at TP 4 and 8 (as allowed)
+#   against its floor, the same two all-reduces; offline_tp: nano-vllm's offline workload on
 #   Llama-3.1-8B at TP 1 and 2, full decode graphs.
 #   NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and its torch and NVSHMEM switches).
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
@@ -155,6 +156,7 @@ serving_rates_local() {  # per GPU_CHECK_SERVING_ARGS entry: a server, its rate 
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"enable_pdl": false}'
                      '{"small_batch_matmul": "triton"}')
+    all_reduce_variants=('{}' '{"tp_all_reduce": "one-shot"}')
     for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch one_batch_native \
                   decode_host one_batch_kernels one_batch_det profile startup offline offline_bs1 \
                   sampling serving}; do
@@ -175,10 +177,10 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
                 --models qwen3-0.6b llama-3.1-8b --server-args "${kernel_variants[@]}" ;;
             one_batch_tp) run_bench bench_one_batch_tp benchmark/bench_one_batch.py \
                 --models llama-3.1-8b --runs '{"decode": "full", "prefill": "breakable"}' \
-                --tp-size $(tp_sizes 1 2 4) ;;
+                --tp-size $(tp_sizes 1 2 4) --server-args "${all_reduce_variants[@]}" ;;
             one_batch_70b) run_bench bench_one_batch_70b benchmark/bench_one_batch.py \
                 --models llama-3.1-70b --runs '{"decode": "full", "prefill": "breakable"}' \
-                --tp-size $(tp_sizes 4 8) ;;
+                --tp-size $(tp_sizes 4 8) --server-args "${all_reduce_variants[@]}" ;;
             offline_tp) run_bench bench_offline_tp benchmark/bench_offline.py --modes full \
                 --model-path benchmark/configs/llama-3.1-8b.json \
                 --server-args '{}' '{"tp_size": 2}' ;;

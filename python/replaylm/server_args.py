@@ -134,6 +134,16 @@ class ServerArgs:
             "by it."
         ),
     )
+    tp_all_reduce: str = field(
+        default="nccl",
+        metadata=_opt(
+            "How the GPUs of --tp-size sum each layer's partial outputs. nccl: NCCL's "
+            "all-reduce. one-shot: messages up to 512 KiB (decode steps) by one kernel that "
+            "reads every peer's copy over NVLink (torch's symmetric memory, no multicast), "
+            "larger ones and torch.compile'd pieces by NCCL.",
+            ("nccl", "one-shot"),
+        ),
+    )
     nnodes: int = field(
         default=1,
         metadata=_opt(

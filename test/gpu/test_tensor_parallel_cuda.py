@@ -2,10 +2,12 @@
 weights (16 heads and 8 KV heads divide by 2 and 4), under the three graph-mode pairs.
 
 - Logits of TP=2 and TP=4 (where the machine has 4 GPUs) equal TP=1's within bfloat16 noise, on
-  a ragged prefill and decode steps that run the captured graphs, all-reduces inside them.
+  a ragged prefill and decode steps that run the captured graphs, all-reduces inside them; also
+  with `--tp-all-reduce one-shot` (whose kernel sums like NCCL, eagerly and in a graph).
 - Greedy generations of an Engine with `tp_size` 2 and 4 equal TP=1's. In float32, so that the
   all-reduce's other summation order cannot flip a token: a divergence is allowed only where
-  TP=1's top-2 logits tie within float32 noise.
+  TP=1's top-2 logits tie within float32 noise. The Engine shuts down (graphs that captured
+  NCCL's collectives are freed first, or the group's teardown would hang).
 
 Skipped on a machine with one GPU.
 """
@@ -21,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
+from replaylm.distributed.parallel_state import init_tensor_parallel
 from replaylm.entrypoints.engine import Engine
 from replaylm.server_args import ServerArgs
 
@@ -49,13 +53,16 @@ PROMPTS = [[_rng.randrange(3, 150000) for _ in range(_rng.randrange(4, 300))] fo
 GREEDY = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
 
 
-def _args(modes: dict[str, str], dtype: str, tp_size: int = 1) -> ServerArgs:
+def _args(
+    modes: dict[str, str], dtype: str, tp_size: int = 1, all_reduce: str = "nccl"
+) -> ServerArgs:
     return ServerArgs(
         model_path=str(CONFIG),
         load_format="dummy",
         device="cuda",
         dtype=dtype,
         tp_size=tp_size,
+        tp_all_reduce=all_reduce,
         cuda_graph_mode=json.dumps(modes),
         decode_cuda_graph_bs=[1, 2, 4, 8, 16, 32],
         prefill_cuda_graph_tokens=[64, 128, 256, 512],
@@ -78,12 +85,16 @@ def _generate(args: ServerArgs) -> tuple[Engine, list[list[int]]]:
     return engine, [o["output_ids"] for o in out]
 
 
-@pytest.mark.parametrize("modes", MODES, ids=_name)
-def test_greedy_generations_match_one_rank(modes):
+@pytest.mark.parametrize(
+    ("modes", "all_reduce"),
+    [(modes, "nccl") for modes in MODES] + [(MODES[0], "one-shot")],
+    ids=lambda v: _name(v) if isinstance(v, dict) else v,
+)
+def test_greedy_generations_match_one_rank(modes, all_reduce):
     one_rank, want = _generate(_args(modes, "float32"))
     try:
         for tp_size in TP_SIZES:
-            engine, got = _generate(_args(modes, "float32", tp_size))
+            engine, got = _generate(_args(modes, "float32", tp_size, all_reduce))
             engine.shutdown()
             del engine
             gc.collect()
@@ -102,11 +113,66 @@ def _one_rank_logits(modes: str) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("tp_size", TP_SIZES)
-@pytest.mark.parametrize("modes", MODES, ids=_name)
-def test_logits_match_one_rank(modes, tp_size):
+@pytest.mark.parametrize(
+    ("modes", "all_reduce"),
+    # tc_piecewise's compiled pieces sum with NCCL whatever the flag says
+    [(modes, "nccl") for modes in MODES] + [(modes, "one-shot") for modes in MODES[:2]],
+    ids=lambda v: _name(v) if isinstance(v, dict) else v,
+)
+def test_logits_match_one_rank(modes, all_reduce, tp_size):
     ref = _one_rank_logits(json.dumps(modes))
-    ours = run_ranks(runner_logits, _args(modes, "bfloat16", tp_size))
+    ours = run_ranks(runner_logits, _args(modes, "bfloat16", tp_size, all_reduce))
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         err = rel_error(torch.from_numpy(a), torch.from_numpy(b))
-        print(f"{_name(modes)} TP={tp_size} step {step}: relative error {err:.2e}")
+        print(f"{_name(modes)} {all_reduce} TP={tp_size} step {step}: relative error {err:.2e}")
         assert err < REL_TOL, step
+
+
+# (rows, columns, dtype) of the sums compared; the last is over the one-shot kernel's 512 KiB
+SUM_CASES = [(1, 4096, torch.bfloat16), (64, 4096, torch.bfloat16), (3, 1024, torch.float32),
+             (512, 4096, torch.bfloat16)]  # fmt: skip
+
+
+def _one_shot_vs_nccl(args: ServerArgs, rank: int) -> list[float | None]:
+    """Per SUM_CASES: the largest difference between the one-shot sum (eager, then replayed
+    from a CUDA graph on new inputs) and NCCL's, relative to the sum's largest entry; None
+    where the one-shot kernel does not take the message."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    assert args.dist_init_addr is not None
+    group = init_tensor_parallel(rank, args.tp_size, args.dist_init_addr, device, one_shot=True)
+    peer = group.peer_all_reduce
+    assert peer is not None
+    gen = torch.Generator(device).manual_seed(rank)
+    errors: list[float | None] = []
+    for rows, cols, dtype in SUM_CASES:
+        x = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen)
+        if not peer.takes(x):
+            errors.append(None)
+            continue
+        peer(x)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = peer(x)
+        worst = 0.0
+        for _ in range(3):
+            x.copy_(torch.randn(rows, cols, device=device, dtype=dtype, generator=gen))
+            want = x.clone()
+            dist.all_reduce(want, group=group.device_group)
+            graph.replay()
+            for got in (peer(x), captured):
+                err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+                worst = max(worst, float(err))
+        errors.append(worst)
+        graph.reset()
+    return errors
+
+
+def test_one_shot_all_reduce_sums_like_nccl():
+    """Eager and captured, on every size of group the machine has; a message over the kernel's
+    limit is not taken (NCCL sums it)."""
+    for tp_size in TP_SIZES:
+        errors = run_ranks(_one_shot_vs_nccl, _args(MODES[0], "bfloat16", tp_size))
+        print(f"TP={tp_size}: relative differences {errors}")
+        assert errors[-1] is None  # 4 MiB: left to NCCL
+        assert all(e is not None and e <= 1e-2 for e in errors[:-1]), errors

@@ -106,6 +106,16 @@ def test_sizes_that_do_not_divide_are_one_line_errors(
     assert str(err.value) == message
 
 
+def test_one_shot_all_reduce_is_an_error_off_cuda(tmp_path: Path) -> None:
+    """`--tp-all-reduce one-shot` needs GPUs' peer memory: on the CPU the start fails at once,
+    naming the flag, before any rank joins a group."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(DUMMY_CONFIG))
+    args = _with_tp(_args(str(config), load_format="dummy", tp_all_reduce="one-shot"), 2)
+    with pytest.raises(ValueError, match=r"^--tp-all-reduce one-shot needs CUDA GPUs"):
+        ModelRunner(args, tp_rank=0)
+
+
 def test_one_rank_builds_no_parallel_layers(tmp_path: Path) -> None:
     """--tp-size 1 keeps the plain layers: no collective anywhere in its forward."""
     write_tiny_checkpoint("llama3", tmp_path)

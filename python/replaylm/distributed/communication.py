@@ -15,8 +15,14 @@ from replaylm.distributed.parallel_state import destroy_tensor_parallel, tp_grou
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the ranks, in place; returns `x`."""
-    dist.all_reduce(x, group=tp_group().device_group)
+    """The sum of `x` over the ranks: a new tensor from the one-shot kernel where the group has
+    it and `x` suits it, else `x` itself, summed in place by the device group's all-reduce
+    (always so while torch.compile traces: that collective is the traceable one)."""
+    group = tp_group()
+    peer = group.peer_all_reduce
+    if peer is not None and peer.takes(x) and not torch.compiler.is_compiling():
+        return peer(x)
+    dist.all_reduce(x, group=group.device_group)
     return x
 
 

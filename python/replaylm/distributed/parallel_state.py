@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from replaylm.distributed.peer_all_reduce import PeerAllReduce
+
 logger = logging.getLogger(__name__)
 
 # how long a collective may wait for a rank; a rank that dies closes its connections, which
@@ -31,11 +33,13 @@ class TPPlace:
 @dataclass(frozen=True)
 class TPGroup:
     """An initialised tensor-parallel group: `device_group` (NCCL on CUDA, gloo on the CPU)
-    carries the model's collectives, `cpu_group` (gloo) the objects rank 0 broadcasts."""
+    carries the model's collectives, `cpu_group` (gloo) the objects rank 0 broadcasts, and
+    `peer_all_reduce` (with `--tp-all-reduce one-shot`) the small all-reduces."""
 
     place: TPPlace
     device_group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
+    peer_all_reduce: PeerAllReduce | None = None
 
 
 _group: TPGroup | None = None
@@ -54,9 +58,12 @@ def tp_group() -> TPGroup:
     return _group
 
 
-def init_tensor_parallel(rank: int, size: int, init_addr: str, device: torch.device) -> TPGroup:
+def init_tensor_parallel(
+    rank: int, size: int, init_addr: str, device: torch.device, one_shot: bool = False
+) -> TPGroup:
     """Join the group of `size` ranks as `rank`, meeting at `init_addr` (`host:port`, served by
-    rank 0). Called once per process, before the model is built."""
+    rank 0). Called once per process, before the model is built. `one_shot` (CUDA only): small
+    all-reduces over peer memory (`PeerAllReduce`)."""
     global _group
     if _group is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
@@ -72,14 +79,16 @@ def init_tensor_parallel(rank: int, size: int, init_addr: str, device: torch.dev
     world = dist.group.WORLD
     assert world is not None  # init_process_group made it
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
-    _group = TPGroup(TPPlace(rank, size), world, cpu_group)
+    peer = PeerAllReduce(world, device) if one_shot else None
+    _group = TPGroup(TPPlace(rank, size), world, cpu_group, peer)
     logger.info(
-        "tensor parallelism: rank %d of %d (pid %d) on %s (%s collectives, group met at %s)",
+        "tensor parallelism: rank %d of %d (pid %d) on %s (%s collectives%s, group met at %s)",
         rank,
         size,
         os.getpid(),
         device,
         backend,
+        ", one-shot all-reduces over peer memory up to 512 KiB" if one_shot else "",
         init_addr,
     )
     return _group

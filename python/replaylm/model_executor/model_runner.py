@@ -84,6 +84,11 @@ class ModelRunner:
         check_pdl(args.enable_pdl is True, self.device)
         # before the model loads: a flag that does not suit the device fails the start at once
         self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)
+        if args.tp_all_reduce == "one-shot" and self.device.type != "cuda":
+            raise ValueError(
+                f"--tp-all-reduce one-shot needs CUDA GPUs (peer memory); on {self.device} "
+                "the ranks sum with gloo (--tp-all-reduce nccl)"
+            )
         backend = resolve_attention_backend(args.attention_backend, self.device.type)
         self.attn_backend = create_attention_backend(backend, args.deterministic)
         if self.device.type == "cuda":  # the CUDA context, made here to be a stage of its own
@@ -102,7 +107,13 @@ class ModelRunner:
                 self.tp.size,
             )
             assert args.dist_init_addr is not None  # the launcher picks one
-            init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, self.device)
+            init_tensor_parallel(
+                tp_rank,
+                args.tp_size,
+                args.dist_init_addr,
+                self.device,
+                one_shot=args.tp_all_reduce == "one-shot",
+            )
         self.startup.mark("model config")
         with loading_threads(self.device):
             self.model = load_model(
