@@ -52,8 +52,15 @@ def test_write_json_records_the_environment_beside_the_result(tmp_path):
     assert env["commit"] is None or re.fullmatch(r"[0-9a-f]{7,}(\+changes)?", env["commit"])
 
 
-def test_configs_are_the_two_models_of_the_docs():
+def test_configs_are_the_models_of_the_docs():
     common = import_script("benchmark/common.py")
-    assert sorted(p.stem for p in common.CONFIGS.glob("*.json")) == ["llama-3.1-8b", "qwen3-0.6b"]
+    names = sorted(p.stem for p in common.CONFIGS.glob("*.json"))
+    assert names == ["llama-3.1-70b", "llama-3.1-8b", "qwen3-0.6b"]
     assert common.model_config("qwen3-0.6b")["num_hidden_layers"] == 28
     assert common.model_config("llama-3.1-8b")["hidden_size"] == 4096
+    big = common.model_config("llama-3.1-70b")
+    assert (big["num_hidden_layers"], big["hidden_size"], big["num_key_value_heads"]) == (
+        80,
+        8192,
+        8,
+    )
