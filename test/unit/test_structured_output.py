@@ -125,6 +125,23 @@ def test_every_constrained_output_follows_its_grammar(engine, runs, overlap):
     assert engine.scheduler.stats().grammar_host_s > 0
 
 
+def test_three_ranks_generate_what_one_rank_does(engine, runs):
+    """The mixed batch through an Engine split over 3 ranks (SmolLM2's 9 heads and 3 KV heads):
+    rank 0 sends each grammar once, serialized, and every rank's matcher masks alike, so the
+    outputs are one rank's."""
+    batch = _batch(engine)
+    split = Engine(device="cpu", max_total_tokens=4096, max_running_requests=16, tp_size=3)
+    try:
+        out = split.generate(
+            input_ids=[ids for _, ids, _ in batch], sampling_params=[p for _, _, p in batch]
+        )
+        loader = split._grammars_for_ranks().loader
+        assert loader.deserialized == len(SCHEMAS) + 2  # each constraint once (PERSON twice)
+    finally:
+        split.shutdown()
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in runs[True]]
+
+
 def test_overlap_changes_no_token(runs):
     assert [o["output_ids"] for o in runs[True]] == [o["output_ids"] for o in runs[False]]
 

@@ -11,7 +11,9 @@ ends them.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, overload
 
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from typing_extensions import TypeIs
 
+    from replaylm.model_executor.model_runner import ModelRunner
     from replaylm.structured.compiler import GrammarCompiler
     from replaylm.structured.grammar import RequestGrammar
 
@@ -80,6 +83,7 @@ class Engine:
         self._next_rid = 0
         self._decode = text_decoder(self.tokenizer) if self.tokenizer is not None else None
         self._grammar: GrammarCompiler | None = None  # made for the first constrained request
+        self._rank_grammars: _RankGrammars | None = None  # with other ranks, likewise
         self.scheduler = Scheduler.from_args(
             self.runner, self.eos_token_ids, self._decode, self.server_args
         )
@@ -131,7 +135,9 @@ class Engine:
         single, id_lists = self._inputs(prompt, input_ids)
         params_list = self._params(sampling_params, len(id_lists))
         msgs = [self._request_msg(ids, p) for ids, p in zip(id_lists, params_list, strict=True)]
-        reqs = [request_of(msg, self._request_grammar(msg.sampling_params)) for msg in msgs]
+        if self._followers:  # every message is valid: from here on the ranks load its grammar
+            msgs = self._grammars_for_ranks().leave_out_held(msgs)
+        reqs = [request_of(msg, self._request_grammar(msg)) for msg in msgs]
         for req in reqs:
             self.scheduler.add(req)
         if self._followers:
@@ -205,10 +211,6 @@ class Engine:
     def _request_msg(self, ids: list[int], params: SamplingParams) -> TokenizedGenerateReq:
         """The request as the scheduler processes get theirs (so the other ranks can make the
         same `Req` of it)."""
-        if params.constraint is not None and self._followers:
-            raise ValueError(
-                f"{params.constraint[0]}: structured output in the offline Engine needs tp_size 1"
-            )
         runner = self.runner
         check_input_ids(ids, runner.config.vocab_size, runner.context_len, runner.max_total_tokens)
         check_vocab_ids(params, runner.config.vocab_size)
@@ -217,23 +219,42 @@ class Engine:
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         rid, self._next_rid = str(self._next_rid), self._next_rid + 1
-        return TokenizedGenerateReq([rid], list(ids), params, [seed], max_new, top_logprobs=None)
+        # with other ranks, the grammar travels compiled and serialized, as a server sends it
+        grammar = self._compiler(params).compile(params) if self._followers else None
+        return TokenizedGenerateReq(
+            [rid], list(ids), params, [seed], max_new, top_logprobs=None, grammar=grammar
+        )
 
-    def _request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
-        """The grammar of `params`' structured-output constraint (None without one); ValueError
-        naming the field when it is invalid."""
-        constraint = params.constraint
-        if constraint is None:
-            return None
+    def _compiler(self, params: SamplingParams) -> GrammarCompiler:
+        """The grammar compiler (made for the first constrained request); ValueError naming
+        `params`' constraint when the grammar engine cannot read the tokenizer."""
         from replaylm.structured.compiler import GrammarCompiler
-        from replaylm.structured.grammar import RequestGrammar
 
         if self._grammar is None:
             vocab_size = self.runner.config.vocab_size
             self._grammar = GrammarCompiler.for_tokenizer(self._require_tokenizer(), vocab_size)
             if self._grammar is None:
-                raise ValueError(f"{constraint[0]}: the grammar engine cannot read the tokenizer")
-        compiled = self._grammar.compile_grammar(params)
+                field = params.constraint[0] if params.constraint else "structured output"
+                raise ValueError(f"{field}: the grammar engine cannot read the tokenizer")
+        return self._grammar
+
+    def _grammars_for_ranks(self) -> _RankGrammars:
+        if self._rank_grammars is None:
+            self._rank_grammars = _RankGrammars(self.tokenizer, self.runner, self.eos_token_ids)
+        return self._rank_grammars
+
+    def _request_grammar(self, msg: TokenizedGenerateReq) -> RequestGrammar | None:
+        """The grammar of the request's structured-output constraint (None without one);
+        ValueError naming the field when it is invalid. With other ranks: loaded from the
+        message as theirs is, so every rank's matcher is the same."""
+        params = msg.sampling_params
+        if params.constraint is None:
+            return None
+        if self._followers:
+            return self._grammars_for_ranks().load(msg)
+        from replaylm.structured.grammar import RequestGrammar
+
+        compiled = self._compiler(params).compile_grammar(params)
         assert compiled is not None  # there is a constraint
         return RequestGrammar.start(compiled, self.eos_token_ids)
 
@@ -251,3 +272,39 @@ class Engine:
                 "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
             },
         }
+
+
+class _RankGrammars:
+    """Rank 0's side of the grammars an Engine with other ranks sends them: the loader that
+    makes rank 0's matchers from the messages as the other ranks' loaders do, and the record
+    of what those loaders hold, so a message goes without a grammar they have (a grammar is
+    megabytes, and every message is broadcast)."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, runner: ModelRunner, eos: Collection[int]
+    ) -> None:
+        from replaylm.structured.cache import HeldGrammars
+        from replaylm.structured.loader import GrammarLoader
+        from replaylm.structured.vocabulary import describe_vocabulary
+
+        description = describe_vocabulary(tokenizer) if tokenizer is not None else None
+        assert description is not None  # the messages' grammars compiled against it
+        self.loader = GrammarLoader(description, runner.config.vocab_size, eos)
+        self.held = HeldGrammars()
+
+    def leave_out_held(self, msgs: list[TokenizedGenerateReq]) -> list[TokenizedGenerateReq]:
+        """`msgs`, each without its grammar where the loaders hold it by then (in order)."""
+        out = []
+        for msg in msgs:
+            constraint = msg.sampling_params.constraint
+            if constraint is not None:
+                if self.held.holds(constraint):
+                    msg = dataclasses.replace(msg, grammar=None)
+                self.held.sent(constraint)
+            out.append(msg)
+        return out
+
+    def load(self, msg: TokenizedGenerateReq) -> RequestGrammar:
+        constraint = msg.sampling_params.constraint
+        assert constraint is not None
+        return self.loader.load(constraint, msg.grammar)
