@@ -58,10 +58,11 @@ Per run (workload x rate x concurrency) it prints a table: request and token thr
 inter-token latency (the gap between streamed chunks that carry text), time per output token and
 end-to-end latency (mean / p50 / p90 / p99), and the prompt tokens the server reports cached
 (`usage.prompt_tokens_details.cached_tokens`; `meta_info.cached_tokens` on `/generate`) with the
-hit rate (cached over the prompt tokens of the requests that report it; None where none does).
-At the end, one line per run: rate, concurrency, req/s, output tok/s, TTFT p50 / p99, ITL p50 /
-p99 and TPOT p50. `--json` writes `{"config", "summary": [one flat dict per run], "requests":
-[...]}`; the config holds every flag, the length distribution's included.
+hit rate (cached over the prompt tokens of the requests that report it; None where none does),
+and the server's tensor-parallel size where its `/get_server_info` reports one (replaylm's and
+SGLang's do). At the end, one line per run: TP, rate, concurrency, req/s, output tok/s, TTFT p50
+/ p99, ITL p50 / p99 and TPOT p50. `--json` writes `{"config", "summary": [one flat dict per
+run], "requests": [...]}`; the config holds every flag, the length distribution's included.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ PERCENTILES = (50, 90, 99)
 LENGTH_DISTS = ("uniform", "lognormal")
 MIN_RATE_PROMPTS = 100  # --rate-seconds: enough requests at a low rate for its percentiles
 SWEEP_COLUMNS = (  # the closing table: (summary key, heading)
+    ("tp_size", "TP"),
     ("workload", "workload"),
     ("request_rate", "rate"),
     ("max_concurrency", "max conc"),
@@ -511,6 +513,7 @@ def summarize(
     rate: float,
     concurrency: int | None,
     run_result: RunResult,
+    tp_size: int | None = None,
 ) -> dict[str, Any]:
     results, duration = run_result.results, run_result.duration
     ok = [r for r in results if r.ok]
@@ -529,6 +532,7 @@ def summarize(
     row = {
         "name": f"serving {workload} rate={shown_rate} max_concurrency={concurrency}",
         "model": model,
+        "tp_size": tp_size,  # as the server reports it (None: it does not)
         "workload": workload,
         "endpoint": args.endpoint,
         "dataset": prompt_source(args, workload),
@@ -585,13 +589,22 @@ def sweep_table(summary: list[dict[str, Any]]) -> str:
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
-async def resolve_model(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
+async def resolve_server(args: argparse.Namespace) -> tuple[str, int | None]:
+    """(the model to ask for: `--model`, else the server's first, the tensor-parallel size
+    the server reports at /get_server_info, as replaylm and SGLang do; None where it does not)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url.rstrip("/")
     async with httpx.AsyncClient(timeout=30, headers=headers) as client:
-        response = await client.get(f"{args.base_url.rstrip('/')}/v1/models")
-        return response.raise_for_status().json()["data"][0]["id"]
+        model = args.model
+        if not model:
+            response = await client.get(f"{base}/v1/models")
+            model = response.raise_for_status().json()["data"][0]["id"]
+        info = await client.get(f"{base}/get_server_info")
+    try:
+        tp_size = info.json().get("tp_size") if info.status_code == 200 else None
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        tp_size = None
+    return model, tp_size if isinstance(tp_size, int) else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -715,7 +728,7 @@ def main(argv: list[str] | None = None) -> None:
         specs = random_specs(args, rng, most) if "json_schema" in args.workload else []
     schema = json.loads(args.json_schema.read_text()) if args.json_schema else RECORD_SCHEMA
     structured = json_schema_specs(specs, schema, random.Random(args.seed))  # leaves `rng` be
-    model = asyncio.run(resolve_model(args))
+    model, tp_size = asyncio.run(resolve_server(args))
     summary, requests = [], []
     runs = itertools.product(args.workload, args.request_rate, args.max_concurrency)
     for workload, rate, concurrency in runs:
@@ -723,7 +736,7 @@ def main(argv: list[str] | None = None) -> None:
         sent = structured if workload == "json_schema" else specs
         plan = run_plan(args, workload, rng, run_prompts(args, rate), sent)
         result = asyncio.run(run(args, model, plan, rate, concurrency, rng, wanted))
-        row = summarize(args, model, workload, rate, concurrency, result)
+        row = summarize(args, model, workload, rate, concurrency, result, tp_size)
         print_table(row)
         errors = [r.error for r in result.results if not r.ok]
         if errors:

@@ -241,5 +241,7 @@ def test_every_run_s_row_and_the_closing_table_give_throughput_and_latency_perce
         ["10.00", "29.00"],
         ["15.00"],
     )
-    assert table[2].split() == ["plain", "4.00", "-", "2", "0", *throughput, *ttft, *itl, *tpot]
-    assert table[3].split()[1:5] == ["inf", "32", "1", "1"]
+    # TP "-": the rows have no tensor-parallel size (a server that does not report one)
+    counts = ["-", "plain", "4.00", "-", "2", "0"]
+    assert table[2].split() == [*counts, *throughput, *ttft, *itl, *tpot]
+    assert table[3].split()[2:6] == ["inf", "32", "1", "1"]

@@ -330,6 +330,7 @@ def test_bench_serving_runs_against_the_server(http_server, tmp_path):
     assert [row["max_concurrency"] for row in doc["summary"]] == [1, 3]
     for row in doc["summary"]:
         assert row["completed"] == 3 and row["failed"] == 0 and row["model"] == MODEL
+        assert row["tp_size"] == 1  # read from /get_server_info
         assert row["total_input_tokens"] == 24 and row["total_output_tokens"] == 9
         assert row["p50_ttft_ms"] > 0 and row["p99_itl_ms"] >= row["p50_itl_ms"] > 0
         assert row["output_token_throughput"] > 0
