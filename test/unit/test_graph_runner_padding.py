@@ -20,6 +20,8 @@ from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
+from tiny_checkpoints import write_tiny_checkpoint
+
 
 @pytest.fixture(scope="module")
 def runner(tiny_qwen3_runner) -> ModelRunner:
@@ -166,6 +168,40 @@ def test_prefill_padding_is_harmless(runner):
     assert graph_runner.fill(batch, 32) is padded  # one batch object per shape, updated
     for r in reqs:
         release(r, runner)
+
+
+def test_prefill_buckets_above_the_context_length_pad_with_several_requests(tmp_path):
+    """A bucket of 48 tokens over a context of 16: two live requests (22 tokens) and padding
+    requests of at most 16 tokens each, whose positions and request-table reads stay inside the
+    context; the live logits are unchanged."""
+    write_tiny_checkpoint("qwen3", tmp_path)
+    short = ModelRunner(
+        ServerArgs(
+            model_path=str(tmp_path),
+            device="cpu",
+            max_total_tokens=256,
+            max_running_requests=4,
+            context_length=16,
+        )
+    )
+    reqs = _reqs([10, 12])
+    batch = prepare_extend(reqs, short)
+    expected = short.forward(batch)
+    graph_runner = PrefillCudaGraphRunner(short, _plain(short), shapes=[16, 48])
+    assert graph_runner.max_batch_size == 4 + 3  # the running requests, and 48 / 16 padding
+    padded = graph_runner.fill(batch, 48)
+    assert padded.extend_seq_lens_cpu == [10, 12, 16, 10]
+    assert int(padded.positions.max()) == 15
+    short.attn_backend.init_forward_metadata(padded)
+    got = graph_runner.finish(graph_runner.forward_fn(padded), batch)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for r in reqs:
+        release(r, short)
+    most = _reqs([12, 12, 12, 12])  # as many requests as may run: a bucket still serves them
+    assert graph_runner.can_run(full := prepare_extend(most, short))
+    assert graph_runner.fill(full, 48).extend_seq_lens_cpu == [12] * 4
+    for r in most:
+        release(r, short)
 
 
 def test_shapes_and_fallback_decisions(runner):

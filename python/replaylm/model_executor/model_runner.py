@@ -31,7 +31,7 @@ from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
 from replaylm.mem_cache.token_allocator import TokenSlotAllocator
 from replaylm.model_executor.cuda_graph.backend.factory import create_graph_backend
-from replaylm.model_executor.cuda_graph.config import PhaseConfig, resolve_cuda_graph_config
+from replaylm.model_executor.cuda_graph.config import resolve_cuda_graph_config
 from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
@@ -187,7 +187,7 @@ class ModelRunner:
                 backend = create_graph_backend(
                     phase, phase_config.mode, self.attn_backend, self.args
                 )
-                runners[phase] = runner_cls(self, backend, self._fit_shapes(phase, phase_config))
+                runners[phase] = runner_cls(self, backend, phase_config.shapes)
                 runners[phase].capture()
                 compiled = runners[phase].stats()["compile_s"] is not None
                 self.startup.mark(f"{'compile and capture' if compiled else 'capture'} {phase}")
@@ -207,19 +207,6 @@ class ModelRunner:
         """Per captured phase: mode, number of shapes, capture seconds, graph memory (MiB) and,
         for tc_piecewise, compile seconds (reported by /get_server_info)."""
         return {phase: runner.stats() for phase, runner in self.graph_runners.items()}
-
-    def _fit_shapes(self, phase: str, config: PhaseConfig) -> tuple[int, ...]:
-        """Prefill buckets above the context length could never be used (and would index past
-        the rotary cache and the request table while padding): cut them, keep the context."""
-        if phase != "prefill" or config.shapes[-1] <= self.context_len:
-            return config.shapes
-        kept = tuple(s for s in config.shapes if s < self.context_len) + (self.context_len,)
-        logger.info(
-            "prefill CUDA-graph buckets cut to the context length %d: %s",
-            self.context_len,
-            list(kept),
-        )
-        return kept
 
     def _kv_heads(self) -> int:
         """KV heads this rank holds (all of them without tensor parallelism)."""

@@ -11,10 +11,11 @@ from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
 class PrefillCudaGraphRunner(BaseCudaGraphRunner):
-    """Shape key: the number of new tokens. The padding tokens form one extra request at the end
-    (over the padding row, positions 0.., all writing KV slot 0), so the padded batch has one
-    more request than the live one whenever the bucket is not met exactly. Only a backend that
-    runs attention outside the graph (breakable, tc_piecewise) can serve this phase."""
+    """Shape key: the number of new tokens. The padding tokens form extra requests at the end,
+    each at most the context length long (over the padding row, positions 0.., all writing KV
+    slot 0), so a bucket larger than the context length serves batches of several requests as
+    well. Only a backend that runs attention outside the graph (breakable, tc_piecewise) can
+    serve this phase."""
 
     phase = "prefill"
 
@@ -24,11 +25,18 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             self.max_batch_size, self.max_num_tokens, self.model_runner.device
         )
 
+    @property
+    def padding_span(self) -> int:
+        """The longest padding request: the request table's row and the positions end there."""
+        return self.model_runner.context_len
+
     def buffer_sizes(self) -> tuple[int, int]:
-        return self.model_runner.max_running_requests + 1, self.shapes[-1]
+        most_padding = -(-self.shapes[-1] // self.padding_span)
+        return self.model_runner.max_running_requests + most_padding, self.shapes[-1]
 
     def shape_key(self, batch: ForwardBatch) -> int | None:
-        if not batch.forward_mode.is_extend() or batch.batch_size >= self.max_batch_size:
+        running = self.model_runner.max_running_requests
+        if not batch.forward_mode.is_extend() or batch.batch_size > running:
             return None
         return batch.num_tokens
 
@@ -57,19 +65,21 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
                 getattr(buf, name)[:live_reqs].copy_(getattr(batch, name), non_blocking=True)
         seq_cpu = list(batch.seq_lens_cpu) if batch is not None else []
         ext_cpu = list(batch.extend_seq_lens_cpu) if batch is not None else []
-        pad = shape - live_tokens
-        if pad:
-            tokens, i = slice(live_tokens, shape), live_reqs
+        start, i = live_tokens, live_reqs
+        while start < shape:  # padding requests of at most `padding_span` tokens
+            n = min(shape - start, self.padding_span)
+            tokens = slice(start, start + n)
             buf.input_ids[tokens] = 0
-            torch.arange(pad, out=buf.positions[tokens])
+            torch.arange(n, out=buf.positions[tokens])
             buf.out_cache_loc[tokens] = 0
             buf.req_pool_indices[i] = self.padding_row
-            buf.seq_lens[i] = pad
+            buf.seq_lens[i] = n
             buf.prefix_lens[i] = 0
-            buf.extend_seq_lens[i] = pad
-            buf.extend_start_loc[i] = live_tokens
-            seq_cpu.append(pad)
-            ext_cpu.append(pad)
+            buf.extend_seq_lens[i] = n
+            buf.extend_start_loc[i] = start
+            seq_cpu.append(n)
+            ext_cpu.append(n)
+            start, i = start + n, i + 1
         return buf.view(
             ForwardMode.EXTEND,
             len(seq_cpu),
