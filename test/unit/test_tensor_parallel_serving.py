@@ -81,6 +81,37 @@ def test_engine_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank, 
     assert outputs == one_rank
 
 
+def test_a_model_without_a_tokenizer_generates_on_two_ranks(tmp_path):
+    """Dummy weights from a bare config (no tokenizer, so no grammar engine): plain requests
+    need neither."""
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 320,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 256,
+            }
+        )
+    )
+    args = {"load_format": "dummy", "device": "cpu", **LIMITS}
+    outputs = []
+    for tp_size in (1, 2):
+        engine = Engine(str(config), tp_size=tp_size, **args)  # type: ignore[arg-type]
+        try:
+            assert engine.tokenizer is None
+            out = engine.generate(input_ids=PROMPTS[:4], sampling_params=GREEDY)
+            outputs.append([o["output_ids"] for o in out])
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1] and all(len(ids) == 16 for ids in outputs[0])
+
+
 def test_cache_flush_reaches_every_rank(checkpoint, one_rank):
     """After a run and `flush_cache`, the ranks batch the same prompts alike again: a rank
     still holding cached prefixes would prefill fewer tokens than rank 0 and break step."""

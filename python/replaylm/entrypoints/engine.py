@@ -135,7 +135,8 @@ class Engine:
         single, id_lists = self._inputs(prompt, input_ids)
         params_list = self._params(sampling_params, len(id_lists))
         msgs = [self._request_msg(ids, p) for ids, p in zip(id_lists, params_list, strict=True)]
-        if self._followers:  # every message is valid: from here on the ranks load its grammar
+        if self._followers and any(m.sampling_params.constraint for m in msgs):
+            # every message is valid (its grammar compiled): from here on the ranks load them
             msgs = self._grammars_for_ranks().leave_out_held(msgs)
         reqs = [request_of(msg, self._request_grammar(msg)) for msg in msgs]
         for req in reqs:
@@ -220,7 +221,9 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         rid, self._next_rid = str(self._next_rid), self._next_rid + 1
         # with other ranks, the grammar travels compiled and serialized, as a server sends it
-        grammar = self._compiler(params).compile(params) if self._followers else None
+        grammar = None
+        if params.constraint is not None and self._followers:
+            grammar = self._compiler(params).compile(params)
         return TokenizedGenerateReq(
             [rid], list(ids), params, [seed], max_new, top_logprobs=None, grammar=grammar
         )
@@ -230,12 +233,14 @@ class Engine:
         `params`' constraint when the grammar engine cannot read the tokenizer."""
         from replaylm.structured.compiler import GrammarCompiler
 
+        assert params.constraint is not None  # only a constrained request needs the compiler
         if self._grammar is None:
             vocab_size = self.runner.config.vocab_size
             self._grammar = GrammarCompiler.for_tokenizer(self._require_tokenizer(), vocab_size)
             if self._grammar is None:
-                field = params.constraint[0] if params.constraint else "structured output"
-                raise ValueError(f"{field}: the grammar engine cannot read the tokenizer")
+                raise ValueError(
+                    f"{params.constraint[0]}: the grammar engine cannot read the tokenizer"
+                )
         return self._grammar
 
     def _grammars_for_ranks(self) -> _RankGrammars:
