@@ -98,5 +98,5 @@ def destroy_tensor_parallel() -> None:
     """Leave the group (a process that ends without it may warn about leaked groups)."""
     global _group
     if _group is not None:
+        _group = None  # and with it the peer buffer, freed while its group still stands
         dist.destroy_process_group()
-        _group = None
