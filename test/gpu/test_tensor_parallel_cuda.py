@@ -85,22 +85,26 @@ def _generate(args: ServerArgs) -> tuple[Engine, list[list[int]]]:
     return engine, [o["output_ids"] for o in out]
 
 
-@pytest.mark.parametrize(
-    ("modes", "all_reduce"),
-    [(modes, "nccl") for modes in MODES] + [(MODES[0], "one-shot")],
-    ids=lambda v: _name(v) if isinstance(v, dict) else v,
-)
-def test_greedy_generations_match_one_rank(modes, all_reduce):
+def _runs(modes: dict[str, str]) -> list[tuple[int, str]]:
+    """(TP, all-reduce) of the greedy comparison under `modes`: every size over NCCL, and for
+    the default modes the largest over the one-shot kernel too (compiled pieces use NCCL)."""
+    runs = [(tp_size, "nccl") for tp_size in TP_SIZES]
+    return runs + [(n, "one-shot") for n in TP_SIZES[-1:]] if modes == MODES[0] else runs
+
+
+@pytest.mark.parametrize("modes", MODES, ids=_name)
+def test_greedy_generations_match_one_rank(modes):
     one_rank, want = _generate(_args(modes, "float32"))
     try:
-        for tp_size in TP_SIZES:
+        for tp_size, all_reduce in _runs(modes):
             engine, got = _generate(_args(modes, "float32", tp_size, all_reduce))
             engine.shutdown()
             del engine
             gc.collect()
             gaps = divergence_gaps(one_rank.runner, PROMPTS, got, want)
-            print(f"{_name(modes)} TP={tp_size}: {len(gaps)} of {len(PROMPTS)} diverge: {gaps}")
-            assert all(gap <= FP32_TIE for gap in gaps.values()), gaps
+            run = f"{_name(modes)} {all_reduce} TP={tp_size}"
+            print(f"{run}: {len(gaps)} of {len(PROMPTS)} diverge: {gaps}")
+            assert all(gap <= FP32_TIE for gap in gaps.values()), (run, gaps)
     finally:
         del one_rank
         gc.collect()
@@ -112,14 +116,14 @@ def _one_rank_logits(modes: str) -> list[np.ndarray]:
     return run_ranks(runner_logits, _args(json.loads(modes), "bfloat16"))
 
 
-@pytest.mark.parametrize("tp_size", TP_SIZES)
 @pytest.mark.parametrize(
-    ("modes", "all_reduce"),
-    # tc_piecewise's compiled pieces sum with NCCL whatever the flag says
-    [(modes, "nccl") for modes in MODES] + [(modes, "one-shot") for modes in MODES[:2]],
-    ids=lambda v: _name(v) if isinstance(v, dict) else v,
+    ("modes", "tp_size", "all_reduce"),
+    # one-shot at the largest size, where tc_piecewise's compiled pieces would use NCCL anyway
+    [(modes, tp_size, "nccl") for modes in MODES for tp_size in TP_SIZES]
+    + [(modes, n, "one-shot") for modes in MODES[:2] for n in TP_SIZES[-1:]],
+    ids=lambda v: _name(v) if isinstance(v, dict) else str(v),
 )
-def test_logits_match_one_rank(modes, all_reduce, tp_size):
+def test_logits_match_one_rank(modes, tp_size, all_reduce):
     ref = _one_rank_logits(json.dumps(modes))
     ours = run_ranks(runner_logits, _args(modes, "bfloat16", tp_size, all_reduce))
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
