@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from replaylm.distributed.launch import run_on_ranks
+from replaylm.distributed.parallel_state import init_tensor_parallel, shows_progress
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.server_args import ServerArgs
@@ -104,6 +106,19 @@ def test_sizes_that_do_not_divide_are_one_line_errors(
     with pytest.raises(ValueError) as err:
         ModelRunner(args, tp_rank=0)
     assert str(err.value) == message
+
+
+def _rank_shows_progress(args: ServerArgs, rank: int) -> bool:
+    assert args.dist_init_addr is not None
+    init_tensor_parallel(rank, args.tp_size, args.dist_init_addr, torch.device("cpu"))
+    return shows_progress()
+
+
+def test_only_rank_0_draws_progress_bars() -> None:
+    """The ranks load and capture in step: the others' bars would repeat rank 0's."""
+    assert shows_progress()  # no group: the one process draws them
+    args = _with_tp(_args(DEFAULT_MODEL), 3)
+    assert run_on_ranks(_rank_shows_progress, args, timeout_s=120) == [True, False, False]
 
 
 def test_one_shot_all_reduce_is_an_error_off_cuda(tmp_path: Path) -> None:

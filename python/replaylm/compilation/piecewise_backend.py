@@ -24,6 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from replaylm.compilation.split import SplitGraph, split_at_ops
+from replaylm.distributed.parallel_state import shows_progress
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,10 @@ class PiecewiseBackend:
 
         compute = {p.name for p in split.compute_pieces}
         progress = tqdm(
-            total=len(compute), desc="compiling tc_piecewise pieces (inductor)", unit="piece"
+            total=len(compute),
+            desc="compiling tc_piecewise pieces (inductor)",
+            unit="piece",
+            disable=not shows_progress(),
         )
         hits_before = counters["inductor"]["fxgraph_cache_hit"]
 

@@ -50,6 +50,12 @@ def tp_place() -> TPPlace:
     return _group.place if _group is not None else TPPlace()
 
 
+def shows_progress() -> bool:
+    """Whether this process draws progress bars: rank 0 does, the other ranks (doing the same
+    steps at the same time) would only repeat them."""
+    return tp_place().rank == 0
+
+
 def tp_group() -> TPGroup:
     """The initialised group; RuntimeError outside tensor parallelism (a collective with no
     group is a bug, never a silent no-op)."""

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
+from replaylm.distributed.parallel_state import shows_progress
 from replaylm.model_loader.dummy_weights import fill_dummy_weights
 from replaylm.model_loader.gguf_loader import (
     count_gguf_tensors,
@@ -100,7 +101,10 @@ def load_model(
         tensors, count = _checkpoint_tensors(path, fmt, device)
         logger.info("loading %d %s tensors from %s", count, fmt, path)
         weights = TimedIterator(tensors)
-        model.load_weights(tqdm(weights, total=count, desc="Loading weights", unit="tensor"))
+        shown = shows_progress()
+        model.load_weights(
+            tqdm(weights, total=count, desc="Loading weights", unit="tensor", disable=not shown)
+        )
     model.eval()
     if device.type == "cuda":
         # the copies are asynchronous (the stage waits for them), and the memory the checkpoint's

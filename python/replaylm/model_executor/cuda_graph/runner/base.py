@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from replaylm.distributed.parallel_state import shows_progress
 from replaylm.model_executor.cuda_graph.backend.base import BaseCudaGraphBackend, CaptureContext
 from replaylm.model_executor.forward_batch import ForwardBatch
 
@@ -132,7 +133,7 @@ class BaseCudaGraphRunner(ABC):
         with frozen_gc(), self.backend.capture_session():
             shapes = sorted(self.shapes, reverse=True)
             desc = f"capturing {self.phase} CUDA graphs ({self.backend.mode})"
-            for shape in tqdm(shapes, desc=desc, unit="shape"):
+            for shape in tqdm(shapes, desc=desc, unit="shape", disable=not shows_progress()):
                 self.backend.capture_one(shape, self.fill(None, shape), self.forward_fn)
         free_after = _settled_free_memory(device)  # warm-up runs' cached blocks are not kept
         self.capture_seconds = time.perf_counter() - start
