@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from typing_extensions import TypeIs
 
-    from replaylm.model_executor.model_runner import ModelRunner
     from replaylm.structured.compiler import GrammarCompiler
     from replaylm.structured.grammar import RequestGrammar
 
@@ -74,10 +73,14 @@ class Engine:
         self.runner, self.tokenizer, self.eos_token_ids = load_runner_and_tokenizer(
             self.server_args, self.startup
         )
+        # the vocabulary the other ranks compile grammars against (None: no structured output)
+        self._grammar_vocabulary: str | None = None
         if self._followers:
             from replaylm.distributed.communication import broadcast_objects
 
-            broadcast_objects([tokenizer_info(self.tokenizer)])
+            info = tokenizer_info(self.tokenizer)
+            self._grammar_vocabulary = info.grammar_vocabulary
+            broadcast_objects([info])
         self.server_args = self.runner.args  # with the defaults resolved for the device
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
@@ -245,7 +248,10 @@ class Engine:
 
     def _grammars_for_ranks(self) -> _RankGrammars:
         if self._rank_grammars is None:
-            self._rank_grammars = _RankGrammars(self.tokenizer, self.runner, self.eos_token_ids)
+            vocabulary = self._grammar_vocabulary
+            assert vocabulary is not None  # the messages' grammars compiled against it
+            vocab_size = self.runner.config.vocab_size
+            self._rank_grammars = _RankGrammars(vocabulary, vocab_size, self.eos_token_ids)
         return self._rank_grammars
 
     def _request_grammar(self, msg: TokenizedGenerateReq) -> RequestGrammar | None:
@@ -285,16 +291,11 @@ class _RankGrammars:
     of what those loaders hold, so a message goes without a grammar they have (a grammar is
     megabytes, and every message is broadcast)."""
 
-    def __init__(
-        self, tokenizer: PreTrainedTokenizerBase | None, runner: ModelRunner, eos: Collection[int]
-    ) -> None:
+    def __init__(self, vocabulary: str, vocab_size: int, eos: Collection[int]) -> None:
         from replaylm.structured.cache import HeldGrammars
         from replaylm.structured.loader import GrammarLoader
-        from replaylm.structured.vocabulary import describe_vocabulary
 
-        description = describe_vocabulary(tokenizer) if tokenizer is not None else None
-        assert description is not None  # the messages' grammars compiled against it
-        self.loader = GrammarLoader(description, runner.config.vocab_size, eos)
+        self.loader = GrammarLoader(vocabulary, vocab_size, eos)
         self.held = HeldGrammars()
 
     def leave_out_held(self, msgs: list[TokenizedGenerateReq]) -> list[TokenizedGenerateReq]:
