@@ -138,9 +138,10 @@ class ServerArgs:
         default="nccl",
         metadata=_opt(
             "How the GPUs of --tp-size sum each layer's partial outputs. nccl: NCCL's "
-            "all-reduce. one-shot: messages up to 512 KiB (decode steps) by one kernel that "
-            "reads every peer's copy over NVLink (torch's symmetric memory, no multicast), "
-            "larger ones and torch.compile'd pieces by NCCL.",
+            "all-reduce, then the residual add and RMSNorm. one-shot: for messages up to 512 "
+            "KiB (decode steps) one kernel writes this GPU's part into every peer's memory over "
+            "NVLink (torch's symmetric memory, no multicast), sums, adds the residual and norms; "
+            "larger ones and torch.compile'd pieces go by NCCL.",
             ("nccl", "one-shot"),
         ),
     )

@@ -3,7 +3,8 @@ weights (16 heads and 8 KV heads divide by 2 and 4), under the three graph-mode 
 
 - Logits of TP=2 and TP=4 (where the machine has 4 GPUs) equal TP=1's within bfloat16 noise, on
   a ragged prefill and decode steps that run the captured graphs, all-reduces inside them; also
-  with `--tp-all-reduce one-shot` (whose kernel sums like NCCL, eagerly and in a graph).
+  with `--tp-all-reduce one-shot` (whose fused sum + add + norm matches NCCL's all-reduce and
+  the norm kernel, eagerly and in a graph, with the same bits on every rank).
 - Greedy generations of an Engine with `tp_size` 2 and 4 equal TP=1's. In float32, so that the
   all-reduce's other summation order cannot flip a token: a divergence is allowed only where
   TP=1's top-2 logits tie within float32 noise. The Engine shuts down (graphs that captured
@@ -25,8 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replaylm.distributed.parallel_state import init_tensor_parallel
+from replaylm.distributed.parallel_state import TPGroup, init_tensor_parallel
 from replaylm.entrypoints.engine import Engine
+from replaylm.layers.kernels.rmsnorm import rms_norm
 from replaylm.server_args import ServerArgs
 
 from model_parity import divergence_gaps, rel_error
@@ -132,51 +134,75 @@ def test_logits_match_one_rank(modes, tp_size, all_reduce):
         assert err < REL_TOL, step
 
 
-# (rows, columns, dtype) of the sums compared; the last is over the one-shot kernel's 512 KiB
-SUM_CASES = [(1, 4096, torch.bfloat16), (64, 4096, torch.bfloat16), (3, 1024, torch.float32),
-             (512, 4096, torch.bfloat16)]  # fmt: skip
+# (rows, columns) of the bfloat16 sums compared; the last is over the one-shot kernel's 512 KiB
+SUM_CASES = [(1, 4096), (64, 4096), (7, 1024), (512, 4096)]
+SITES = 6  # calls per captured graph, alternating slots as a model's sums do
 
 
-def _one_shot_vs_nccl(args: ServerArgs, rank: int) -> list[float | None]:
-    """Per SUM_CASES: the largest difference between the one-shot sum (eager, then replayed
-    from a CUDA graph on new inputs) and NCCL's, relative to the sum's largest entry; None
-    where the one-shot kernel does not take the message."""
+def _fused_vs_nccl(args: ServerArgs, rank: int) -> list[tuple[float, bool] | None]:
+    """Per SUM_CASES: the largest difference between the one-shot sum + add + norm (eager,
+    then SITES calls replayed from a CUDA graph on new inputs) and NCCL's all-reduce followed by
+    the RMSNorm kernel, relative to the largest entry, and whether every rank got the same
+    bits; None where the one-shot kernel does not take the message."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     assert args.dist_init_addr is not None
-    group = init_tensor_parallel(rank, args.tp_size, args.dist_init_addr, device, one_shot=True)
+    group = init_tensor_parallel(
+        rank, args.tp_size, args.dist_init_addr, device, one_shot_dtype=torch.bfloat16
+    )
+    assert group.peer_all_reduce is not None
+    return [_fused_case(group, rows, cols) for rows, cols in SUM_CASES]
+
+
+def _fused_case(group: TPGroup, rows: int, cols: int) -> tuple[float, bool] | None:
     peer = group.peer_all_reduce
     assert peer is not None
-    gen = torch.Generator(device).manual_seed(rank)
-    errors: list[float | None] = []
-    for rows, cols, dtype in SUM_CASES:
-        x = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen)
-        if not peer.takes(x):
-            errors.append(None)
-            continue
-        peer(x)  # warm-up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = peer(x)
-        worst = 0.0
-        for _ in range(3):
-            x.copy_(torch.randn(rows, cols, device=device, dtype=dtype, generator=gen))
-            want = x.clone()
-            dist.all_reduce(want, group=group.device_group)
-            graph.replay()
-            for got in (peer(x), captured):
-                err = (got.float() - want.float()).abs().max() / want.float().abs().max()
-                worst = max(worst, float(err))
-        errors.append(worst)
-        graph.reset()
-    return errors
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device).manual_seed(group.place.rank)
+    shared = torch.Generator(device).manual_seed(1234)  # the residual: the same on every rank
+    xs = torch.empty(SITES, rows, cols, device=device, dtype=torch.bfloat16)
+    rs = torch.empty_like(xs)
+    weight = torch.rand(cols, device=device, generator=shared).to(torch.bfloat16) + 0.5
+    if not peer.takes(xs[0], rs[0]):
+        return None
+
+    def refill() -> None:
+        xs.copy_(torch.randn(xs.shape, device=device, generator=gen))
+        xs[:, :, :8] = -0.0  # the empty mark's bits, sent as +0.0
+        rs.copy_(torch.randn(rs.shape, device=device, generator=shared))
+
+    def calls() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [peer.sum_add_rms_norm(xs[i], rs[i], weight, 1e-6, i) for i in range(SITES)]
+
+    refill()
+    calls()  # warm-up (compiles) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls()
+    worst, same = 0.0, True
+    for _ in range(3):
+        refill()
+        summed = xs.clone()
+        dist.all_reduce(summed, group=group.device_group)
+        wants = [rms_norm(summed[i], weight, 1e-6, rs[i]) for i in range(SITES)]
+        graph.replay()
+        for gots in (calls(), captured):
+            for got, want in zip(gots, wants, strict=True):
+                for a, b in zip(got, want, strict=True):
+                    err = (a.float() - b.float()).abs().max() / b.float().abs().max()
+                    worst = max(worst, float(err))
+                parts = [torch.empty_like(got[0]) for _ in range(group.place.size)]
+                dist.all_gather(parts, got[0], group=group.device_group)
+                same &= all(torch.equal(p, parts[0]) for p in parts)
+    graph.reset()
+    return worst, same
 
 
-def test_one_shot_all_reduce_sums_like_nccl():
+def test_one_shot_sum_norm_matches_nccl_then_norm():
     """Eager and captured, on every size of group the machine has; a message over the kernel's
     limit is not taken (NCCL sums it)."""
     for tp_size in TP_SIZES:
-        errors = run_ranks(_one_shot_vs_nccl, _args(MODES[0], "bfloat16", tp_size))
-        print(f"TP={tp_size}: relative differences {errors}")
-        assert errors[-1] is None  # 4 MiB: left to NCCL
-        assert all(e is not None and e <= 1e-2 for e in errors[:-1]), errors
+        results = run_ranks(_fused_vs_nccl, _args(MODES[0], "bfloat16", tp_size))
+        print(f"TP={tp_size}: (relative difference, same on every rank) {results}")
+        assert results[-1] is None  # 4 MiB: left to NCCL
+        assert all(r is not None and r[0] <= 1e-2 and r[1] for r in results[:-1]), results

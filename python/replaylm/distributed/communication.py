@@ -15,15 +15,23 @@ from replaylm.distributed.parallel_state import destroy_tensor_parallel, tp_grou
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of `x` over the ranks: a new tensor from the one-shot kernel where the group has
-    it and `x` suits it, else `x` itself, summed in place by the device group's all-reduce
-    (always so while torch.compile traces: that collective is the traceable one)."""
-    group = tp_group()
-    peer = group.peer_all_reduce
-    if peer is not None and peer.takes(x) and not torch.compiler.is_compiling():
-        return peer(x)
-    dist.all_reduce(x, group=group.device_group)
+    """The sum of `x` over the ranks: `x` itself, summed in place by the device group's
+    all-reduce."""
+    dist.all_reduce(x, group=tp_group().device_group)
     return x
+
+
+def peer_sum_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, site: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(rmsnorm(sum + residual) * weight, sum + residual)`, `sum` the ranks' `x`, in the
+    one-shot kernel where the group has one (`--tp-all-reduce one-shot`) and `x` suits it; None
+    otherwise, and always while torch.compile traces (the all-reduce is the traceable
+    collective), for the caller to all-reduce and norm."""
+    peer = tp_group().peer_all_reduce
+    if peer is None or torch.compiler.is_compiling() or not peer.takes(x, residual):
+        return None
+    return peer.sum_add_rms_norm(x, residual, weight, eps, site)
 
 
 def all_gather_columns(x: torch.Tensor) -> torch.Tensor:

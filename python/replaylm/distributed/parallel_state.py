@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from replaylm.distributed.peer_all_reduce import PeerAllReduce
+from replaylm.distributed.peer_all_reduce import ONE_SHOT_MAX_BYTES, PeerAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class TPPlace:
 class TPGroup:
     """An initialised tensor-parallel group: `device_group` (NCCL on CUDA, gloo on the CPU)
     carries the model's collectives, `cpu_group` (gloo) the objects rank 0 broadcasts, and
-    `peer_all_reduce` (with `--tp-all-reduce one-shot`) the small all-reduces."""
+    `peer_all_reduce` (with `--tp-all-reduce one-shot`) the small sums fused with their norm."""
 
     place: TPPlace
     device_group: dist.ProcessGroup
@@ -65,11 +65,15 @@ def tp_group() -> TPGroup:
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_addr: str, device: torch.device, one_shot: bool = False
+    rank: int,
+    size: int,
+    init_addr: str,
+    device: torch.device,
+    one_shot_dtype: torch.dtype | None = None,
 ) -> TPGroup:
     """Join the group of `size` ranks as `rank`, meeting at `init_addr` (`host:port`, served by
-    rank 0). Called once per process, before the model is built. `one_shot` (CUDA only): small
-    all-reduces over peer memory (`PeerAllReduce`)."""
+    rank 0). Called once per process, before the model is built. `one_shot_dtype` (CUDA only):
+    the model's dtype, whose small sums go over peer memory (`PeerAllReduce`)."""
     global _group
     if _group is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
@@ -85,7 +89,7 @@ def init_tensor_parallel(
     world = dist.group.WORLD
     assert world is not None  # init_process_group made it
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
-    peer = PeerAllReduce(world, device) if one_shot else None
+    peer = None if one_shot_dtype is None else PeerAllReduce(world, device, one_shot_dtype)
     _group = TPGroup(TPPlace(rank, size), world, cpu_group, peer)
     logger.info(
         "tensor parallelism: rank %d of %d (pid %d) on %s (%s collectives%s, group met at %s)",
@@ -94,7 +98,9 @@ def init_tensor_parallel(
         os.getpid(),
         device,
         backend,
-        ", one-shot all-reduces over peer memory up to 512 KiB" if one_shot else "",
+        f", one-shot sums up to {ONE_SHOT_MAX_BYTES // 1024} KiB over peer memory"
+        if peer is not None
+        else "",
         init_addr,
     )
     return _group

@@ -1,8 +1,14 @@
-"""A one-shot all-reduce over peer memory (`--tp-all-reduce one-shot`): every rank copies its
-part into a buffer of torch's symmetric memory, and each rank's kernel reads every peer's buffer
-over NVLink and sums, in one launch with no multicast. A decode step's all-reduces are a few KiB
-to a few hundred KiB, where NCCL's protocol costs more than moving the bytes; larger messages
-stay with NCCL."""
+"""The peer-memory buffer behind `--tp-all-reduce one-shot`: each layer's sum of partial outputs,
+residual add and RMSNorm in one launch (`peer_sum_norm`), for messages up to
+`ONE_SHOT_MAX_BYTES` (decode steps). A decode step's sums are a few KiB to a few hundred KiB,
+where NCCL's protocol costs more than moving the bytes; larger ones stay with NCCL.
+
+The buffer is torch's symmetric memory (every rank maps every other rank's over NVLink; no
+multicast). It holds two slots, each a region per rank of `ONE_SHOT_MAX_BYTES`. A call takes the
+slot of its site's parity: the model numbers its sums 0, 1, 2, ... in the order a forward makes
+them, an even count, so consecutive calls always take different slots, also from one forward to
+the next and from one captured graph to another.
+"""
 
 from __future__ import annotations
 
@@ -10,36 +16,69 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-# the largest message the one-shot kernel takes: each rank reads (ranks - 1) times this over
-# NVLink, which stops paying against NCCL's ring somewhere around here on an H100 host
+# the largest message (one rank's partial sums) the one-shot kernel takes: each rank writes
+# (ranks - 1) times this over NVLink, which stops paying against NCCL's ring around here on H100s
 ONE_SHOT_MAX_BYTES = 512 * 1024
-ALIGNMENT = 16  # bytes: the kernel moves 16-byte vectors
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_WIDTH = 16384  # the widest row one program holds
+SLOTS = 2
 
 
 class PeerAllReduce:
-    """The symmetric buffer of one tensor-parallel group and the one-shot sum over it. Built
-    on every rank of the group at once (the buffer's rendezvous is a collective)."""
+    """The symmetric buffer of one tensor-parallel group for one dtype, and the fused sum over
+    it. Built on every rank of the group at once (the buffer's rendezvous is a collective)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group_name = group.group_name
-        self.buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> None:
+        from replaylm.distributed.peer_sum_norm import mark_empty, peer_sum_add_rms_norm
 
-    def takes(self, x: torch.Tensor) -> bool:
-        """Whether `x` fits the one-shot kernel (else NCCL sums it)."""
-        nbytes = x.numel() * x.element_size()
+        self._kernel = peer_sum_add_rms_norm
+        self.dtype = dtype
+        self.rank = group.rank()
+        ranks = group.size()
+        self.region_elems = ONE_SHOT_MAX_BYTES // dtype.itemsize
+        self.buffer = symm_mem.empty(SLOTS * ranks * self.region_elems, dtype=dtype, device=device)
+        mark_empty(self.buffer, dtype.itemsize)
+        handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        slot_bytes = ranks * ONE_SHOT_MAX_BYTES
+        self.regions = [
+            torch.tensor(
+                [ptr + slot * slot_bytes for ptr in handle.buffer_ptrs],
+                dtype=torch.int64,
+                device=device,
+            )
+            for slot in range(SLOTS)
+        ]
+        self.max_programs = torch.cuda.get_device_properties(device).multi_processor_count
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # no rank writes into a buffer before its owner has marked it empty
+
+    def takes(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether `x` (with `residual`) suits the one-shot kernel (else NCCL sums it)."""
         return (
-            x.dtype in DTYPES
-            and x.is_contiguous()
-            and nbytes <= ONE_SHOT_MAX_BYTES
-            and nbytes % ALIGNMENT == 0
+            x.dtype == self.dtype
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES
+            and x.shape[-1] <= MAX_WIDTH
+            and residual.shape == x.shape
+            and residual.stride(-1) == 1
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `x`, in a new tensor."""
-        staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-        out = torch.empty_like(x)
-        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(
-            staged, x, "sum", self.group_name, out
+    def sum_add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        site: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(rmsnorm(sum + residual) * weight, sum + residual)`, `sum` the ranks' `x`."""
+        return self._kernel(
+            x,
+            residual,
+            weight,
+            eps,
+            self.regions[site % SLOTS],
+            self.region_elems,
+            self.rank,
+            self.max_programs,
         )

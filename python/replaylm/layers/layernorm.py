@@ -1,10 +1,12 @@
-"""RMSNorm with an optional fused residual add."""
+"""RMSNorm with an optional fused residual add, and under tensor parallelism the sum over the
+ranks of the partial outputs it follows."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from replaylm.distributed.communication import all_reduce, peer_sum_add_rms_norm
 from replaylm.layers.kernels import use_triton_kernels
 
 
@@ -13,16 +15,28 @@ class RMSNorm(nn.Module):
 
     With `residual`, first `x = x + residual` and the sum is returned as the new residual.
     On the Triton route (`use_triton_kernels`) one fused kernel does it all.
+
+    With `sum_site` set (tensor parallelism: `x` is a RowParallelLinear's partial sums, and a
+    residual comes with it), `x` is first summed over the ranks: together with the add and the
+    norm in one launch where `--tp-all-reduce one-shot` takes it, else by the all-reduce. The
+    site numbers the model's sums in the order a forward makes them (see `PeerAllReduce`).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
+        self.sum_site: int | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.sum_site is not None:
+            assert residual is not None  # every sum of partials is followed by a residual add
+            fused = peer_sum_add_rms_norm(x, residual, self.weight, self.eps, self.sum_site)
+            if fused is not None:
+                return fused
+            x = all_reduce(x)
         if use_triton_kernels(x):
             from replaylm.layers.kernels.ops import rms_norm
 

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replaylm.distributed.communication import all_reduce
 from replaylm.distributed.sharding import Shard
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import converted, use_triton_kernels
@@ -209,12 +208,12 @@ class GateUpLinear(MergedLinear):
 class RowParallelLinear(Linear):
     """A linear whose input is split over the tensor-parallel ranks (the attention output over
     heads, the MLP's over its intermediate columns): each rank multiplies its columns of the
-    weight, and the partial sums are all-reduced, inside the forward (so a captured graph
-    segment holds the collective). Built only with more than one rank."""
+    weight and returns its partial sums. The RMSNorm that follows sums them over the ranks
+    (its `sum_site`), so the sum can share a launch with the residual add and the norm. Built
+    only with more than one rank."""
 
-    def __init__(self, shard: Shard, output_size: int, bias: bool = False) -> None:
-        super().__init__(shard.size, output_size, bias, shard)
+    def __init__(self, shard: Shard, output_size: int) -> None:
+        super().__init__(shard.size, output_size, False, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, None, self.matmul))
-        return y if self.bias is None else y + self.bias
+        return linear(x, self.weight, None, self.matmul)

@@ -112,7 +112,7 @@ class ModelRunner:
                 args.tp_size,
                 args.dist_init_addr,
                 self.device,
-                one_shot=args.tp_all_reduce == "one-shot",
+                one_shot_dtype=self.dtype if args.tp_all_reduce == "one-shot" else None,
             )
         self.startup.mark("model config")
         with loading_threads(self.device):

@@ -190,6 +190,19 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if place.size > 1:
+            self._number_sums()
+
+    def _number_sums(self) -> None:
+        """Each RowParallelLinear's partial sums are summed by the norm after them: layer i's
+        attention output by its post-attention norm, its MLP output by the next layer's input
+        norm or the final norm. Sites in forward order, 2 x layers of them (even)."""
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            if i:
+                layer.input_layernorm.sum_site = 2 * i - 1
+            layer.post_attention_layernorm.sum_site = 2 * i
+        self.norm.sum_site = 2 * len(self.layers) - 1
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
