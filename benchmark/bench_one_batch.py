@@ -25,7 +25,8 @@ under the same graph breaks.
 `--tp-size N ...` repeats every run with the model split over N GPUs: one process per rank (each
 builds its runner and runs the same steps, so the collectives meet), rank 0's times reported,
 every rank's capture. Its decode rows add `all-reduce ms`: the all-reduce kernels' time per step
-(torch.profiler over graph replays); its floor counts one rank's share of weights and KV.
+(torch.profiler over graph replays; with `--tp-all-reduce one-shot` the fused sum + add + norm
+kernel's); its floor counts one rank's share of weights and KV.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ RUNS = [  # --cuda-graph-mode of each runner built per model
     '{"decode": "tc_piecewise", "prefill": "tc_piecewise"}',
 ]
 PROFILED_REPLAYS = 20  # decode replays under torch.profiler for the all-reduce's share
-COLLECTIVE_KERNELS = ("nccl", "allreduce", "all_reduce")  # in the kernels' names, lower case
+# in the kernels' names, lower case; peer_sum_norm: --tp-all-reduce one-shot's sum, which also
+# does the residual add and RMSNorm that follow it
+COLLECTIVE_KERNELS = ("nccl", "allreduce", "all_reduce", "peer_sum_norm")
 RANK_TIMEOUT_S = 3600.0  # all runs of one model on one tensor-parallel size
 
 
