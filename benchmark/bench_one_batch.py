@@ -284,8 +284,8 @@ def main() -> None:
         for tp_size in args.tp_size:
             for kernels in args.kernels:
                 for extra in args.server_args:
-                    if tp_size == 1 and extra.get("tp_all_reduce", "nccl") != "nccl":
-                        continue  # one rank makes no all-reduce: the same run again
+                    if tp_size == 1 and extra.get("tp_all_reduce") == "one-shot":
+                        continue  # one rank makes no sum: the NCCL variant's run again
                     model_rows, model_captures = bench_on_ranks(
                         tp_size, model, args.runs, args.bs, args.context, bandwidth, extra, kernels
                     )

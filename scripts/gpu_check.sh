@@ -43,7 +43,7 @@
 #   machine's GPUs allow), decode with the all-reduce's time per step, with NCCL's all-reduce and
 #   with --tp-all-reduce one-shot; one_batch_70b: Llama-3.1-70B's shape at TP 4 and 8 (as allowed)
 #   against its floor, the same two all-reduces; offline_tp: nano-vllm's offline workload on
-#   Llama-3.1-8B at TP 1 and 2, full decode graphs.
+#   Llama-3.1-8B at TP 1 and 2, full decode graphs, the default --tp-all-reduce (auto).
 #   NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and its torch and NVSHMEM switches).
 #   GPU_CHECK_TARGETS="test/gpu/test_x.py": run those tests instead of all of test/gpu
 #   (the all-mode accuracy suite: GPU_CHECK_TARGETS=test/accuracy/test_mode_accuracy.py)
@@ -156,7 +156,7 @@ serving_rates_local() {  # per GPU_CHECK_SERVING_ARGS entry: a server, its rate 
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"enable_pdl": false}'
                      '{"small_batch_matmul": "triton"}')
-    all_reduce_variants=('{}' '{"tp_all_reduce": "one-shot"}')
+    all_reduce_variants=('{"tp_all_reduce": "nccl"}' '{"tp_all_reduce": "one-shot"}')
     for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch one_batch_native \
                   decode_host one_batch_kernels one_batch_det profile startup offline offline_bs1 \
                   sampling serving}; do

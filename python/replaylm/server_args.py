@@ -135,14 +135,15 @@ class ServerArgs:
         ),
     )
     tp_all_reduce: str = field(
-        default="nccl",
+        default="auto",
         metadata=_opt(
             "How the GPUs of --tp-size sum each layer's partial outputs. nccl: NCCL's "
             "all-reduce, then the residual add and RMSNorm. one-shot: for messages up to 512 "
             "KiB (decode steps) one kernel writes this GPU's part into every peer's memory over "
             "NVLink (torch's symmetric memory, no multicast), sums, adds the residual and norms; "
-            "larger ones and torch.compile'd pieces go by NCCL.",
-            ("nccl", "one-shot"),
+            "larger ones and torch.compile'd pieces go by NCCL. auto: one-shot where the GPUs "
+            "are of one machine and reach each other's memory, else nccl.",
+            ("auto", "nccl", "one-shot"),
         ),
     )
     nnodes: int = field(

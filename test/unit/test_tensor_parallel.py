@@ -14,6 +14,7 @@ import torch
 
 from replaylm.distributed.launch import run_on_ranks
 from replaylm.distributed.parallel_state import init_tensor_parallel, shows_progress
+from replaylm.distributed.peer_all_reduce import choose_all_reduce
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.server_args import ServerArgs
@@ -129,6 +130,35 @@ def test_one_shot_all_reduce_is_an_error_off_cuda(tmp_path: Path) -> None:
     args = _with_tp(_args(str(config), load_format="dummy", tp_all_reduce="one-shot"), 2)
     with pytest.raises(ValueError, match=r"^--tp-all-reduce one-shot needs CUDA GPUs"):
         ModelRunner(args, tp_rank=0)
+
+
+def test_auto_all_reduce_takes_one_shot_only_where_every_gpu_reaches_every_other() -> None:
+    """auto: one-shot over CUDA GPUs of one machine with peer access between every pair; NCCL
+    on the CPU, across machines, or where a pair lacks access (the reason says which)."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+
+    def every(a: int, b: int) -> bool:
+        return True
+
+    assert choose_all_reduce("auto", cuda, 4, 4, every) == (
+        "one-shot",
+        "auto: 4 GPUs of one machine with peer access",
+    )
+    assert choose_all_reduce("auto", cpu, 2, 2, every)[0] == "nccl"
+    assert choose_all_reduce("auto", cuda, 8, 4, every) == (
+        "nccl",
+        "auto: the ranks span several machines",
+    )
+    asked: list[tuple[int, int]] = []
+
+    def one_pair_blocked(a: int, b: int) -> bool:
+        asked.append((a, b))
+        return (a, b) != (2, 1)
+
+    choice, why = choose_all_reduce("auto", cuda, 3, 3, one_pair_blocked)
+    assert (choice, "cannot reach" in why) == ("nccl", True) and (2, 1) in asked
+    assert choose_all_reduce("nccl", cuda, 4, 4, every) == ("nccl", "as asked")
+    assert choose_all_reduce("one-shot", cpu, 2, 2, every) == ("one-shot", "as asked")
 
 
 def test_one_rank_builds_no_parallel_layers(tmp_path: Path) -> None:

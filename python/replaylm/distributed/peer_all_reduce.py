@@ -12,6 +12,8 @@ the next and from one captured graph to another.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
@@ -21,6 +23,28 @@ import torch.distributed._symmetric_memory as symm_mem
 ONE_SHOT_MAX_BYTES = 512 * 1024
 MAX_WIDTH = 16384  # the widest row one program holds
 SLOTS = 2
+
+
+def choose_all_reduce(
+    choice: str,
+    device: torch.device,
+    tp_size: int,
+    ranks_per_node: int,
+    peer_access: Callable[[int, int], bool] = torch.cuda.can_device_access_peer,
+) -> tuple[str, str]:
+    """`--tp-all-reduce` resolved to "nccl" or "one-shot", and why. auto takes one-shot where
+    every rank's GPU can write every other's memory: CUDA GPUs of one machine (devices 0 to
+    `ranks_per_node` - 1, one per rank), each pair with peer access; else NCCL."""
+    if choice != "auto":
+        return choice, "as asked"
+    if device.type != "cuda":
+        return "nccl", f"auto: no peer memory on {device.type}"
+    if ranks_per_node < tp_size:
+        return "nccl", "auto: the ranks span several machines"
+    gpus = range(ranks_per_node)
+    if not all(peer_access(a, b) for a in gpus for b in gpus if a != b):
+        return "nccl", "auto: some of the GPUs cannot reach each other's memory"
+    return "one-shot", f"auto: {tp_size} GPUs of one machine with peer access"
 
 
 class PeerAllReduce:

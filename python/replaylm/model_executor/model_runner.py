@@ -14,6 +14,7 @@ import torch
 
 from replaylm.distributed.communication import min_over_ranks
 from replaylm.distributed.parallel_state import TPPlace, init_tensor_parallel
+from replaylm.distributed.peer_all_reduce import choose_all_reduce
 from replaylm.distributed.sharding import HeadShard, check_model_split
 from replaylm.layers.attention.registry import create_attention_backend
 from replaylm.layers.attention.selection import resolve_attention_backend
@@ -84,7 +85,10 @@ class ModelRunner:
         check_pdl(args.enable_pdl is True, self.device)
         # before the model loads: a flag that does not suit the device fails the start at once
         self.cuda_graphs = resolve_cuda_graph_config(args, self.device.type)
-        if args.tp_all_reduce == "one-shot" and self.device.type != "cuda":
+        all_reduce, why = choose_all_reduce(
+            args.tp_all_reduce, self.device, args.tp_size, args.ranks_per_node
+        )
+        if all_reduce == "one-shot" and self.device.type != "cuda":
             raise ValueError(
                 f"--tp-all-reduce one-shot needs CUDA GPUs (peer memory); on {self.device} "
                 "the ranks sum with gloo (--tp-all-reduce nccl)"
@@ -112,8 +116,9 @@ class ModelRunner:
                 args.tp_size,
                 args.dist_init_addr,
                 self.device,
-                one_shot_dtype=self.dtype if args.tp_all_reduce == "one-shot" else None,
+                one_shot_dtype=self.dtype if all_reduce == "one-shot" else None,
             )
+            logger.info("tensor-parallel sums: %s (%s)", all_reduce, why)
         self.startup.mark("model config")
         with loading_threads(self.device):
             self.model = load_model(
