@@ -3,7 +3,9 @@ building a ModelRunner for its rank; what rank 0 computes comes back to the test
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,27 @@ from replaylm.server_args import ServerArgs
 from model_parity import scripted_logits
 
 RANK_TIMEOUT_S = 120.0
+
+# a dummy Llama whose heads, KV heads and MLP divide by 2 and 3, and whose vocabulary does not
+# (the last rank's rows are padding)
+DUMMY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 331,
+    "hidden_size": 96,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 6,
+    "max_position_embeddings": 256,
+}
+
+
+def write_dummy_config(folder: Path, **changes: Any) -> Path:
+    """DUMMY_CONFIG (with `changes`) as `folder`/config.json: a model path for dummy weights,
+    without a tokenizer."""
+    config = folder / "config.json"
+    config.write_text(json.dumps({**DUMMY_CONFIG, **changes}))
+    return config
 
 
 def runner_logits(args: ServerArgs, rank: int) -> list[np.ndarray]:

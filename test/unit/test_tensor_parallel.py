@@ -5,7 +5,6 @@ that do not divide the model are one-line errors naming both numbers."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -21,20 +20,7 @@ from replaylm.server_args import ServerArgs
 
 from model_parity import scripted_logits
 from tiny_checkpoints import write_tiny_checkpoint
-from tp_ranks import run_ranks, runner_logits
-
-# a dummy Llama whose heads, KV heads and MLP divide by 2 and 3, and whose vocabulary does not
-# (the last rank's rows are padding)
-DUMMY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 331,
-    "hidden_size": 96,
-    "intermediate_size": 192,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 6,
-    "max_position_embeddings": 256,
-}
+from tp_ranks import run_ranks, runner_logits, write_dummy_config
 
 
 def _args(model_path: str, **extra: object) -> ServerArgs:
@@ -69,8 +55,7 @@ def test_safetensors_logits_match_one_rank(tmp_path: Path, kind: str) -> None:
 
 
 def test_dummy_logits_match_one_rank_on_three_ranks(tmp_path: Path) -> None:
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(DUMMY_CONFIG))
+    config = write_dummy_config(tmp_path)
     _assert_logits_match(_args(str(config), load_format="dummy"), tp_size=3)
 
 
@@ -101,8 +86,7 @@ def test_sizes_that_do_not_divide_are_one_line_errors(
     tmp_path: Path, changes: dict[str, int], tp_size: int, message: str
 ) -> None:
     """Checked before the rank joins its group, so every rank fails alike and at once."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({**DUMMY_CONFIG, **changes}))
+    config = write_dummy_config(tmp_path, **changes)
     args = _with_tp(_args(str(config), load_format="dummy"), tp_size)
     with pytest.raises(ValueError) as err:
         ModelRunner(args, tp_rank=0)
@@ -125,8 +109,7 @@ def test_only_rank_0_draws_progress_bars() -> None:
 def test_one_shot_all_reduce_is_an_error_off_cuda(tmp_path: Path) -> None:
     """`--tp-all-reduce one-shot` needs GPUs' peer memory: on the CPU the start fails at once,
     naming the flag, before any rank joins a group."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(DUMMY_CONFIG))
+    config = write_dummy_config(tmp_path)
     args = _with_tp(_args(str(config), load_format="dummy", tp_all_reduce="one-shot"), 2)
     with pytest.raises(ValueError, match=r"^--tp-all-reduce one-shot needs CUDA GPUs"):
         ModelRunner(args, tp_rank=0)

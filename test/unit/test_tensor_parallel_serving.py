@@ -28,6 +28,7 @@ from replaylm.model_executor.cuda_graph.config import debug_eager_modes
 from http_helpers import metric
 from server_process import ServerProcess, free_port, start_server
 from tiny_checkpoints import write_tiny_checkpoint
+from tp_ranks import write_dummy_config
 
 _rng = random.Random(0)
 # prompts longer than a prefill chunk, and more KV than the pool holds at once (retraction)
@@ -84,21 +85,7 @@ def test_engine_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank, 
 def test_a_model_without_a_tokenizer_generates_on_two_ranks(tmp_path):
     """Dummy weights from a bare config (no tokenizer, so no grammar engine): plain requests
     need neither."""
-    config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "vocab_size": 320,
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "max_position_embeddings": 256,
-            }
-        )
-    )
+    config = write_dummy_config(tmp_path)
     args = {"load_format": "dummy", "device": "cpu", **LIMITS}
     outputs = []
     for tp_size in (1, 2):
