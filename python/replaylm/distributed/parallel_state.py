@@ -78,6 +78,9 @@ def init_tensor_parallel(
     if _group is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # NCCL's heartbeat monitor polls rank 0's TCPStore; at shutdown rank 0 leaves first and the
+    # others' monitors print C++ frames. A dead rank already fails the gloo broadcasts at once.
+    os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
     dist.init_process_group(
         backend,
         init_method=f"tcp://{init_addr}",
