@@ -21,8 +21,8 @@ require_triton_interpreter()
 
 from replaylm.distributed.peer_sum_norm import (  # noqa: E402
     EMPTY_MARK,
+    launch_peer_sum_norm,
     mark_empty,
-    peer_sum_add_rms_norm,
 )
 from replaylm.layers.kernels.rmsnorm import rms_norm  # noqa: E402
 
@@ -60,7 +60,7 @@ def _rank(rank: int, buffers: dict[torch.dtype, list[torch.Tensor]], results: An
                     dtype=torch.int64,
                 )
                 x, residual = _inputs(rank, call, dtype)
-                out, res = peer_sum_add_rms_norm(
+                out, res = launch_peer_sum_norm(
                     x, residual, _weight(dtype), EPS, regions, REGION, rank, PROGRAMS
                 )
                 calls.append((out.float().numpy(), res.float().numpy()))

@@ -52,9 +52,10 @@ class PeerAllReduce:
     it. Built on every rank of the group at once (the buffer's rendezvous is a collective)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> None:
-        from replaylm.distributed.peer_sum_norm import mark_empty, peer_sum_add_rms_norm
+        # imported here: the kernel's module imports triton, which CPU-only groups never need
+        from replaylm.distributed.peer_sum_norm import launch_peer_sum_norm, mark_empty
 
-        self._kernel = peer_sum_add_rms_norm
+        self._kernel = launch_peer_sum_norm
         self.dtype = dtype
         self.rank = group.rank()
         ranks = group.size()

@@ -94,7 +94,7 @@ def mark_empty(buffer: torch.Tensor, width: int) -> None:
     buffer.view(torch.uint8).view(_INT_OF_WIDTH[width]).fill_(EMPTY_MARK[width])
 
 
-def peer_sum_add_rms_norm(
+def launch_peer_sum_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
     weight: torch.Tensor,
