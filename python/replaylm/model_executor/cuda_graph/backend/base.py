@@ -4,9 +4,9 @@ A backend never knows which phase it serves nor which runner drives it: the runn
 `CaptureContext` once, then a shape key, a ForwardBatch whose tensors are views of the runner's
 static buffers, and a `forward_fn(batch) -> logits` to capture. Call order: `from_args(...)`
 (the factory), `prepare(context)` once; inside `capture_session()`, `capture_one(...)` per shape
-(largest first); then per step `can_run(batch)` and, inside `runtime_session()`,
-`replay(shape, batch)`; `cleanup()` frees every graph. `stats()` reports what the backend itself
-spent (ModelRunner.cuda_graph_stats).
+(largest first, `first` true for the first); then per step `can_run(batch)` and, inside
+`runtime_session()`, `replay(shape, batch)`; `cleanup()` frees every graph. `stats()` reports
+what the backend itself spent (ModelRunner.cuda_graph_stats).
 """
 
 from __future__ import annotations
@@ -30,15 +30,12 @@ ForwardFn = Callable[["ForwardBatch"], torch.Tensor]
 _NO_SESSION = contextlib.nullcontext()
 
 
-def warm_up(
-    stream: torch.cuda.Stream, forward_fn: ForwardFn, batch: ForwardBatch, runs: int
-) -> None:
-    """Run `forward_fn(batch)` eagerly `runs` times on the capture stream (lazy initialisation,
-    kernel compilation and allocator growth happen here, outside any capture)."""
+def warm_up(stream: torch.cuda.Stream, forward_fn: ForwardFn, batch: ForwardBatch) -> None:
+    """Run `forward_fn(batch)` eagerly once on the capture stream (lazy initialisation, kernel
+    compilation and allocator growth happen here, outside any capture)."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(runs):
-            forward_fn(batch)
+        forward_fn(batch)
     torch.cuda.current_stream().wait_stream(stream)
 
 
@@ -56,6 +53,10 @@ class CaptureContext:
 
 class BaseCudaGraphBackend(ABC):
     mode: str  # its row in `config.MODE_TRAITS`
+    # Whether every shape runs its forward eagerly before its capture. Else only a phase's first
+    # shape does (lazy initialisation); later shapes capture at once, a Triton variant they need
+    # compiled or loaded inside the capture (legal: host work), which halves a start's capture.
+    warm_up_every_shape = False
 
     def __init__(self, attn_backend: AttentionBackend) -> None:
         self.attn = attn_backend
@@ -76,8 +77,15 @@ class BaseCudaGraphBackend(ABC):
         yield
 
     @abstractmethod
-    def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
-        """Capture `forward_fn(batch)` for `shape` into the runner's memory pool."""
+    def capture_one(
+        self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn, first: bool
+    ) -> None:
+        """Capture `forward_fn(batch)` for `shape` into the runner's memory pool (`first`: the
+        phase's first shape, warmed up eagerly before its capture)."""
+
+    def warms_up(self, first: bool) -> bool:
+        """Whether a shape's capture runs its forward eagerly first."""
+        return first or self.warm_up_every_shape
 
     @abstractmethod
     def replay(self, shape: int, batch: ForwardBatch) -> torch.Tensor:

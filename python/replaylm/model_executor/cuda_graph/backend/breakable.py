@@ -44,13 +44,15 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     def prepare(self, context: CaptureContext) -> None:
         self._context = context
 
-    def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
+    def capture_one(
+        self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn, first: bool
+    ) -> None:
         assert self._context is not None, "prepare() first"
         self.attn.init_forward_metadata(batch)
         stream = self._context.stream
-        if not self.debug:  # the debug switch captures nothing (and runs on any device)
+        if not self.debug and self.warms_up(first):  # debug: nothing captured, any device
             assert stream is not None  # capturing: on CUDA, where the runner made the stream
-            warm_up(stream, forward_fn, batch, runs=1)
+            warm_up(stream, forward_fn, batch)
         graph = BreakableCUDAGraph(self._context.memory_pool, stream, eager=self.debug)
         graph.capture(forward_fn, batch)
         self._graphs[shape] = graph

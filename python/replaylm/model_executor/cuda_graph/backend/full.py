@@ -23,10 +23,6 @@ from replaylm.model_executor.cuda_graph.backend.base import (
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
 
-# eager runs before each capture: lazy init and a shape's Triton compiles happen outside it (a
-# second run changed no output and cost a third of the capture time: docs/tuning.md)
-WARMUP_RUNS = 1
-
 
 class FullCudaGraphBackend(BaseCudaGraphBackend):
     mode = "full"
@@ -46,12 +42,15 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         self._context = context
         self.attn.init_cuda_graph_state(context.max_batch_size, context.max_num_tokens)
 
-    def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
+    def capture_one(
+        self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn, first: bool
+    ) -> None:
         assert self._context is not None, "prepare() first"
         self.attn.init_forward_metadata_capture_cuda_graph(batch)
         stream = self._context.stream
         assert stream is not None  # a full graph is captured on CUDA, where the runner made one
-        warm_up(stream, forward_fn, batch, WARMUP_RUNS)
+        if self.warms_up(first):
+            warm_up(stream, forward_fn, batch)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._context.memory_pool, stream=stream):
             out = forward_fn(batch)

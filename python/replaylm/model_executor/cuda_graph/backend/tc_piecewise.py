@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
     mode = "tc_piecewise"
+    # a shape's first run may recompile (Dynamo guards, Inductor's per-size code): never inside
+    # a capture
+    warm_up_every_shape = True
 
     def __init__(
         self, attn_backend: AttentionBackend, options: TcPiecewiseOptions, debug: bool = False
@@ -72,9 +75,11 @@ class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
         assert self.compiled is not None, "prepare() first"
         return self.compiled(batch.input_ids, batch.positions)
 
-    def capture_one(self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn) -> None:
+    def capture_one(
+        self, shape: int, batch: ForwardBatch, forward_fn: ForwardFn, first: bool
+    ) -> None:
         with attention_context(batch, self._layers):
-            super().capture_one(shape, batch, forward_fn)
+            super().capture_one(shape, batch, forward_fn, first)
 
     def replay(self, shape: int, batch: ForwardBatch) -> torch.Tensor:
         """Replayed segments call attention directly (no context needed); the debug switch runs

@@ -1,0 +1,183 @@
+"""Where the seconds of a CUDA-graph capture go, per phase and per part of capturing a shape.
+
+    python benchmark/tuning/bench_capture.py [--models smollm2-135m qwen3-0.6b]
+                                             [--modes '{"decode": "full", "prefill": "breakable"}']
+                                             [--json out.json]
+
+A server's start captures every decode and prefill shape once, in a fresh process whose Triton
+kernels come from the disk cache. Per model (a `benchmark/configs/` config, dummy weights,
+default server arguments), this builds a runner the way the server does (pass "start": its
+captures) and captures every phase again twice in the same process: "again" (every kernel
+already loaded) and "no empty_cache" (`torch.cuda.empty_cache`, which `torch.cuda.graph` calls
+before each capture, made a no-op). Each pass splits its seconds into:
+
+- kernel loads: Triton's `_do_compile` (a kernel not yet in the process: read from the disk
+  cache, or compiled), and how many;
+- warm-up: the eager forward before each capture, until the GPU has run it;
+- graph begin: `torch.cuda.graph`'s entry (synchronize, empty_cache) and capture_begin;
+- graph end: capture_end (the graph's instantiation);
+- rest: everything else, mostly the captured forward's launches on the host.
+
+A start that runs the first run with a cold Triton cache shows it in "kernel loads".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common.py
+
+import torch
+import triton.runtime.jit as triton_jit
+
+from replaylm.model_executor.cuda_graph.backend import breakable, full
+from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGraph
+from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.server_args import ServerArgs
+
+from common import config_path, release_memory, write_json
+
+DEFAULT_MODES = '{"decode": "full", "prefill": "breakable"}'
+PARTS = ("kernel loads", "warm-up", "graph begin", "graph end")
+
+
+class Timers:
+    """Seconds and calls per (phase, part): the wrapped functions add to the phase whose capture
+    is running (none outside a capture)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self.phase: str | None = None
+
+    def wrap(self, part: str, fn: Callable[..., Any], sync: bool = False) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            phase = self.phase
+            if phase is None:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+                if sync:
+                    torch.cuda.synchronize()
+                return out
+            finally:
+                self.seconds[phase, part] += time.perf_counter() - start
+                self.calls[phase, part] += 1
+
+        return timed
+
+    def row(self, phase: str, shapes: int) -> dict[str, Any]:
+        """The phase's parts (then forgotten: the next pass starts from zero)."""
+        seconds = self.seconds.pop((phase, "capture"))
+        parts = {part: round(self.seconds.pop((phase, part), 0.0), 3) for part in PARTS}
+        loads = self.calls.pop((phase, "kernel loads"), 0)
+        return {
+            "phase": phase,
+            "shapes": shapes,
+            "seconds": round(seconds, 3),
+            "ms_per_shape": round(1e3 * seconds / shapes, 1),
+            **parts,
+            "rest": round(seconds - sum(parts.values()), 3),
+            "kernels loaded": loads,
+        }
+
+
+@contextlib.contextmanager
+def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def instrumented(timers: Timers) -> contextlib.ExitStack:
+    """Every capture timed whole and in PARTS, by wrapping what it calls."""
+    capture = BaseCudaGraphRunner.capture
+
+    def timed_capture(graph_runner: BaseCudaGraphRunner) -> None:
+        timers.phase = graph_runner.phase
+        start = time.perf_counter()
+        try:
+            capture(graph_runner)
+        finally:
+            timers.seconds[graph_runner.phase, "capture"] += time.perf_counter() - start
+            timers.phase = None
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(patched(BaseCudaGraphRunner, "capture", timed_capture))
+    jit = triton_jit.JITFunction
+    stack.enter_context(patched(jit, "_do_compile", timers.wrap("kernel loads", jit._do_compile)))
+    for module in (full, breakable):
+        stack.enter_context(
+            patched(module, "warm_up", timers.wrap("warm-up", module.warm_up, sync=True))
+        )
+    graph = torch.cuda.graph
+    stack.enter_context(patched(graph, "__enter__", timers.wrap("graph begin", graph.__enter__)))
+    stack.enter_context(patched(graph, "__exit__", timers.wrap("graph end", graph.__exit__)))
+    for name, part in (("_begin", "graph begin"), ("_end", "graph end")):
+        method = getattr(BreakableCUDAGraph, name)
+        stack.enter_context(patched(BreakableCUDAGraph, name, timers.wrap(part, method)))
+    return stack
+
+
+def bench_model(model: str, modes: str) -> list[dict[str, Any]]:
+    """Rows of the start's captures, then of each phase captured again, then again with
+    empty_cache a no-op."""
+    timers = Timers()
+    args = ServerArgs(
+        model_path=str(config_path(model)),
+        load_format="dummy",
+        device="cuda",
+        dtype="bfloat16",
+        cuda_graph_mode=modes,
+    )
+    rows: list[dict[str, Any]] = []
+    with instrumented(timers):
+        runner = ModelRunner(args)  # captures each phase in turn, as a server's start does
+        for pass_name in ("start", "again", "no empty_cache"):
+            if pass_name != "start":
+                noop = patched(torch.cuda, "empty_cache", lambda: None)
+                with noop if pass_name == "no empty_cache" else contextlib.nullcontext():
+                    for graph_runner in runner.graph_runners.values():
+                        graph_runner.capture()
+            for phase, graph_runner in runner.graph_runners.items():
+                row = timers.row(phase, len(graph_runner.shapes))
+                rows.append({"model": model, "pass": pass_name, **row})
+    runner.free_cuda_graphs()
+    del runner
+    release_memory()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen3-0.6b"])
+    parser.add_argument("--modes", default=DEFAULT_MODES)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    rows = [row for model in args.models for row in bench_model(model, args.modes)]
+    columns = ["model", "pass", "phase", "shapes", "seconds", "ms_per_shape", *PARTS, "rest"]
+    columns.append("kernels loaded")
+    print(" | ".join(columns))
+    for row in rows:
+        print(" | ".join(str(row.get(c, "")) for c in columns))
+    if args.json:
+        write_json(args.json, {"modes": json.loads(args.modes), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
