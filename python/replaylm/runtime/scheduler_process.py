@@ -34,6 +34,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from replaylm.model_loader.tokenizer import TokenizerInfo, scheduler_decoder
+from replaylm.runtime.cuda_context import cuda_device_index, open_in_background
 from replaylm.runtime.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -170,6 +171,9 @@ def run_scheduler_process(
     the pipe to the tokenizer manager, rank 0's only (None: a follower of tensor-parallel rank
     `tp_rank`, which exits with code 1 when it fails)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gpu = cuda_device_index(args.device, args.tp_size, tp_rank, args.ranks_per_node)
+    if gpu is not None:  # the context is made beside the imports below
+        open_in_background(gpu)
     name = "scheduler" if args.tp_size == 1 else f"scheduler tp{tp_rank}"
     logging.basicConfig(
         level=args.log_level.upper(),
