@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -50,6 +51,17 @@ logger = logging.getLogger("replaylm.launch_server")
 API_KEY_ENV = "REPLAYLM_API_KEY"
 EXIT_CANNOT_START = 2
 EXIT_SCHEDULER_DIED = 1
+
+
+def _http_stack() -> str:
+    """What uvicorn's `auto` loop and parser are: uvloop and httptools where installed (about
+    a fifth less CPU per streamed token than asyncio and h11)."""
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    parser = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    stack = f"{loop} event loop, {parser} HTTP parser"
+    if (loop, parser) != ("uvloop", "httptools"):
+        stack += "; uvloop and httptools would cost less CPU per streamed token"
+    return stack
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -214,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         server = GracefulServer(config, manager)
         stages.mark("HTTP app")
         logger.info(
-            "serving %s at http://%s:%d (OpenAI API under /v1)",
+            "serving %s at http://%s:%d (OpenAI API under /v1; %s)",
             manager.served_model_name,
             args.host,
             args.port,
+            _http_stack(),
         )
         server.run()
     finally:

@@ -69,6 +69,16 @@ def test_api_key_is_never_logged_nor_shown(server_factory, tiny_model):
     assert key not in log
 
 
+def test_the_server_runs_on_uvloop_and_httptools(server_factory, tiny_model):
+    """The dependencies uvicorn picks up (a fifth less CPU per streamed token), and the log
+    says so."""
+    server = server_factory(
+        "--model-path", str(tiny_model), "--max-total-tokens", "256", "--log-level", "info"
+    )  # fmt: skip
+    log = server.stderr_tail(chars=10_000_000)
+    assert "(OpenAI API under /v1; uvloop event loop, httptools HTTP parser)" in log
+
+
 # ---- request bodies -------------------------------------------------------------------------
 
 
