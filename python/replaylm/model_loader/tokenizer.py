@@ -89,6 +89,36 @@ def text_decoder(tokenizer: Any) -> Decoder:
     return decode
 
 
+def token_decoder(
+    tokenizer: Any,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+    backend: bool = False,
+) -> Decoder:
+    """`ids -> text` under these decode options (the second has an effect on slow tokenizers
+    only, as in transformers). `backend`: the tokenizer decodes as its tokenizers-library
+    backend does (`decodes_as_backend`), whose own decode then stands in, a third of the cost
+    of transformers' wrapper (the streaming detokenizer calls it twice per token)."""
+    if backend:
+        fast = tokenizer.backend_tokenizer
+        return lambda ids: fast.decode(ids, skip_special_tokens=skip_special_tokens)
+    options = {
+        "skip_special_tokens": skip_special_tokens,
+        "spaces_between_special_tokens": spaces_between_special_tokens,
+    }
+    return lambda ids: tokenizer.decode(ids, **options)
+
+
+def decodes_as_backend(tokenizer: Any) -> bool:
+    """Whether `tokenizer` is a fast tokenizer that decodes as its tokenizers-library backend
+    does: no clean-up of spaces on top (checked on a probe text where clean-up changes it)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
+    return bool(backend.decode(ids, skip_special_tokens=True) == text_decoder(tokenizer)(ids))
+
+
 # text on which transformers' clean-up of tokenization spaces (" ." -> ".", " n't" -> "n't", ...)
 # changes a decode, where it is on
 _CLEANUP_PROBE = "it is done . is it ? yes ! a , b don't I 'm it 's we 've they 're"
@@ -101,12 +131,7 @@ def tokenizer_info(tokenizer: PreTrainedTokenizerBase | None) -> TokenizerInfo:
     (slower: transformers' import)."""
     if tokenizer is None:
         return TokenizerInfo(has_tokenizer=False, eos_token_id=None)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    fast_json = None
-    if backend is not None:
-        ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
-        if backend.decode(ids, skip_special_tokens=True) == text_decoder(tokenizer)(ids):
-            fast_json = backend.to_str()
+    fast_json = tokenizer.backend_tokenizer.to_str() if decodes_as_backend(tokenizer) else None
     from replaylm.structured.vocabulary import describe_vocabulary  # imports xgrammar: only here
 
     return TokenizerInfo(

@@ -8,7 +8,7 @@ emits the difference, holding back text while it ends in an incomplete character
 
 from __future__ import annotations
 
-from typing import Any
+from replaylm.model_loader.tokenizer import Decoder
 
 _REPLACEMENT = "\ufffd"
 _WINDOW = 5  # tokens of context decoded before the new ones
@@ -21,28 +21,14 @@ class IncrementalDetokenizer:
     `final_text(matched)` cuts at a matched stop string.
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        stop: list[str],
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-    ) -> None:
-        """The two flags are the tokenizer's decode options (the second has an effect on slow
-        tokenizers only, as in transformers)."""
-        self.tokenizer = tokenizer
-        self._options = {
-            "skip_special_tokens": skip_special_tokens,
-            "spaces_between_special_tokens": spaces_between_special_tokens,
-        }
+    def __init__(self, decode: Decoder, stop: list[str]) -> None:
+        """`decode`: ids -> text under the request's decode options (`token_decoder`)."""
+        self._decode = decode
         self.ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # tokens already turned into text
         self._holdback = max((len(s) for s in stop), default=1) - 1
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, **self._options)
 
     def _pending(self) -> tuple[str, str]:
         """(text of the context window, text of the window plus the unread tokens)."""

@@ -23,7 +23,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer, tokenizer_info
+from replaylm.model_loader.tokenizer import (
+    chat_input_ids,
+    load_tokenizer,
+    token_decoder,
+    tokenizer_info,
+)
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
 from replaylm.runtime.io_struct import (
@@ -103,6 +108,8 @@ class TokenizerManager:
             self.startup.mark("tokenizer")
             info = tokenizer_info(self.tokenizer)
             self.startup.mark("tokenizer info")
+            # travels as its backend's JSON: decodes as that backend does, whose decode serves
+            self._backend_decode = info.fast_json is not None
         except BaseException:
             self._scheduler.stop()
             raise
@@ -270,12 +277,13 @@ class TokenizerManager:
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(
+        decode = token_decoder(
             self.tokenizer,
-            params.stop,
             params.skip_special_tokens,
             params.spaces_between_special_tokens,
+            self._backend_decode,
         )
+        return IncrementalDetokenizer(decode, params.stop)
 
     async def health_generate(self) -> bool:
         """Generate one token; False if that fails or takes longer than the timeout."""
