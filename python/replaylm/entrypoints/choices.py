@@ -66,6 +66,14 @@ async def _merge(
 ) -> AsyncGenerator[ChoiceOutput, None]:
     """The outputs of all `gens` as they come. Closing this generator closes them all (which
     aborts what is still running)."""
+    if len(gens) == 1:  # one prompt: its outputs in order, with no task and queue hop per output
+        try:
+            yield ChoiceOutput(firsts[0].index, 0, firsts[0])
+            async for out in gens[0]:
+                yield ChoiceOutput(out.index, 0, out)
+        finally:
+            await gens[0].aclose()
+        return
     queue: asyncio.Queue[tuple[int, GenerateOutput | Exception | None]] = asyncio.Queue()
     for p, out in enumerate(firsts):
         queue.put_nowait((p, out))

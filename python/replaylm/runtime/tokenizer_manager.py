@@ -253,7 +253,8 @@ class TokenizerManager:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                yield dataclasses.replace(item, rid=req.rid)
+                # choices past the first run under rids of their own
+                yield item if item.rid == req.rid else dataclasses.replace(item, rid=req.rid)
                 unfinished -= item.finish_reason is not None
         finally:
             for rid, state in zip(rids, states, strict=True):
