@@ -160,10 +160,14 @@ class UsageCounter:
         self._prompts: dict[int, tuple[int, int]] = {}  # prompt index -> (tokens, cached)
         self._completions: dict[int, int] = {}  # choice index -> tokens so far
 
-    def add(self, c: ChoiceOutput) -> UsageInfo:
-        """Count `c`; returns its choice's usage so far (vLLM's continuous usage stats)."""
+    def add(self, c: ChoiceOutput) -> None:
         self._prompts[c.prompt_index] = (c.out.prompt_tokens, c.out.cached_tokens)
         self._completions[c.index] = c.out.completion_tokens
+
+    @staticmethod
+    def so_far(c: ChoiceOutput) -> UsageInfo:
+        """`c`'s choice's usage so far (vLLM's continuous usage stats): built only when a
+        stream asks for it, as it would cost every streamed chunk."""
         return _usage(c.out.prompt_tokens, c.out.completion_tokens, c.out.cached_tokens)
 
     def total(self) -> UsageInfo:

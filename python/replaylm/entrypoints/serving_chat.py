@@ -201,7 +201,7 @@ class _ChatView:
         parsers: dict[int, ToolCallParser] = {}
         called: set[int] = set()  # choices that called a tool
         async for c in stream:
-            choice_usage = usage.add(c)
+            usage.add(c)
             logprobs = self._logprobs(c.out.logprobs or [])
             reason = finish_reason(c.out)
             deltas = [DeltaMessage(content=c.out.text)]
@@ -221,7 +221,7 @@ class _ChatView:
                         logprobs=logprobs if i == 0 else None,
                         finish_reason=reason if i == len(deltas) - 1 else None,
                     )
-                    chunk_usage = choice_usage if self.body.continuous_usage else None
+                    chunk_usage = usage.so_far(c) if self.body.continuous_usage else None
                     yield self._chunk([choice], chunk_usage)
         if self.body.include_usage:
             yield self._chunk([], usage.total())

@@ -163,7 +163,7 @@ class _CompletionView:
         usage = UsageCounter()
         offsets: dict[int, int] = {}  # choice index -> characters sent so far
         async for c in stream:
-            choice_usage = usage.add(c)
+            usage.add(c)
             first = c.index not in offsets
             text, entries = self._content(
                 c.prompt_index, c.out.text, c.out.logprobs or [], c.out.prompt_logprobs, first
@@ -174,6 +174,7 @@ class _CompletionView:
                 choice = CompletionChoice(
                     index=c.index, text=text, logprobs=logprobs, finish_reason=reason
                 )
-                yield self._response([choice], choice_usage if self.body.continuous_usage else None)
+                so_far = usage.so_far(c) if self.body.continuous_usage else None
+                yield self._response([choice], so_far)
         if self.body.include_usage:
             yield self._response([], usage.total())
