@@ -10,6 +10,9 @@ import re
 import pytest
 import torch
 
+from replaylm.model_loader.builtin_models import resolve_model_path
+from replaylm.model_loader.loader import load_model_config
+
 from script_import import REPO, import_script
 
 SCRIPTS = sorted(
@@ -55,9 +58,17 @@ def test_write_json_records_the_environment_beside_the_result(tmp_path):
 def test_configs_are_the_models_of_the_docs():
     common = import_script("benchmark/common.py")
     names = sorted(p.stem for p in common.CONFIGS.glob("*.json"))
-    assert names == ["llama-3.1-70b", "llama-3.1-8b", "qwen3-0.6b"]
+    assert names == ["llama-3.1-70b", "llama-3.1-8b", "qwen3-0.6b", "smollm2-135m"]
     assert common.model_config("qwen3-0.6b")["num_hidden_layers"] == 28
     assert common.model_config("llama-3.1-8b")["hidden_size"] == 4096
+    # the built-in model's shapes, as its GGUF gives them (speed work on dummy weights)
+    small = load_model_config(common.config_path("smollm2-135m").as_posix())
+    real = load_model_config(resolve_model_path("smollm2-135m-instruct"))
+    shapes = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "head_dim",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rope_theta",
+              "max_position_embeddings", "tie_word_embeddings", "eos_token_ids")  # fmt: skip
+    assert [getattr(small, f) for f in shapes] == [getattr(real, f) for f in shapes]
+    assert small.rms_norm_eps == pytest.approx(real.rms_norm_eps)  # the GGUF's is a float32
     big = common.model_config("llama-3.1-70b")
     assert (big["num_hidden_layers"], big["hidden_size"], big["num_key_value_heads"]) == (
         80,
