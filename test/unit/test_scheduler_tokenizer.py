@@ -15,7 +15,14 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from replaylm.model_loader.tokenizer import load_tokenizer, scheduler_decoder, tokenizer_info
+from replaylm.model_loader.tokenizer import (
+    decodes_as_backend,
+    load_tokenizer,
+    scheduler_decoder,
+    token_decoder,
+    tokenizer_info,
+)
+from replaylm.runtime.detokenizer import IncrementalDetokenizer
 from replaylm.runtime.tokenizer_manager import TokenizerManager
 from replaylm.server_args import ServerArgs
 
@@ -70,6 +77,22 @@ def test_a_tokenizer_that_cleans_up_spaces_is_loaded_by_the_scheduler(tmp_path):
     assert info.has_tokenizer and info.fast_json is None
     assert info.eos_token_id == cleaning.eos_token_id
     assert scheduler_decoder(info, str(tmp_path))(ids) == cleaned == "it is done. is it? done!"
+
+
+def test_a_tokenizer_that_cleans_up_spaces_streams_through_transformers(tmp_path):
+    """The streaming detokenizer takes the backend's decode only where it equals
+    transformers'; here it does not, and the streamed text is the cleaned one."""
+    cleaning = _wordpiece_tokenizer_that_cleans_up_spaces(tmp_path)
+    ids = cleaning.encode("it is done. is it? done!", add_special_tokens=False)
+
+    def streamed(backend: bool) -> str:
+        detok = IncrementalDetokenizer(token_decoder(cleaning, backend=backend), [])
+        for token in ids:
+            detok.add([token])
+        return detok.final_text(None)
+
+    assert streamed(decodes_as_backend(cleaning)) == "it is done. is it? done!"
+    assert streamed(True) != "it is done. is it? done!"  # the backend alone would not clean up
 
 
 def test_no_tokenizer_means_no_decoder(tmp_path):
