@@ -18,7 +18,7 @@ before each capture, made a no-op). Each pass splits its seconds into:
 - graph end: capture_end (the graph's instantiation);
 - rest: everything else, mostly the captured forward's launches on the host.
 
-A start that runs the first run with a cold Triton cache shows it in "kernel loads".
+With a cold Triton cache, the start's compiles show in "kernel loads".
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ import json
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common.py
 
@@ -92,16 +93,6 @@ class Timers:
         }
 
 
-@contextlib.contextmanager
-def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
 def instrumented(timers: Timers) -> contextlib.ExitStack:
     """Every capture timed whole and in PARTS, by wrapping what it calls."""
     capture = BaseCudaGraphRunner.capture
@@ -116,19 +107,20 @@ def instrumented(timers: Timers) -> contextlib.ExitStack:
             timers.phase = None
 
     stack = contextlib.ExitStack()
-    stack.enter_context(patched(BaseCudaGraphRunner, "capture", timed_capture))
-    jit = triton_jit.JITFunction
-    stack.enter_context(patched(jit, "_do_compile", timers.wrap("kernel loads", jit._do_compile)))
-    for module in (full, breakable):
-        stack.enter_context(
-            patched(module, "warm_up", timers.wrap("warm-up", module.warm_up, sync=True))
-        )
-    graph = torch.cuda.graph
-    stack.enter_context(patched(graph, "__enter__", timers.wrap("graph begin", graph.__enter__)))
-    stack.enter_context(patched(graph, "__exit__", timers.wrap("graph end", graph.__exit__)))
-    for name, part in (("_begin", "graph begin"), ("_end", "graph end")):
-        method = getattr(BreakableCUDAGraph, name)
-        stack.enter_context(patched(BreakableCUDAGraph, name, timers.wrap(part, method)))
+    stack.enter_context(patch.object(BaseCudaGraphRunner, "capture", timed_capture))
+    timed: list[tuple[Any, str, str]] = [  # (owner, attribute, part)
+        (triton_jit.JITFunction, "_do_compile", "kernel loads"),
+        (full, "warm_up", "warm-up"),
+        (breakable, "warm_up", "warm-up"),
+        (torch.cuda.graph, "__enter__", "graph begin"),
+        (torch.cuda.graph, "__exit__", "graph end"),
+        (BreakableCUDAGraph, "_begin", "graph begin"),
+        (BreakableCUDAGraph, "_end", "graph end"),
+    ]
+    for owner, name, part in timed:
+        # a warm-up is timed until the GPU has run it
+        wrapped = timers.wrap(part, getattr(owner, name), sync=part == "warm-up")
+        stack.enter_context(patch.object(owner, name, wrapped))
     return stack
 
 
@@ -148,7 +140,7 @@ def bench_model(model: str, modes: str) -> list[dict[str, Any]]:
         runner = ModelRunner(args)  # captures each phase in turn, as a server's start does
         for pass_name in ("start", "again", "no empty_cache"):
             if pass_name != "start":
-                noop = patched(torch.cuda, "empty_cache", lambda: None)
+                noop = patch.object(torch.cuda, "empty_cache", lambda: None)
                 with noop if pass_name == "no empty_cache" else contextlib.nullcontext():
                     for graph_runner in runner.graph_runners.values():
                         graph_runner.capture()
