@@ -6,6 +6,7 @@ error by norm). Each scenario takes `close(ours, ref)`, which asserts one logits
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
+
+CONFIGS = Path(__file__).resolve().parents[1] / "benchmark" / "configs"
 
 PROMPT_LENS = [7, 1, 19, 12]
 Close = Callable[[torch.Tensor, torch.Tensor], None]
@@ -53,6 +56,26 @@ def dummy_runner(config: str | Path, device: str, dtype: str, **args: Any) -> Mo
     )
 
 
+def tiny_dummy_runner(folder: Path, config: str, **args: Any) -> ModelRunner:
+    """A 2-layer model of `config`'s architecture (a file of benchmark/configs), shrunk, on dummy
+    float32 weights on the CPU, its config written into `folder`; `args`: further ServerArgs
+    fields."""
+    cfg = json.loads((CONFIGS / config).read_text())
+    cfg.update(
+        hidden_size=96,
+        intermediate_size=160,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=2,
+        vocab_size=1024,
+    )
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return dummy_runner(
+        folder / "config.json", "cpu", "float32", max_total_tokens=256, context_length=64, **args
+    )
+
+
 def scripted_logits(
     runner: ModelRunner,
     prompt_lens: Sequence[int] = (5, 300, 33),
@@ -73,6 +96,24 @@ def scripted_logits(
     for req in reqs:
         release(req, runner)
     return out
+
+
+def chunked_then_decode_logits(runner: ModelRunner) -> list[torch.Tensor]:
+    """Ragged prefill (one prompt in two chunks), then 6 decode steps. Each step's logits are
+    copied out: a replayed graph returns a view of its static output."""
+    reqs = [
+        Req(i, [(37 * i + 11 * j) % 150000 + 10 for j in range(n)], SamplingParams(), 0, 8)
+        for i, n in enumerate([5, 1800, 333, 1])
+    ]
+    out = [runner.forward(prepare_extend(reqs, runner, chunk_sizes=[5, 700, 333, 1])).clone()]
+    out.append(runner.forward(prepare_extend(reqs[1:2], runner)).clone())  # 1100 on 700 cached
+    for step in range(6):
+        for req in reqs:
+            req.output_ids.append(1000 + 7 * step)
+        out.append(runner.forward(prepare_decode(reqs, runner)).clone())
+    for req in reqs:
+        release(req, runner)
+    return [o.float() for o in out]
 
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, NoReturn
 import uvicorn
 
 from replaylm.layers.attention.registry import check_deterministic
-from replaylm.layers.attention.selection import resolve_attention_backend
+from replaylm.layers.attention.selection import resolve_phase_backends
 from replaylm.model_executor.cuda_graph.config import (
     CudaGraphConfig,
     check_cuda_graph_args,
@@ -106,7 +106,11 @@ def resolve_for_device(args: ServerArgs) -> CudaGraphConfig:
     device = _graph_device(args.device)
     graphs = resolve_cuda_graph_config(args, device)
     if args.deterministic:
-        check_deterministic(resolve_attention_backend(args.attention_backend, device))
+        backends = resolve_phase_backends(
+            args.attention_backend, args.prefill_attention_backend, device
+        )
+        for backend in {backends.decode, backends.prefill}:
+            check_deterministic(backend)
     if args.enable_pdl and device != "cuda":  # a GPU's capability: where the model loads
         import torch
 

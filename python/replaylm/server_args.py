@@ -28,7 +28,7 @@ def _opt(
     return {"help": help_text, "choices": choices, "server_only": server_only, "secret": secret}
 
 
-ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton", "flashinfer")
 # Choices named here, not imported from the modules that use them: the HTTP process parses its
 # command line without importing torch (it starts the scheduler process first; see launch_server).
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -255,9 +255,19 @@ class ServerArgs:
     attention_backend: str = field(
         default="auto",
         metadata=_opt(
-            "Attention kernels. triton: replaylm's Triton kernels (GPU only; needed for the full "
-            "decode graph and --deterministic). torch_native: PyTorch's, on any device. auto: "
-            "triton on a GPU, torch_native on the CPU.",
+            "Attention kernels (of both phases unless --prefill-attention-backend names "
+            "prefill's). triton: replaylm's Triton kernels (GPU only; the only ones for "
+            "--deterministic). flashinfer: FlashInfer's (GPU only; the flashinfer-python package, "
+            "`pip install replaylm[gpu]`). torch_native: PyTorch's, on any device. auto: triton "
+            "on a GPU, torch_native on the CPU. A full decode graph needs triton or flashinfer.",
+            ATTENTION_BACKEND_CHOICES,
+        ),
+    )
+    prefill_attention_backend: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Attention kernels of prefill and mixed steps, if not those of --attention-backend "
+            "(same choices).",
             ATTENTION_BACKEND_CHOICES,
         ),
     )
@@ -438,11 +448,11 @@ class ServerArgs:
                 f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
             )
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value is not None and value not in choices:
                 raise ValueError(
                     f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, "
-                    f"got '{getattr(self, f.name)}'"
+                    f"got '{value}'"
                 )
         if self.deterministic and self.tc_piecewise_kernels == "native":
             raise ValueError(

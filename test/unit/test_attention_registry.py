@@ -3,6 +3,7 @@ registry's traits are those of the classes."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import pytest
@@ -13,7 +14,11 @@ from replaylm.layers.attention.registry import (
     BACKENDS_WITH_GRAPH_HOOKS,
     create_attention_backend,
 )
-from replaylm.layers.attention.selection import resolve_attention_backend
+from replaylm.layers.attention.selection import (
+    PhaseAttentionBackends,
+    resolve_attention_backend,
+    resolve_phase_backends,
+)
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs
 
@@ -57,5 +62,26 @@ def test_the_registry_traits_are_the_classes(name):
 
 
 def test_unknown_backend_lists_the_known_ones():
-    with pytest.raises(ValueError, match="torch_native, triton"):
+    with pytest.raises(ValueError, match="flashinfer, torch_native, triton"):
+        create_attention_backend("flash_attn")
+
+
+def test_prefill_backend_defaults_to_the_decode_one_and_is_checked_for_the_device():
+    assert resolve_phase_backends("auto", None, "cuda") == PhaseAttentionBackends(
+        "triton", "triton"
+    )
+    both = resolve_phase_backends("flashinfer", "triton", "cuda")
+    assert (both.decode, both.prefill) == ("flashinfer", "triton")
+    assert both.of_phase("prefill") == ("--prefill-attention-backend", "triton")
+    assert both.describe() == "flashinfer (decode), triton (prefill)"
+    with pytest.raises(ValueError, match="--prefill-attention-backend flashinfer needs a CUDA"):
+        resolve_phase_backends("auto", "flashinfer", "cpu")
+
+
+def test_a_backend_whose_library_is_missing_names_it():
+    """flashinfer's module imports anywhere (the registry test loads its class); the library is
+    imported when the backend is made."""
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("flashinfer is installed here")
+    with pytest.raises(ValueError, match="'flashinfer' cannot be imported .*flashinfer"):
         create_attention_backend("flashinfer")

@@ -17,9 +17,9 @@ from replaylm.compilation.compile_model import (
     CompiledForward,
     TcPiecewiseCompileError,
     TcPiecewiseOptions,
-    attention_layers,
 )
 from replaylm.compilation.split import split_at_ops
+from replaylm.layers.attention.layer import attention_layers
 from replaylm.layers.attention.ops import attention_context
 from replaylm.model_executor.cuda_graph.backend.tc_piecewise import TcPiecewiseCudaGraphBackend
 from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner

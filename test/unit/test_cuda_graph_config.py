@@ -273,6 +273,18 @@ def test_rule_turns_off_a_defaulted_phase_with_its_name_and_reason():
     assert any("needs-attention-graph-hooks" in n and "torch_native" in n for n in cfg.notes)
 
 
+def test_the_hooks_rule_reads_the_decode_phase_backend():
+    """`full` captures decode's attention: the prefill backend does not matter to it."""
+    assert modes(resolve(attention_backend="flashinfer")) == ("full", "breakable")
+    assert modes(resolve(attention_backend="triton", prefill_attention_backend="torch_native")) == (
+        "full",
+        "breakable",
+    )
+    cfg = resolve(attention_backend="torch_native", prefill_attention_backend="flashinfer")
+    assert modes(cfg) == ("disabled", "breakable")
+    assert any("--attention-backend is torch_native" in n for n in cfg.notes)
+
+
 def test_rule_on_an_explicit_phase_is_an_error():
     with pytest.raises(CudaGraphConfigError, match="needs-attention-graph-hooks"):
         resolve(attention_backend="torch_native", decode_cuda_graph_mode="full")
@@ -314,7 +326,10 @@ def test_the_traits_table_lists_every_graph_mode():
     assert modes_serving("decode") == ("full", "breakable", "tc_piecewise")
     assert modes_serving("prefill") == ("breakable", "tc_piecewise")
     assert debug_eager_modes() == ("breakable", "tc_piecewise")
-    assert {"triton"} == BACKENDS_WITH_GRAPH_HOOKS  # from the attention registry's table
+    assert {
+        "triton",
+        "flashinfer",
+    } == BACKENDS_WITH_GRAPH_HOOKS  # from the attention registry's table
 
 
 def _with_traits(monkeypatch, mode: str, **changes) -> None:

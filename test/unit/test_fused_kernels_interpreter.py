@@ -11,8 +11,6 @@ with the kernel device pointed at the CPU, the layers and whole tiny models take
 from __future__ import annotations
 
 import contextlib
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +21,10 @@ require_triton_interpreter()
 from replaylm.compilation.compile_model import (  # noqa: E402
     CompiledForward,
     TcPiecewiseOptions,
-    attention_layers,
 )
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.activation import SiluAndMul  # noqa: E402
+from replaylm.layers.attention.layer import attention_layers  # noqa: E402
 from replaylm.layers.attention.ops import attention_context  # noqa: E402
 from replaylm.layers.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from replaylm.layers.kernels import native_only, use_triton_kernels  # noqa: E402
@@ -42,18 +40,16 @@ from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import set_matmul  # noqa: E402
 from replaylm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
-from replaylm.model_executor.model_runner import ModelRunner  # noqa: E402
 from replaylm.runtime.batch_ops import prepare_extend, release  # noqa: E402
 from replaylm.runtime.request import Req  # noqa: E402
 from replaylm.sampling_params import SamplingParams  # noqa: E402
 
 from model_parity import (  # noqa: E402
-    dummy_runner,
     native_norm_rope,
     scripted_logits,
+    tiny_dummy_runner,
 )
 
-CONFIGS = Path(__file__).resolve().parents[2] / "benchmark" / "configs"
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
 DTYPES = [torch.float32, torch.float16]
 
@@ -409,32 +405,13 @@ def test_layers_take_the_triton_route_and_match_native(kernel_calls):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
-def _tiny_runner(tmp_path: Path, config: str, **args) -> ModelRunner:
-    """A 2-layer model of the config's architecture, shrunk, on dummy float32 weights (CPU);
-    `args`: further ServerArgs fields."""
-    cfg = json.loads((CONFIGS / config).read_text())
-    cfg.update(
-        hidden_size=96,
-        intermediate_size=160,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_hidden_layers=2,
-        vocab_size=1024,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return dummy_runner(
-        tmp_path / "config.json", "cpu", "float32", max_total_tokens=256, context_length=64, **args
-    )
-
-
 @pytest.mark.parametrize("config", ["qwen3-0.6b.json", "llama-3.1-8b.json"])
 def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
     """A 2-layer model of the config's architecture, shrunk, on dummy weights, in float32:
     logits of a prefill and a decode step through the kernels equal the native route's. Qwen3
     takes the fused q/k norm + rope (its per-head norms are no RMSNorm calls), Llama the same
     kernel for the rope alone (llama3 scaling)."""
-    runner = _tiny_runner(tmp_path, config)
+    runner = tiny_dummy_runner(tmp_path, config)
     with native_only():
         want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
     assert kernel_calls == {}
@@ -462,7 +439,7 @@ def test_the_rope_kernel_stores_kv_for_the_triton_attention_backend(
     monkeypatch.setattr(
         TritonAttnBackend, "store_kv", lambda self, *a: stores.append(1) or _STORE_KV(self, *a)
     )
-    runner = _tiny_runner(tmp_path, config, attention_backend="triton")
+    runner = tiny_dummy_runner(tmp_path, config, attention_backend="triton")
     with native_only():
         want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
     assert len(stores) == 4  # 2 forwards x 2 layers
@@ -486,7 +463,7 @@ def test_small_batch_matmul_triton_takes_the_skinny_kernel_up_to_16_rows(
         "skinny_matmul",
         lambda x, *a, **kw: calls.append(x.numel() // x.shape[-1]) or skinny_matmul(x, *a, **kw),
     )
-    runner = _tiny_runner(tmp_path, "llama-3.1-8b.json", small_batch_matmul="cublas")
+    runner = tiny_dummy_runner(tmp_path, "llama-3.1-8b.json", small_batch_matmul="cublas")
     want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
     assert calls == [] and kernel_calls["silu_and_mul"] == 4  # 2 forwards x 2 layers
     set_matmul(runner.model, "triton")
@@ -517,7 +494,7 @@ def test_small_batch_matmul_auto_takes_the_skinny_kernel_for_small_weights_and_t
         "skinny_matmul",
         lambda x, *a, **kw: calls.append(tuple(a[0].shape)) or skinny_matmul(x, *a, **kw),
     )
-    runner = _tiny_runner(tmp_path, "llama-3.1-8b.json", small_batch_matmul="cublas")
+    runner = tiny_dummy_runner(tmp_path, "llama-3.1-8b.json", small_batch_matmul="cublas")
     want = scripted_logits(runner, prompt_lens=(5, 30, 1), decode_steps=1)
     monkeypatch.setattr(linear_mod, "AUTO_SKINNY_MAX_BYTES", 100_000)
     chosen = set_matmul(runner.model, "auto")
@@ -552,11 +529,11 @@ def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
         ),
     )
     want = scripted_logits(
-        _tiny_runner(tmp_path, "qwen3-0.6b.json", small_batch_matmul="cublas"),
+        tiny_dummy_runner(tmp_path, "qwen3-0.6b.json", small_batch_matmul="cublas"),
         prompt_lens=(5, 30, 1),
         decode_steps=1,
     )
-    runner = _tiny_runner(
+    runner = tiny_dummy_runner(
         tmp_path, "qwen3-0.6b.json", deterministic=True, attention_backend="triton"
     )
     assert runner.attn_backend.deterministic
@@ -570,7 +547,7 @@ def test_deterministic_runs_every_matmul_through_the_batch_invariant_kernel(
 
 def test_deterministic_needs_the_triton_attention_backend(tmp_path):
     with pytest.raises(ValueError, match="--deterministic needs the triton attention backend"):
-        _tiny_runner(tmp_path, "qwen3-0.6b.json", deterministic=True)
+        tiny_dummy_runner(tmp_path, "qwen3-0.6b.json", deterministic=True)
 
 
 def _compiled_ops(compiled: CompiledForward) -> set[str]:
@@ -615,7 +592,7 @@ def test_tc_piecewise_keeps_the_fused_kernels_whole(
     monkeypatch.setattr(
         backend_cls, "store_kv", lambda self, *a: stores.append(1) or backend_store(self, *a)
     )
-    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json", attention_backend=attention)
+    runner = tiny_dummy_runner(tmp_path, "qwen3-0.6b.json", attention_backend=attention)
     set_matmul(runner.model, "triton")  # the skinny matmul stays whole too
     reqs = [
         Req(i, list(range(10 + i, 10 + i + n)), SamplingParams(), 0, 4)
@@ -673,7 +650,7 @@ def test_pdl_launches_wait_in_every_kernel_and_change_no_number(
 
     for name in waits:
         monkeypatch.setattr(tl_cuda, name, counted(name))
-    runner = _tiny_runner(
+    runner = tiny_dummy_runner(
         tmp_path, "qwen3-0.6b.json", attention_backend="triton", small_batch_matmul="triton"
     )
     with scalar_loop_bounds():
@@ -696,7 +673,7 @@ def test_enable_pdl_is_refused_off_hopper(tmp_path):
         match=r"--enable-pdl needs a CUDA GPU of compute capability "
         r"9\.0\+, not cpu",
     ):
-        _tiny_runner(tmp_path, "qwen3-0.6b.json", enable_pdl=True)
+        tiny_dummy_runner(tmp_path, "qwen3-0.6b.json", enable_pdl=True)
 
 
 def test_pdl_is_on_by_default_only_where_supported(tmp_path):
@@ -707,5 +684,5 @@ def test_pdl_is_on_by_default_only_where_supported(tmp_path):
     )
     assert kernels.choose_pdl(True, True) == (True, "--enable-pdl")
     assert kernels.choose_pdl(False, True) == (False, "--no-enable-pdl")
-    runner = _tiny_runner(tmp_path, "qwen3-0.6b.json")  # the default on a CPU: off
+    runner = tiny_dummy_runner(tmp_path, "qwen3-0.6b.json")  # the default on a CPU: off
     assert runner.pdl is False and kernels.pdl_launch() == {"USE_PDL": False}

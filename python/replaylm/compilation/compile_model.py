@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from replaylm.compilation.piecewise_backend import PiecewiseBackend
-from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.ops import start_forward
 from replaylm.layers.kernels import kernels_in_compiled_code
 
@@ -66,16 +65,6 @@ class TcPiecewiseCompileError(RuntimeError):
 def split_ops() -> tuple[object, ...]:
     """The ops tc_piecewise splits at (they run eagerly between the captured pieces)."""
     return (torch.ops.replaylm.attention.default, torch.ops.replaylm.attention)
-
-
-def attention_layers(model: nn.Module) -> list[Attention]:
-    """The model's attention layers indexed by layer id (what `attention_context` needs)."""
-    layers = sorted(
-        (m for m in model.modules() if isinstance(m, Attention)), key=lambda layer: layer.layer_id
-    )
-    if [layer.layer_id for layer in layers] != list(range(len(layers))):
-        raise ValueError("attention layer ids must be 0..n-1")
-    return layers
 
 
 class CompiledForward:

@@ -16,8 +16,9 @@ from replaylm.distributed.communication import min_over_ranks
 from replaylm.distributed.parallel_state import TPPlace, init_tensor_parallel
 from replaylm.distributed.peer_all_reduce import choose_all_reduce
 from replaylm.distributed.sharding import HeadShard, check_model_split
-from replaylm.layers.attention.registry import create_attention_backend
-from replaylm.layers.attention.selection import resolve_attention_backend
+from replaylm.layers.attention.layer import attention_layers
+from replaylm.layers.attention.registry import create_phase_backends
+from replaylm.layers.attention.selection import resolve_phase_backends
 from replaylm.layers.kernels import (
     check_pdl,
     choose_pdl,
@@ -93,8 +94,10 @@ class ModelRunner:
                 f"--tp-all-reduce one-shot needs CUDA GPUs (peer memory); on {self.device} "
                 "the ranks sum with gloo (--tp-all-reduce nccl)"
             )
-        backend = resolve_attention_backend(args.attention_backend, self.device.type)
-        self.attn_backend = create_attention_backend(backend, args.deterministic)
+        backends = resolve_phase_backends(
+            args.attention_backend, args.prefill_attention_backend, self.device.type
+        )
+        self.attn_backend = create_phase_backends(backends, args.deterministic)
         if self.device.type == "cuda":  # the CUDA context, made here to be a stage of its own
             torch.zeros(1, device=self.device)
         self.startup.mark("device init")
@@ -130,6 +133,7 @@ class ModelRunner:
                 args.seed,
                 self.startup,
             )
+        self.attn_backend.init_model(attention_layers(self.model), self.dtype)
         self.matmul = "invariant" if args.deterministic else args.small_batch_matmul
         if args.deterministic and args.small_batch_matmul != "auto":
             logger.warning(
@@ -172,7 +176,7 @@ class ModelRunner:
             f" (tensor-parallel rank {tp_rank} of {args.tp_size})" if args.tp_size > 1 else "",
             self.max_total_tokens,
             self.kv_pool.memory_bytes() / 2**30,
-            backend,
+            backends.describe(),
             self.matmul if triton_kernels else "torch",
             ", programmatic dependent launch" if self.pdl else "",
             " (--deterministic: batch-invariant kernels)" if args.deterministic else "",

@@ -13,6 +13,7 @@ shares (index tables, masks). Backends usable inside a `full` CUDA graph also im
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,12 @@ class AttentionBackend(ABC):
     """Eager attention over the paged KV cache. q is `[T, H, D]`, k and v `[T, Hkv, D]`."""
 
     name: str
+
+    def init_model(self, layers: Sequence[Attention], dtype: torch.dtype) -> None:
+        """Called once the model is built, before any batch: its attention layers (by layer id)
+        and dtype, for a backend that plans its kernels per model; ValueError naming
+        `--attention-backend` for a model it cannot serve. Most backends need nothing."""
+        return
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

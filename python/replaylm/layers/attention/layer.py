@@ -60,3 +60,13 @@ class Attention(nn.Module):
                 batch.attn_backend.store_kv(k, v, self, batch)
             attention_op(q, k, v, self, batch, out)
         return out.view(t, self.num_heads * self.head_dim)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's attention layers indexed by layer id (what `attention_context` needs)."""
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda layer: layer.layer_id
+    )
+    if [layer.layer_id for layer in layers] != list(range(len(layers))):
+        raise ValueError("attention layer ids must be 0..n-1")
+    return layers

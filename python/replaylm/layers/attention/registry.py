@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from replaylm.layers.attention.base import AttentionBackend
+    from replaylm.layers.attention.selection import PhaseAttentionBackends
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ ATTENTION_BACKENDS: dict[str, AttentionBackendSpec] = {
         gpu_only=True,
         graph_hooks=True,
         deterministic=True,
+    ),
+    "flashinfer": AttentionBackendSpec(
+        "replaylm.layers.attention.flashinfer_backend",
+        "FlashInferAttnBackend",
+        gpu_only=True,
+        graph_hooks=True,
     ),
 }
 GPU_ONLY_BACKENDS = frozenset(n for n, s in ATTENTION_BACKENDS.items() if s.gpu_only)
@@ -71,9 +78,22 @@ def create_attention_backend(name: str, deterministic: bool = False) -> Attentio
     try:
         # constructors differ: a backend with batch-invariant kernels takes `deterministic`
         cls: Callable[..., AttentionBackend] = spec.load()
-    except ImportError as e:
+        return cls(deterministic) if spec.deterministic else cls()
+    except ImportError as e:  # the module's imports, or the library a constructor imports
         raise ValueError(
             f"attention backend '{name}' cannot be imported ({e}); install what it needs or use "
-            "--attention-backend torch_native"
+            "another --attention-backend"
         ) from e
-    return cls(deterministic) if spec.deterministic else cls()
+
+
+def create_phase_backends(
+    backends: PhaseAttentionBackends, deterministic: bool = False
+) -> AttentionBackend:
+    """The backend of both phases, or a PerPhaseAttnBackend over two (`create_attention_backend`
+    each)."""
+    decode = create_attention_backend(backends.decode, deterministic)
+    if backends.prefill == backends.decode:
+        return decode
+    from replaylm.layers.attention.per_phase import PerPhaseAttnBackend
+
+    return PerPhaseAttnBackend(decode, create_attention_backend(backends.prefill, deterministic))

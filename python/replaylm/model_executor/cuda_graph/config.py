@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from replaylm.layers.attention.registry import BACKENDS_WITH_GRAPH_HOOKS
-from replaylm.layers.attention.selection import resolve_attention_backend
+from replaylm.layers.attention.selection import resolve_phase_backends
 
 PHASES = ("decode", "prefill")
 
@@ -99,6 +99,7 @@ class GraphArgs(Protocol):
     max_running_requests: int | None  # None: not resolved for the device yet (checks only)
     chunked_prefill_size: int
     attention_backend: str
+    prefill_attention_backend: str | None
     debug_cuda_graph: bool
 
 
@@ -286,7 +287,7 @@ RULES: tuple[CompatibilityRule, ...] = (
             and ctx["attention_backend"] not in BACKENDS_WITH_GRAPH_HOOKS
         ),
         "a {mode} graph captures attention, which needs an attention backend with CUDA-graph "
-        "hooks ({hooked}); --attention-backend is {attention_backend}",
+        "hooks ({hooked}); {attention_flag} is {attention_backend}",
     ),
 )
 
@@ -412,11 +413,10 @@ def check_cuda_graph_args(args: GraphArgs) -> None:
 def resolve_cuda_graph_config(args: GraphArgs, device: str) -> CudaGraphConfig:
     """Resolve the per-phase CUDA-graph config for `device` (`cuda` or `cpu`)."""
     parsed = _parse(args)
-    ctx = {
-        "device": device,
-        "attention_backend": resolve_attention_backend(args.attention_backend, device),
-        "debug": "on" if args.debug_cuda_graph else "off",
-    }
+    backends = resolve_phase_backends(
+        args.attention_backend, args.prefill_attention_backend, device
+    )
+    base_ctx = {"device": device, "debug": "on" if args.debug_cuda_graph else "off"}
     phases: dict[str, PhaseConfig] = {}
     notes: list[str] = []
     if device not in GRAPH_DEVICES:
@@ -427,6 +427,8 @@ def resolve_cuda_graph_config(args: GraphArgs, device: str) -> CudaGraphConfig:
         source = choice.flag if choice else "default"
         explicit = choice.flag if choice and choice.mode != "disabled" else None
         _validate_mode(phase, mode, explicit)
+        flag, backend = backends.of_phase(phase)
+        ctx = {**base_ctx, "attention_flag": flag, "attention_backend": backend}
         mode, rule, reason = _apply_rules(phase, mode, explicit, ctx)
         if rule is not None:
             notes.append(f"{phase} CUDA graph off by rule {rule.name}: {reason}")

@@ -18,12 +18,11 @@ import torch
 from replaylm.compilation.compile_model import (
     CompiledForward,
     TcPiecewiseOptions,
-    attention_layers,
     compiled_forward,
     set_compile_cache_dir,
 )
 from replaylm.layers.attention.base import AttentionBackend
-from replaylm.layers.attention.layer import Attention
+from replaylm.layers.attention.layer import Attention, attention_layers
 from replaylm.layers.attention.ops import attention_context
 from replaylm.model_executor.cuda_graph.backend.base import CaptureContext, ForwardFn
 from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGraphBackend
