@@ -2,12 +2,15 @@
 loaded from the same saved folder: the built-in SmolLM2 GGUF's cached tokenizer and tiny
 tokenizers built here. Encoding, decoding, special tokens, chat templates (tools, generation
 prompt, continued messages, errors) and the grammar engine's vocabulary must all be the same;
-and the cached tokenizer is served without importing transformers."""
+and a fresh process serves the cached tokenizer without importing torch, transformers or
+xgrammar."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +303,29 @@ def test_a_template_that_raises_is_a_request_error_at_the_manager(tmp_path):
     finally:
         tm.shutdown()
 
+
+def test_a_warm_start_serves_the_tokenizer_without_torch_transformers_or_xgrammar(
+    smollm2_folder,
+):
+    cache = smollm2_folder.parent.parent
+    code = (
+        "import sys\n"
+        "from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer, "
+        "tokenizer_info\n"
+        "tokenizer = load_tokenizer('smollm2-135m-instruct')\n"
+        "info = tokenizer_info(tokenizer)\n"
+        "assert info.fast_json is not None and info.eos_token_id == tokenizer.eos_token_id\n"
+        "chat_input_ids(tokenizer, [{'role': 'user', 'content': 'hi'}])\n"
+        "print(type(tokenizer).__name__, "
+        "sorted(m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules))"
+    )
+    env = {**os.environ, CACHE_ENV: str(cache)}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.stdout.strip() == "FastTokenizer []"

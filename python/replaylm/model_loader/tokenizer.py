@@ -31,15 +31,13 @@ class TokenizerInfo:
     `has_tokenizer` False: the model takes token ids only. `fast_json`: the tokenizers-library
     definition, which decodes stop-string text exactly as the manager's tokenizer does; None with
     a tokenizer means the scheduler loads the tokenizer itself. `eos_token_id` joins the model
-    config's EOS ids. `grammar_vocabulary`: the vocabulary as the grammar engine sees it
-    (`structured.vocabulary`), which structured-output grammars are compiled against; None: no
-    structured output.
+    config's EOS ids. (The grammar engine's vocabulary comes later, with the first grammar:
+    `TokenizedGenerateReq.grammar_vocabulary`.)
     """
 
     has_tokenizer: bool
     eos_token_id: int | None
     fast_json: str | None = None
-    grammar_vocabulary: str | None = None
 
 
 def load_tokenizer(path: str) -> HFTokenizer | None:
@@ -146,13 +144,8 @@ def tokenizer_info(tokenizer: HFTokenizer | None) -> TokenizerInfo:
     if tokenizer is None:
         return TokenizerInfo(has_tokenizer=False, eos_token_id=None)
     fast_json = tokenizer.backend_tokenizer.to_str() if decodes_as_backend(tokenizer) else None
-    from replaylm.structured.vocabulary import describe_vocabulary  # imports xgrammar: only here
-
     return TokenizerInfo(
-        has_tokenizer=True,
-        eos_token_id=tokenizer.eos_token_id,
-        fast_json=fast_json,
-        grammar_vocabulary=describe_vocabulary(tokenizer),
+        has_tokenizer=True, eos_token_id=tokenizer.eos_token_id, fast_json=fast_json
     )
 
 
