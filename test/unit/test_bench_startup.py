@@ -21,7 +21,6 @@ HTTP_STAGES = [
     "tokenizer",
     "tokenizer info",
     "wait for the model",
-    "grammar compiler",
     "HTTP app",
     "HTTP ready",
 ]

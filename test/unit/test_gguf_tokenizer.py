@@ -1,6 +1,7 @@
 """The built-in SmolLM2 GGUF's tokenizer through the tokenizer cache: the first load builds it
-with transformers and keeps it, later loads read the kept copy, which tokenizes, decodes, fills
-the chat template and describes itself to the scheduler exactly as the built one does."""
+with transformers and keeps it, later loads read the kept copy (with the tokenizers library
+alone), which tokenizes, decodes, fills the chat template and describes itself to the scheduler
+exactly as the built one does."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import logging
 import pytest
 
 from replaylm.model_loader.builtin_models import resolve_model_path
+from replaylm.model_loader.fast_tokenizer import FastTokenizer
 from replaylm.model_loader.gguf_tokenizer import CACHE_ENV, load_gguf_tokenizer
-from replaylm.model_loader.tokenizer import chat_input_ids, tokenizer_info
+from replaylm.model_loader.tokenizer import chat_input_ids, tokenizer_class_name, tokenizer_info
 
 TEXTS = ["The capital of France is", "  spaces\tand\nlines ", "naïve café 東京 🙂", "<|im_end|>x"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
@@ -36,7 +38,8 @@ def test_a_cached_tokenizer_behaves_as_the_built_one(cache_dir, caplog):
     (entry,) = (cache_dir / "tokenizers").iterdir()
     assert (entry / "tokenizer.json").is_file()
     cached, from_cache = _load(caplog)
-    assert from_cache and type(cached) is type(built)
+    assert from_cache and isinstance(cached, FastTokenizer)
+    assert tokenizer_class_name(cached) == type(built).__name__
     for text in TEXTS:
         ids = built(text)["input_ids"]
         assert cached(text)["input_ids"] == ids

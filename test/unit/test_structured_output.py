@@ -223,8 +223,10 @@ def test_a_larger_model_vocabulary_never_allows_its_padding(engine):
     serialized = compiler.compile(params)
     assert serialized is not None and compiler.compile(SamplingParams()) is None
     assert params.constraint is not None
-    loader = GrammarLoader(description, size, engine.eos_token_ids)
-    grammar = loader.load(params.constraint, serialized)
+    loader = GrammarLoader(size, engine.eos_token_ids)
+    with pytest.raises(RuntimeError, match="before the vocabulary"):
+        loader.load(params.constraint, serialized)
+    grammar = loader.load(params.constraint, serialized, description)  # the first brings it
     assert grammar.matcher.accept_string('"ab')  # inside a string: almost any token fits
     bitmask = xgr.allocate_token_bitmask(1, size)
     grammar.matcher.fill_next_token_bitmask(bitmask)
@@ -255,7 +257,7 @@ def test_a_held_grammar_is_neither_serialized_nor_sent_nor_deserialized_again(en
     compiler = GrammarCompiler(description, vocab_size)
     held, loader = (
         HeldGrammars(capacity=2),
-        GrammarLoader(description, vocab_size, engine.eos_token_ids, capacity=2),
+        GrammarLoader(vocab_size, engine.eos_token_ids, capacity=2, description=description),
     )
     patterns = {"a": "[0-9]{3}", "b": "(yes|no)", "c": "[a-z]{2}"}
     order = ["a", "a", "b", "a", "c", "b", "a", "a"]  # "c" drops "b"; "b" then drops "a"

@@ -22,6 +22,7 @@ from replaylm.entrypoints.tool_calls import (
 )
 from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer
 from replaylm.runtime.errors import RequestError
+from replaylm.structured.vocabulary import describe_vocabulary
 
 from tool_schemas import WEATHER_SCHEMA
 
@@ -214,7 +215,9 @@ def test_llama_style_template_gets_tools_calls_and_results(smollm2: Any) -> None
 
 @pytest.fixture(scope="module")
 def compiler(smollm2: Any) -> xgr.GrammarCompiler:
-    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(smollm2))
+    description = describe_vocabulary(smollm2)
+    assert description is not None
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(description))
 
 
 def accepts(grammar: xgr.CompiledGrammar, text: str) -> bool:

@@ -34,9 +34,9 @@ from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
     from typing_extensions import TypeIs
 
+    from replaylm.model_loader.tokenizer import HFTokenizer
     from replaylm.structured.compiler import GrammarCompiler
     from replaylm.structured.grammar import RequestGrammar
 
@@ -73,14 +73,10 @@ class Engine:
         self.runner, self.tokenizer, self.eos_token_ids = load_runner_and_tokenizer(
             self.server_args, self.startup
         )
-        # the vocabulary the other ranks compile grammars against (None: no structured output)
-        self._grammar_vocabulary: str | None = None
         if self._followers:
             from replaylm.distributed.communication import broadcast_objects
 
-            info = tokenizer_info(self.tokenizer)
-            self._grammar_vocabulary = info.grammar_vocabulary
-            broadcast_objects([info])
+            broadcast_objects([tokenizer_info(self.tokenizer)])
         self.server_args = self.runner.args  # with the defaults resolved for the device
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
@@ -183,7 +179,7 @@ class Engine:
             stop_processes(list(self._followers.values()), timeout_s=10)
             self._followers = {}
 
-    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+    def _require_tokenizer(self) -> HFTokenizer:
         if self.tokenizer is None:
             raise ValueError(
                 f"model '{self.server_args.model_path}' has no tokenizer: pass input_ids, "
@@ -248,8 +244,8 @@ class Engine:
 
     def _grammars_for_ranks(self) -> _RankGrammars:
         if self._rank_grammars is None:
-            vocabulary = self._grammar_vocabulary
-            assert vocabulary is not None  # the messages' grammars compiled against it
+            assert self._grammar is not None  # the messages' grammars compiled with it
+            vocabulary = self._grammar.description
             vocab_size = self.runner.config.vocab_size
             self._rank_grammars = _RankGrammars(vocabulary, vocab_size, self.eos_token_ids)
         return self._rank_grammars
@@ -289,23 +285,29 @@ class _RankGrammars:
     """Rank 0's side of the grammars an Engine with other ranks sends them: the loader that
     makes rank 0's matchers from the messages as the other ranks' loaders do, and the record
     of what those loaders hold, so a message goes without a grammar they have (a grammar is
-    megabytes, and every message is broadcast)."""
+    megabytes, and every message is broadcast). The first grammar takes the vocabulary along,
+    as a server's does."""
 
     def __init__(self, vocabulary: str, vocab_size: int, eos: Collection[int]) -> None:
         from replaylm.structured.cache import HeldGrammars
         from replaylm.structured.loader import GrammarLoader
 
-        self.loader = GrammarLoader(vocabulary, vocab_size, eos)
+        self.loader = GrammarLoader(vocab_size, eos, description=vocabulary)
         self.held = HeldGrammars()
+        self._unsent_vocabulary: str | None = vocabulary
 
     def leave_out_held(self, msgs: list[TokenizedGenerateReq]) -> list[TokenizedGenerateReq]:
-        """`msgs`, each without its grammar where the loaders hold it by then (in order)."""
+        """`msgs`, each without its grammar where the loaders hold it by then (in order), the
+        first with a grammar bringing the vocabulary."""
         out = []
         for msg in msgs:
             constraint = msg.sampling_params.constraint
             if constraint is not None:
                 if self.held.holds(constraint):
                     msg = dataclasses.replace(msg, grammar=None)
+                elif self._unsent_vocabulary is not None:
+                    msg = dataclasses.replace(msg, grammar_vocabulary=self._unsent_vocabulary)
+                    self._unsent_vocabulary = None
                 self.held.sent(constraint)
             out.append(msg)
         return out

@@ -17,6 +17,7 @@ from replaylm.entrypoints.openai_protocol import DetokenizeRequest
 from replaylm.entrypoints.openai_responses import DetokenizeResponse, TokenizeResponse
 from replaylm.entrypoints.serving_chat import chat_prompt, offered_tools
 from replaylm.entrypoints.serving_common import ServingContext
+from replaylm.model_loader.tokenizer import tokenizer_class_name
 from replaylm.runtime.errors import RequestError
 
 
@@ -72,7 +73,7 @@ class TokenizeRoutes:
             raise APIError(404, "this model has no tokenizer")
         return JSONResponse(
             {
-                "tokenizer_class": type(tokenizer).__name__,
+                "tokenizer_class": tokenizer_class_name(tokenizer),
                 "eos_token": tokenizer.eos_token,
                 "bos_token": tokenizer.bos_token,
                 "pad_token": tokenizer.pad_token,

@@ -37,7 +37,7 @@ from replaylm.entrypoints.tool_prompt import fallback_messages, template_message
 from replaylm.runtime.errors import RequestError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from replaylm.model_loader.tokenizer import HFTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def detect_tool_format(chat_template: str | dict[str, str] | None) -> tuple[Tool
 class ChatTools:
     """Tool calls through one tokenizer's chat template."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: HFTokenizer) -> None:
         self.format, reason = detect_tool_format(getattr(tokenizer, "chat_template", None))
         how = (
             "the fallback prompt and JSON calls"

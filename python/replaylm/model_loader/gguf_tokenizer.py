@@ -4,8 +4,10 @@ transformers builds a GGUF's tokenizer by parsing the whole file's metadata and 
 vocabulary, which takes seconds (and imports torch), every start. The first start saves the result
 (`save_pretrained`: tokenizer.json and its config) under `$REPLAYLM_CACHE_DIR` (default
 `$XDG_CACHE_HOME/replaylm`, else `~/.cache/replaylm`), in a folder named for the file (path, size,
-mtime) and the transformers and tokenizers versions; later starts load that folder. A cache that
-cannot be written or read is passed over (the tokenizer is built as before), with a warning.
+mtime) and the transformers and tokenizers versions; later starts load that folder, with the
+tokenizers library alone where it allows (`fast_tokenizer`), without importing transformers. A
+cache that cannot be written or read is passed over (the tokenizer is built as before), with a
+warning.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from replaylm.model_loader.fast_tokenizer import UnsupportedTokenizer, read_fast_tokenizer
 from replaylm.model_loader.gguf_header import check_magic
 
 logger = logging.getLogger(__name__)
@@ -78,14 +81,19 @@ def _key(gguf_path: str) -> str:
 
 
 def _load(folder: Path) -> Any:
-    """The cached tokenizer, as the class transformers built (a fast tokenizer class, which
-    transformers imports without torch, unlike AutoTokenizer)."""
+    """The cached tokenizer: read with the tokenizers library alone where the folder allows it
+    (`fast_tokenizer`: no transformers import, which takes seconds), else as the class
+    transformers built (a fast tokenizer class, which transformers 5 imports without torch)."""
+    class_name = json.loads((folder / _MARKER).read_text())["class"]
+    try:
+        tokenizer = read_fast_tokenizer(folder, class_name)
+        logger.info("tokenizer loaded from the cache %s with the tokenizers library", folder)
+        return tokenizer
+    except UnsupportedTokenizer as why:
+        logger.info("tokenizer loaded from the cache %s with transformers: %s", folder, why)
     import transformers
 
-    class_name = json.loads((folder / _MARKER).read_text())["class"]
-    tokenizer = getattr(transformers, class_name).from_pretrained(folder)
-    logger.info("tokenizer loaded from the cache %s", folder)
-    return tokenizer
+    return getattr(transformers, class_name).from_pretrained(folder)
 
 
 def _store(tokenizer: Any, folder: Path, gguf_path: str) -> None:

@@ -1,5 +1,8 @@
 """Tokenizer loading for every model-path kind the loader accepts, and the tokenizer's share
-that the scheduler process needs (a stop-string decoder and the EOS id) without transformers."""
+that the scheduler process needs (a stop-string decoder and the EOS id) without transformers.
+
+A tokenizer is a transformers one or, for a GGUF file's cached tokenizer, a `FastTokenizer`
+standing for one (`fast_tokenizer`: the same results without importing transformers)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from replaylm.model_loader.builtin_models import resolve_model_path
+from replaylm.model_loader.fast_tokenizer import FastTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    HFTokenizer = PreTrainedTokenizerBase | FastTokenizer
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -25,18 +31,16 @@ class TokenizerInfo:
     `has_tokenizer` False: the model takes token ids only. `fast_json`: the tokenizers-library
     definition, which decodes stop-string text exactly as the manager's tokenizer does; None with
     a tokenizer means the scheduler loads the tokenizer itself. `eos_token_id` joins the model
-    config's EOS ids. `grammar_vocabulary`: the vocabulary as the grammar engine sees it
-    (`structured.vocabulary`), which structured-output grammars are compiled against; None: no
-    structured output.
+    config's EOS ids. (The grammar engine's vocabulary comes later, with the first grammar:
+    `TokenizedGenerateReq.grammar_vocabulary`.)
     """
 
     has_tokenizer: bool
     eos_token_id: int | None
     fast_json: str | None = None
-    grammar_vocabulary: str | None = None
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(path: str) -> HFTokenizer | None:
     """The tokenizer of a model path, or None when the path holds none (a config-only folder
     used with dummy weights: such a model takes token ids only)."""
     path = resolve_model_path(path)
@@ -53,8 +57,15 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     return None
 
 
+def tokenizer_class_name(tokenizer: HFTokenizer) -> str:
+    """The transformers class of `tokenizer` (of a FastTokenizer: the one it stands for)."""
+    return (
+        tokenizer.class_name if isinstance(tokenizer, FastTokenizer) else type(tokenizer).__name__
+    )
+
+
 def chat_input_ids(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: HFTokenizer,
     messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
@@ -76,6 +87,7 @@ def chat_input_ids(
         tokenize=False,
         **(template_kwargs or {}),
     )
+    assert isinstance(text, str)  # tokenize=False: the rendered text
     # what apply_chat_template(tokenize=True) does, with the special tokens made a choice
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
@@ -124,7 +136,7 @@ def decodes_as_backend(tokenizer: Any) -> bool:
 _CLEANUP_PROBE = "it is done . is it ? yes ! a , b don't I 'm it 's we 've they 're"
 
 
-def tokenizer_info(tokenizer: PreTrainedTokenizerBase | None) -> TokenizerInfo:
+def tokenizer_info(tokenizer: HFTokenizer | None) -> TokenizerInfo:
     """What the scheduler process needs of `tokenizer`. A fast tokenizer that decodes as its
     tokenizers-library backend does (no clean-up of spaces on top: checked on a probe text)
     travels as that backend's JSON; any other asks the scheduler to load the tokenizer itself
@@ -132,13 +144,8 @@ def tokenizer_info(tokenizer: PreTrainedTokenizerBase | None) -> TokenizerInfo:
     if tokenizer is None:
         return TokenizerInfo(has_tokenizer=False, eos_token_id=None)
     fast_json = tokenizer.backend_tokenizer.to_str() if decodes_as_backend(tokenizer) else None
-    from replaylm.structured.vocabulary import describe_vocabulary  # imports xgrammar: only here
-
     return TokenizerInfo(
-        has_tokenizer=True,
-        eos_token_id=tokenizer.eos_token_id,
-        fast_json=fast_json,
-        grammar_vocabulary=describe_vocabulary(tokenizer),
+        has_tokenizer=True, eos_token_id=tokenizer.eos_token_id, fast_json=fast_json
     )
 
 

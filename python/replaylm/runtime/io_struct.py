@@ -75,7 +75,10 @@ class GenerateOutput:
 class TokenizedGenerateReq:
     """`rids`: one per choice (`n` of them), each with its own seed; `grammar`: the compiled
     structured-output grammar, serialized (xgrammar's JSON), None without a constraint or when
-    the scheduler holds the constraint's grammar from an earlier request (`HeldGrammars`)."""
+    the scheduler holds the constraint's grammar from an earlier request (`HeldGrammars`).
+    `grammar_vocabulary`: the vocabulary grammars are compiled against
+    (`structured.vocabulary`), sent once, with the first grammar (the manager describes it only
+    when structured output is first asked for)."""
 
     rids: list[str]
     input_ids: list[int]
@@ -85,6 +88,7 @@ class TokenizedGenerateReq:
     top_logprobs: int | None
     prompt_logprobs: int | None = None
     grammar: str | None = None
+    grammar_vocabulary: str | None = None
 
 
 @dataclass

@@ -261,10 +261,10 @@ def _run_follower(args: ServerArgs, tp_rank: int, stages: StartupStages) -> int:
 
 def _build_scheduler(
     args: ServerArgs, conn: Connection | None, stages: StartupStages, tp_rank: int = 0
-) -> tuple[Scheduler, GrammarLoader | None] | None:
+) -> tuple[Scheduler, GrammarLoader] | None:
     """Load the model, then take the manager's TokenizerInfo (a follower rank: rank 0's
-    broadcast of it); the scheduler and the loader of structured-output grammars (None: no
-    structured output), or None if the manager sent ShutdownReq."""
+    broadcast of it); the scheduler and the loader of structured-output grammars (which the
+    first grammar brings the vocabulary to), or None if the manager sent ShutdownReq."""
     from replaylm.model_executor.model_runner import ModelRunner
     from replaylm.runtime.model_setup import eos_token_ids
     from replaylm.runtime.scheduler import Scheduler
@@ -280,10 +280,8 @@ def _build_scheduler(
     decode = scheduler_decoder(info, args.tokenizer_path or args.model_path)
     eos = eos_token_ids(runner, info.eos_token_id)
     scheduler = Scheduler.from_args(runner, eos, decode, args)
-    vocabulary = info.grammar_vocabulary
-    grammars = GrammarLoader(vocabulary, runner.config.vocab_size, eos) if vocabulary else None
     stages.mark("scheduler")
-    return scheduler, grammars
+    return scheduler, GrammarLoader(runner.config.vocab_size, eos)
 
 
 def _first_message(conn: Connection | None, tp_size: int) -> object:
@@ -318,7 +316,7 @@ def _receive(conn: Connection | None, scheduler: Scheduler, tp_size: int) -> lis
     return broadcast_objects(messages if conn is not None else None)
 
 
-def _loop(scheduler: Scheduler, conn: Connection | None, grammars: GrammarLoader | None) -> None:
+def _loop(scheduler: Scheduler, conn: Connection | None, grammars: GrammarLoader) -> None:
     """Apply each iteration's messages, then step; `conn` None on a follower rank, which
     takes rank 0's messages and sends nothing."""
     tp_size = scheduler.runner.tp.size
@@ -378,14 +376,10 @@ def request_of(msg: TokenizedGenerateReq, grammar: RequestGrammar | None) -> Req
     )
 
 
-def _load_grammar(
-    msg: TokenizedGenerateReq, grammars: GrammarLoader | None
-) -> RequestGrammar | None:
+def _load_grammar(msg: TokenizedGenerateReq, grammars: GrammarLoader) -> RequestGrammar | None:
     """The request's grammar; every constrained request must come here, in the pipe's order,
     since the manager's `HeldGrammars` replays what the loader keeps."""
     constraint = msg.sampling_params.constraint
     if constraint is None:
         return None
-    if grammars is None:  # the manager compiles grammars only with a grammar vocabulary
-        raise RuntimeError("a request came with a grammar, but structured output is off")
-    return grammars.load(constraint, msg.grammar)
+    return grammars.load(constraint, msg.grammar, msg.grammar_vocabulary)

@@ -50,11 +50,10 @@ from replaylm.runtime.scheduler_process import SchedulerProcess, SchedulerStartE
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
+from replaylm.structured.cache import HeldGrammars
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from replaylm.structured.cache import HeldGrammars
+    from replaylm.model_loader.tokenizer import HFTokenizer
     from replaylm.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -135,15 +134,13 @@ class TokenizerManager:
         self.cuda_graphs = ready.cuda_graphs  # as the scheduler resolved it for its device
         self.cuda_graph_capture = ready.cuda_graph_capture
         self.scheduler_startup = ready.startup
-        self._grammar: GrammarCompiler | None = None  # structured output: None when off
-        self._held_grammars: HeldGrammars | None = None  # what the scheduler's loader holds
-        if info.grammar_vocabulary is not None:
-            from replaylm.structured.cache import HeldGrammars
-            from replaylm.structured.compiler import GrammarCompiler
-
-            self._grammar = GrammarCompiler(info.grammar_vocabulary, self.vocab_size)
-            self._held_grammars = HeldGrammars()
-        self.startup.mark("grammar compiler")
+        # structured output: the compiler is made for the first constrained request (importing
+        # xgrammar and describing the vocabulary take seconds that most servers never need)
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_tried = False
+        self._grammar_lock = threading.Lock()
+        self._held_grammars = HeldGrammars()  # what the scheduler's loader holds
+        self._vocabulary_sent = False  # the first grammar sent takes the vocabulary along
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="tm-reader")
         self._reader.start()
 
@@ -323,7 +320,7 @@ class TokenizerManager:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+    def _require_tokenizer(self) -> HFTokenizer:
         """The tokenizer; RequestError when the model has none."""
         if self.tokenizer is None:
             raise RequestError(
@@ -338,16 +335,32 @@ class TokenizerManager:
         constraint = params.constraint
         if constraint is None:
             return None
-        if self._grammar is None:
+        compiler = self._grammar
+        if not self._grammar_tried:  # the first constrained request makes the compiler
+            compiler = await asyncio.to_thread(self._grammar_compiler)
+        if compiler is None:
             raise RequestError(
                 f"{constraint[0]} needs structured output, which this model does not have: "
                 "it has no tokenizer the grammar engine can read",
                 constraint[0],
             )
         try:
-            return await asyncio.to_thread(self._grammar.compile, params)
+            return await asyncio.to_thread(compiler.compile, params)
         except ValueError as err:
             raise RequestError(str(err), constraint[0]) from err
+
+    def _grammar_compiler(self) -> GrammarCompiler | None:
+        """The grammar compiler, made on the first call (imports xgrammar and describes the
+        vocabulary: seconds, in a worker thread); None when there is no tokenizer or xgrammar
+        cannot read it."""
+        with self._grammar_lock:
+            if not self._grammar_tried:
+                if self.tokenizer is not None:
+                    from replaylm.structured.compiler import GrammarCompiler
+
+                    self._grammar = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size)
+                self._grammar_tried = True
+            return self._grammar
 
     def _check_alive(self) -> None:
         if self._closing:
@@ -369,15 +382,20 @@ class TokenizerManager:
 
     def _send_request(self, req: TokenizedGenerateReq) -> None:
         """Send `req` (under the send lock), without its grammar when the scheduler holds that
-        already: a grammar is megabytes, and the pipe's order keeps `_held_grammars` in step."""
+        already: a grammar is megabytes, and the pipe's order keeps `_held_grammars` in step.
+        The first grammar sent takes the vocabulary it was compiled against along."""
         constraint = req.sampling_params.constraint
-        held = self._held_grammars
-        if constraint is None or held is None:
+        if constraint is None:
             self._scheduler.conn.send(req)
             return
+        held = self._held_grammars
         if held.holds(constraint):
             req = dataclasses.replace(req, grammar=None)
+        elif not self._vocabulary_sent:
+            assert self._grammar is not None  # the request's grammar was compiled
+            req = dataclasses.replace(req, grammar_vocabulary=self._grammar.description)
         self._scheduler.conn.send(req)
+        self._vocabulary_sent = True
         held.sent(constraint)
 
     def _read_loop(self) -> None:

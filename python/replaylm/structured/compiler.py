@@ -35,9 +35,11 @@ _ECHOED_INPUT = ". The JSON string is:"  # the whole input, appended to JSON par
 class GrammarCompiler:
     """Compiles constraints against one model's vocabulary, caching compiled grammars (xgrammar's
     cache) and the serialized forms of the `GRAMMARS_KEPT` constraints used last. Thread-safe.
-    `description`: the tokenizer's vocabulary from `describe_vocabulary`."""
+    `description`: the tokenizer's vocabulary from `describe_vocabulary` (kept: the scheduler's
+    loader needs it to load the grammars)."""
 
     def __init__(self, description: str, vocab_size: int) -> None:
+        self.description = description
         self.tokenizer_info = sized_vocabulary(description, vocab_size)
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info, cache_limit_bytes=CACHE_LIMIT_BYTES
