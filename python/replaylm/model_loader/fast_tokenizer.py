@@ -123,7 +123,12 @@ class FastTokenizer:
         return dict(self.backend_tokenizer.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it runs (encode holds it): a large prompt tokenized
+        # in a worker thread leaves the event loop free, as transformers' fast tokenizers do
+        (encoding,) = self.backend_tokenizer.encode_batch(
+            [text], add_special_tokens=add_special_tokens
+        )
+        return list(encoding.ids)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self.encode(text, add_special_tokens)}
