@@ -42,6 +42,7 @@ from replaylm.model_executor.forward_stats import ForwardStats
 from replaylm.model_executor.packed_inputs import DecodeInputs
 from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.model_loader.loader import load_model, load_model_config
+from replaylm.runtime.triton_key import hash_triton_in_background
 from replaylm.server_args import ServerArgs, default_max_running_requests
 from replaylm.startup_stages import StartupStages
 from replaylm.utils import loading_threads, resolve_device, resolve_dtype
@@ -100,6 +101,7 @@ class ModelRunner:
         self.attn_backend = create_phase_backends(backends, args.deterministic)
         if self.device.type == "cuda":  # the CUDA context, made here to be a stage of its own
             torch.zeros(1, device=self.device)
+            hash_triton_in_background()  # beside the model's loading; the first capture needs it
         self.startup.mark("device init")
         path = resolve_model_path(args.model_path)
         self.config = load_model_config(path)

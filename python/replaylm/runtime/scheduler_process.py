@@ -47,6 +47,7 @@ from replaylm.runtime.io_struct import (
     TokenizedGenerateReq,
 )
 from replaylm.runtime.request import Req
+from replaylm.runtime.triton_key import hash_triton_in_background
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
 from replaylm.structured.loader import GrammarLoader
@@ -172,8 +173,9 @@ def run_scheduler_process(
     `tp_rank`, which exits with code 1 when it fails)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     gpu = cuda_device_index(args.device, args.tp_size, tp_rank, args.ranks_per_node)
-    if gpu is not None:  # the context is made beside the imports below
+    if gpu is not None:  # the context and Triton's cache key are made beside the imports below
         open_in_background(gpu)
+        hash_triton_in_background()
     name = "scheduler" if args.tp_size == 1 else f"scheduler tp{tp_rank}"
     logging.basicConfig(
         level=args.log_level.upper(),
