@@ -56,20 +56,25 @@ def dummy_runner(config: str | Path, device: str, dtype: str, **args: Any) -> Mo
     )
 
 
-def tiny_dummy_runner(folder: Path, config: str, **args: Any) -> ModelRunner:
-    """A 2-layer model of `config`'s architecture (a file of benchmark/configs), shrunk, on dummy
-    float32 weights on the CPU, its config written into `folder`; `args`: further ServerArgs
-    fields."""
+TINY_SHAPE = {
+    "hidden_size": 96,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_hidden_layers": 2,
+    "vocab_size": 1024,
+}
+
+
+def tiny_dummy_runner(
+    folder: Path, config: str, shape: dict[str, int] | None = None, **args: Any
+) -> ModelRunner:
+    """A model of `config`'s architecture (a file of benchmark/configs) shrunk to TINY_SHAPE
+    (`shape` overrides some of it), on dummy float32 weights on the CPU, its config written
+    into `folder`; `args`: further ServerArgs fields."""
     cfg = json.loads((CONFIGS / config).read_text())
-    cfg.update(
-        hidden_size=96,
-        intermediate_size=160,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_hidden_layers=2,
-        vocab_size=1024,
-    )
+    cfg.update(TINY_SHAPE, **(shape or {}))
     (folder / "config.json").write_text(json.dumps(cfg))
     return dummy_runner(
         folder / "config.json", "cpu", "float32", max_total_tokens=256, context_length=64, **args

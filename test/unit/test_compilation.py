@@ -4,9 +4,6 @@ eager model, one compile for every token count), and the compile-failure error."
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 import torch.fx as fx
@@ -29,9 +26,7 @@ from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 
-from model_parity import dummy_runner
-
-CONFIGS = Path(__file__).resolve().parents[2] / "benchmark" / "configs"
+from model_parity import tiny_dummy_runner
 
 
 @torch.library.custom_op("replaylm_test::mix", mutates_args=())
@@ -152,20 +147,14 @@ def test_the_pieces_between_attention_calls_compile_once(tmp_path, monkeypatch):
     from its (fresh) cache; the first and last pieces (embedding, final norm) differ. The
     compiled prefill still equals eager (each store lands in its own layer's cache)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    cfg = json.loads((CONFIGS / "qwen3-0.6b.json").read_text())
-    cfg.update(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=4,
-        vocab_size=512,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    runner = dummy_runner(
-        tmp_path / "config.json", "cpu", "float32", max_total_tokens=256, context_length=64
-    )
+    shape = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "head_dim": 16,
+        "num_hidden_layers": 4,
+        "vocab_size": 512,
+    }
+    runner = tiny_dummy_runner(tmp_path, "qwen3-0.6b.json", shape)
     prefill = PrefillCudaGraphRunner(
         runner,
         TcPiecewiseCudaGraphBackend(runner.attn_backend, TcPiecewiseOptions("inductor")),
