@@ -101,7 +101,8 @@ class ModelRunner:
         self.attn_backend = create_phase_backends(backends, args.deterministic)
         if self.device.type == "cuda":  # the CUDA context, made here to be a stage of its own
             torch.zeros(1, device=self.device)
-            hash_triton_in_background()  # beside the model's loading; the first capture needs it
+            # the Engine's, beside its model's loading (a scheduler process started it earlier)
+            hash_triton_in_background()
         self.startup.mark("device init")
         path = resolve_model_path(args.model_path)
         self.config = load_model_config(path)
