@@ -163,6 +163,7 @@ class GracefulServer(uvicorn.Server):
         if not self.should_exit:
             self.manager.startup.mark("HTTP ready")
             self.manager.startup.log_summary()
+            self.manager.prepare_structured_output()
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's main-loop check, every 0.1 s."""

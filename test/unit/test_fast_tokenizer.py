@@ -329,3 +329,23 @@ def test_a_warm_start_serves_the_tokenizer_without_torch_transformers_or_xgramma
         env=env,
     )
     assert out.stdout.strip() == "FastTokenizer []"
+
+
+def test_the_grammar_compiler_is_made_on_a_thread_before_any_constrained_request(tmp_path):
+    """launch_server starts it once it serves; a model without a tokenizer starts none."""
+    write_tiny_checkpoint("qwen2", tmp_path)
+    args = ServerArgs(
+        model_path=str(tmp_path), device="cpu", max_total_tokens=256, max_running_requests=4
+    )
+    tm = TokenizerManager(args)  # the tiny checkpoint has no tokenizer
+    try:
+        assert tm.prepare_structured_output() is None
+        tm.tokenizer = read_fast_tokenizer(
+            _tiny("bos", tmp_path / "tokenizer"), "TokenizersBackend"
+        )
+        thread = tm.prepare_structured_output()
+        assert thread is not None
+        thread.join(timeout=120)
+        assert tm._grammar is not None and tm._grammar_tried
+    finally:
+        tm.shutdown()

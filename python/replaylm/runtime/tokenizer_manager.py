@@ -46,7 +46,11 @@ from replaylm.runtime.io_struct import (
 )
 from replaylm.runtime.metrics import ServerMetrics
 from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
-from replaylm.runtime.scheduler_process import SchedulerProcess, SchedulerStartError
+from replaylm.runtime.scheduler_process import (
+    SchedulerProcess,
+    SchedulerStartError,
+    one_line_error,
+)
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
@@ -349,16 +353,38 @@ class TokenizerManager:
         except ValueError as err:
             raise RequestError(str(err), constraint[0]) from err
 
+    def prepare_structured_output(self) -> threading.Thread | None:
+        """Make the grammar compiler on a daemon thread (launch_server: once it serves). Its
+        seconds (xgrammar's import, which imports torch, and the vocabulary's description) then
+        neither delay the start nor fall on the first constrained request, which waits for the
+        thread only if it comes first. None (no thread) for a model without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        thread = threading.Thread(target=self._grammar_compiler, name="grammar", daemon=True)
+        thread.start()
+        return thread
+
     def _grammar_compiler(self) -> GrammarCompiler | None:
         """The grammar compiler, made on the first call (imports xgrammar and describes the
-        vocabulary: seconds, in a worker thread); None when there is no tokenizer or xgrammar
+        vocabulary: seconds, off the event loop); None when there is no tokenizer or xgrammar
         cannot read it."""
         with self._grammar_lock:
             if not self._grammar_tried:
                 if self.tokenizer is not None:
-                    from replaylm.structured.compiler import GrammarCompiler
+                    start = time.perf_counter()
+                    try:
+                        from replaylm.structured.compiler import GrammarCompiler
 
-                    self._grammar = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size)
+                        self._grammar = GrammarCompiler.for_tokenizer(
+                            self.tokenizer, self.vocab_size
+                        )
+                    except Exception as err:  # xgrammar unusable here: the rest still serves
+                        logger.warning("structured output is off: %s", one_line_error(err))
+                    logger.info(
+                        "structured output %s (%.1f s)",
+                        "ready" if self._grammar is not None else "off",
+                        time.perf_counter() - start,
+                    )
                 self._grammar_tried = True
             return self._grammar
 
