@@ -17,6 +17,7 @@ import xgrammar as xgr
 from kv_accounting import assert_kv_released
 
 from replaylm.entrypoints.engine import Engine
+from replaylm.runtime.io_struct import TokenizedGenerateReq
 from replaylm.runtime.request import Req
 from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
@@ -255,23 +256,28 @@ def test_a_held_grammar_is_neither_serialized_nor_sent_nor_deserialized_again(en
     assert description is not None
     vocab_size = engine.runner.config.vocab_size
     compiler = GrammarCompiler(description, vocab_size)
+    # the loader learns the vocabulary from the first grammar sent, as a server's does
     held, loader = (
         HeldGrammars(capacity=2),
-        GrammarLoader(vocab_size, engine.eos_token_ids, capacity=2, description=description),
+        GrammarLoader(vocab_size, engine.eos_token_ids, capacity=2),
     )
     patterns = {"a": "[0-9]{3}", "b": "(yes|no)", "c": "[a-z]{2}"}
     order = ["a", "a", "b", "a", "c", "b", "a", "a"]  # "c" drops "b"; "b" then drops "a"
-    sent, grammars = [], []
+    sent, vocabularies, grammars = [], [], []
     for name in order:
         params = SamplingParams(regex=patterns[name])
         constraint = params.constraint
         assert constraint is not None
-        serialized = compiler.compile(params)
-        carried = None if held.holds(constraint) else serialized
-        grammars.append(loader.load(constraint, carried))
+        msg = TokenizedGenerateReq(
+            ["r"], [1], params, [0], 4, None, grammar=compiler.compile(params)
+        )
+        msg = held.outgoing(msg, description)
+        grammars.append(loader.load(constraint, msg.grammar, msg.grammar_vocabulary))
         held.sent(constraint)
-        sent.append(carried is not None)
+        sent.append(msg.grammar is not None)
+        vocabularies.append(msg.grammar_vocabulary is not None)
     assert sent == [True, False, True, False, True, True, True, False]
+    assert vocabularies == [True] + [False] * 7
     assert loader.deserialized == sum(sent) == 5
     # the manager keeps more serialized grammars than the loader here: one serialization each
     assert (compiler.serialized.misses, compiler.serialized.hits) == (3, 5)

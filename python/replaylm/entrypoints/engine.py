@@ -11,7 +11,6 @@ ends them.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, overload
@@ -294,7 +293,7 @@ class _RankGrammars:
 
         self.loader = GrammarLoader(vocab_size, eos, description=vocabulary)
         self.held = HeldGrammars()
-        self._unsent_vocabulary: str | None = vocabulary
+        self._vocabulary = vocabulary
 
     def leave_out_held(self, msgs: list[TokenizedGenerateReq]) -> list[TokenizedGenerateReq]:
         """`msgs`, each without its grammar where the loaders hold it by then (in order), the
@@ -303,11 +302,7 @@ class _RankGrammars:
         for msg in msgs:
             constraint = msg.sampling_params.constraint
             if constraint is not None:
-                if self.held.holds(constraint):
-                    msg = dataclasses.replace(msg, grammar=None)
-                elif self._unsent_vocabulary is not None:
-                    msg = dataclasses.replace(msg, grammar_vocabulary=self._unsent_vocabulary)
-                    self._unsent_vocabulary = None
+                msg = self.held.outgoing(msg, self._vocabulary)
                 self.held.sent(constraint)
             out.append(msg)
         return out

@@ -144,7 +144,6 @@ class TokenizerManager:
         self._grammar_tried = False
         self._grammar_lock = threading.Lock()
         self._held_grammars = HeldGrammars()  # what the scheduler's loader holds
-        self._vocabulary_sent = False  # the first grammar sent takes the vocabulary along
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="tm-reader")
         self._reader.start()
 
@@ -407,22 +406,16 @@ class TokenizerManager:
             raise ServiceUnavailableError(f"cannot reach the scheduler process: {err}") from err
 
     def _send_request(self, req: TokenizedGenerateReq) -> None:
-        """Send `req` (under the send lock), without its grammar when the scheduler holds that
-        already: a grammar is megabytes, and the pipe's order keeps `_held_grammars` in step.
-        The first grammar sent takes the vocabulary it was compiled against along."""
+        """Send `req` (under the send lock) as `HeldGrammars.outgoing` makes it: the pipe's order
+        keeps `_held_grammars` in step with the scheduler's loader."""
         constraint = req.sampling_params.constraint
         if constraint is None:
             self._scheduler.conn.send(req)
             return
-        held = self._held_grammars
-        if held.holds(constraint):
-            req = dataclasses.replace(req, grammar=None)
-        elif not self._vocabulary_sent:
-            assert self._grammar is not None  # the request's grammar was compiled
-            req = dataclasses.replace(req, grammar_vocabulary=self._grammar.description)
+        assert self._grammar is not None  # the request's grammar was compiled
+        req = self._held_grammars.outgoing(req, self._grammar.description)
         self._scheduler.conn.send(req)
-        self._vocabulary_sent = True
-        held.sent(constraint)
+        self._held_grammars.sent(constraint)
 
     def _read_loop(self) -> None:
         """Reader thread: forward every message to the event loop; report the child's death."""

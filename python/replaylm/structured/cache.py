@@ -9,8 +9,12 @@ always agree on what the loader holds. This module imports nothing heavy (no xgr
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from replaylm.runtime.io_struct import TokenizedGenerateReq
 
 GRAMMARS_KEPT = 16  # constraints whose grammars each side keeps (a few MB each)
 
@@ -66,6 +70,20 @@ class HeldGrammars:
 
     def __init__(self, capacity: int = GRAMMARS_KEPT) -> None:
         self._held: LruCache[Constraint, bool] = LruCache(capacity)
+        self._vocabulary_sent = False
+
+    def outgoing(self, msg: TokenizedGenerateReq, vocabulary: str) -> TokenizedGenerateReq:
+        """Constrained `msg` as it goes down the pipe: without its grammar where the loader holds
+        it (a grammar is megabytes), else, the first time, with the `vocabulary` its grammar was
+        compiled against (the loader has none before). Then call `sent`."""
+        constraint = msg.sampling_params.constraint
+        assert constraint is not None, "only constrained requests carry grammars"
+        if self.holds(constraint):
+            return dataclasses.replace(msg, grammar=None)
+        if self._vocabulary_sent:
+            return msg
+        self._vocabulary_sent = True
+        return dataclasses.replace(msg, grammar_vocabulary=vocabulary)
 
     def holds(self, constraint: Constraint) -> bool:
         """Whether the loader holds `constraint`'s grammar: a request may go without it."""
