@@ -118,7 +118,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         if batch.forward_mode.is_decode():
             wrapper = self._eager_wrapper("decode", batch)
             indptr, indices = self._page_table(batch, batch.batch_size)
-            self._plan_decode(wrapper, batch, indptr, indices)
+            self._plan_decode(wrapper, indptr, indices)
             self._meta = _Plan(wrapper)
             return
         geometry = self._model_geometry()
@@ -216,7 +216,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         bs = batch.batch_size
         wrapper = graph.wrappers[bs]
         indptr, indices = self._page_table(batch, bs, graph.indptr[: bs + 1], graph.indices)
-        self._plan_decode(wrapper, batch, indptr, indices)
+        self._plan_decode(wrapper, indptr, indices)
         self._meta = _Plan(wrapper)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -247,9 +247,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         )
         return indptr_host, indices_out[: host[-1]]
 
-    def _plan_decode(
-        self, wrapper: Any, batch: ForwardBatch, indptr: torch.Tensor, indices: torch.Tensor
-    ) -> None:
+    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor) -> None:
         g = self._model_geometry()
         wrapper.plan(
             indptr,

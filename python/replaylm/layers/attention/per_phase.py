@@ -51,17 +51,6 @@ class PerPhaseAttnBackend(CudaGraphAttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         return self._for(batch).kv_store_target(layer, batch)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        batch: ForwardBatch,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        return self._for(batch).forward(q, k, v, layer, batch, out)
-
     def forward_extend(
         self,
         q: torch.Tensor,
