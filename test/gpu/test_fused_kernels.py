@@ -352,17 +352,21 @@ def test_dummy_qwen3_logits_triton_vs_native(dtype, tol, matmul):
         assert max(errors) < tol
 
 
-@pytest.mark.parametrize("rows", [1, 37])
-def test_sampler_noise_kernel_is_bit_equal_to_the_torch_code(rows):
-    from replaylm.layers.kernels.seeded_uniform import seeded_uniform_vocab
+@pytest.mark.parametrize("rows", [1, 37, 256])
+def test_sampler_kernel_is_bit_equal_to_the_torch_code(rows):
+    from replaylm.layers.kernels.seeded_sample import seeded_sample
     from replaylm.layers.sampler import seeded_uniform
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     seeds = torch.randint(0, 2**62, (rows,), device="cuda", generator=gen)
     steps = torch.randint(0, 4096, (rows,), device="cuda", generator=gen)
+    temperatures = torch.rand(rows, device="cuda", generator=gen) * 1.5 + 0.05
     vocab = 151936  # Qwen3's
-    got = seeded_uniform_vocab(seeds, steps, vocab)
-    assert torch.equal(got, seeded_uniform(seeds, steps, torch.arange(vocab, device="cuda")))
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 4
+    got = seeded_sample(logits, temperatures, seeds, steps)
+    noise = seeded_uniform(seeds, steps, torch.arange(vocab, device="cuda"))
+    want = (logits / temperatures.unsqueeze(1) - torch.log(-torch.log(noise))).argmax(-1)
+    assert torch.equal(got, want)
 
 
 def test_sampler_kernel_route_picks_the_torch_routes_tokens():

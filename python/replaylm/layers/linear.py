@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replaylm.distributed.sharding import Shard
 from replaylm.layers.activation import SiluAndMul
-from replaylm.layers.kernels import converted, use_triton_kernels
+from replaylm.layers.kernels import cublas_linear, use_triton_kernels
 
 # cublas: F.linear; triton: the skinny split-K kernel for inputs of at most 16 rows (F.linear
 # above); invariant: the skinny kernel for every input, K unsplit (rows independent of the batch);
@@ -31,8 +30,9 @@ def linear(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` by the `matmul` kernel (one of MATMULS); the Triton ones only on the
-    Triton route (`use_triton_kernels`), `F.linear` elsewhere. `out_dtype`: the result's dtype
-    (default x's; the skinny kernel writes it from its float32 sums, saving a conversion).
+    Triton route (`use_triton_kernels`), cuBLAS elsewhere (`cublas_linear`). `out_dtype`: the
+    result's dtype (default x's; the skinny kernel writes it from its float32 sums, and cuBLAS
+    a float32 result itself, each saving a conversion).
     `out`: a contiguous tensor of the result's shape and dtype to write (and return) instead of
     a new one (eager calls)."""
     if _takes_triton_matmul(x, matmul):
@@ -41,7 +41,7 @@ def linear(
         return ops.linear(
             x, weight, bias, all_rows=matmul == "invariant", out_dtype=out_dtype, out=out
         )
-    return converted(F.linear(x, weight, bias), out_dtype, out)
+    return cublas_linear(x, weight, bias, out_dtype, out)
 
 
 def _takes_triton_matmul(x: torch.Tensor, matmul: str) -> bool:

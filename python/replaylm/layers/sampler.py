@@ -107,28 +107,26 @@ class Sampler(torch.nn.Module):
     ) -> torch.Tensor:
         """Sample from float32 `logits` [B, V]; `steps` int64 [B] is each row's output index.
 
-        Sampled rows: softmax(logits / temperature), then top-k, top-p on the top-k-renormalised
-        distribution, min-p relative to the top probability, then argmax(probs / E) with
-        E = -log(U) and U = seeded_uniform(seed, step, vocab id). Returns int64 [B].
-        No host sync beyond the flags in `info`.
+        Sampled rows take the Gumbel-max draw argmax(logits / temperature - log(E)) over the
+        tokens their filters keep (top-k, then top-p on the top-k-renormalised distribution,
+        then min-p relative to the top probability), E = -log(U) and U = seeded_uniform(seed,
+        step, vocab id): a draw from softmax(logits / temperature) renormalised over those
+        tokens. Returns int64 [B]. No host sync beyond the flags in `info`.
         """
-        greedy_ids = logits.argmax(dim=-1)
         if info.all_greedy:
-            return greedy_ids
+            return logits.argmax(dim=-1)
+        filtered = info.need_top_p_top_k or info.need_min_p
+        if not filtered and use_triton_kernels(logits):  # one pass over the logits
+            from replaylm.layers.kernels.seeded_sample import seeded_sample
+
+            return seeded_sample(logits, info.temperatures, info.seeds, steps)
         greedy = info.temperatures == 0
-        temperatures = torch.where(greedy, 1.0, info.temperatures).unsqueeze(1)
-        probs = torch.softmax(logits / temperatures, dim=-1)
-        if info.need_top_p_top_k or info.need_min_p:
-            vocab_ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(probs)
-            probs, vocab_ids = probs.sort(dim=-1, descending=True)
-            probs = _filter_sorted(probs, info)
-            noise = -torch.log(seeded_uniform(info.seeds, steps, vocab_ids))
-            choice = (probs / noise).argmax(dim=-1, keepdim=True)
-            sampled_ids = vocab_ids.gather(1, choice).squeeze(1)
-        else:  # the vocabulary in order: the noise of every id, in one launch on the Triton route
-            noise = -torch.log(_uniform_in_order(info.seeds, steps, logits))
-            sampled_ids = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_ids, sampled_ids)
+        scaled = logits / torch.where(greedy, 1.0, info.temperatures).unsqueeze(1)
+        vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
+        scores = scaled - torch.log(-torch.log(seeded_uniform(info.seeds, steps, vocab_ids)))
+        if filtered:
+            scores = scores.masked_fill(~_kept(scaled, info), float("-inf"))
+        return torch.where(greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
 
 
 class RankZeroSampler(Sampler):
@@ -141,17 +139,12 @@ class RankZeroSampler(Sampler):
         return broadcast_from_rank0(super().forward(logits, info, steps))
 
 
-def _uniform_in_order(
-    seeds: torch.Tensor, steps: torch.Tensor, logits: torch.Tensor
-) -> torch.Tensor:
-    """`seeded_uniform` of every vocabulary id in order: one Triton launch where the kernels run
-    (`use_triton_kernels`), the torch code's dozens of small launches elsewhere (bit-equal)."""
-    if use_triton_kernels(logits):
-        from replaylm.layers.kernels.seeded_uniform import seeded_uniform_vocab
-
-        return seeded_uniform_vocab(seeds, steps, logits.shape[-1])
-    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
-    return seeded_uniform(seeds, steps, vocab_ids)
+def _kept(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """bool [B, V]: the tokens each row's top-k, top-p and min-p keep, from its logits divided
+    by its temperature (`scaled`)."""
+    probs, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)
+    kept = _filter_sorted(probs, info) > 0
+    return torch.empty_like(kept).scatter_(1, order, kept)
 
 
 def _filter_sorted(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

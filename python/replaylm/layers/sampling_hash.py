@@ -1,5 +1,5 @@
 """The parameters of the sampler's noise hash (splitmix64 on (seed, step, vocab id)), shared by
-its torch code (`sampler.py`) and its Triton kernel (`kernels/seeded_uniform.py`)."""
+its torch code (`sampler.py`) and its Triton kernel (`kernels/seeded_sample.py`)."""
 
 # splitmix64 constants, as signed int64 (torch int64 arithmetic wraps around)
 GOLDEN = 0x9E3779B97F4A7C15 - 2**64

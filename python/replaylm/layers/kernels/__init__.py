@@ -1,5 +1,5 @@
 """Triton kernels of the layers, one launch each: RMSNorm (+ residual add), per-head q/k RMSNorm
-+ rope (+ the KV store), SiluAndMul, the skinny matmul and the sampler's noise; and the switches
++ rope (+ the KV store), SiluAndMul, the skinny matmul and the sampler's draw; and the switches
 they share (the route, PDL). Why small ops get kernels of their own: docs/tuning.md, "Fused
 elementwise kernels".
 
@@ -17,6 +17,7 @@ import importlib.util
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 # The device type the kernels run on; the CPU tests set "cpu" to run the layers' Triton route in
@@ -90,6 +91,23 @@ def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     read their inputs."""
     t = t.reshape(-1, width)
     return t if t.stride(1) == 1 else t.contiguous()
+
+
+def cublas_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` in `out_dtype`, written into `out` when given (see
+    `converted`). A float32 result of a 2-D half-precision `x` on CUDA without bias comes from
+    cuBLAS's own float32 output (`torch.mm`'s `out_dtype`): no rounding to x's dtype and no
+    conversion pass (the LM head's logits at 256 rows: 174 us against 270; docs/tuning.md, "LM
+    head above 16 rows")."""
+    if out_dtype == torch.float32 != x.dtype and bias is None and x.dim() == 2 and x.is_cuda:
+        return torch.mm(x, weight.t(), out_dtype=out_dtype, out=out)
+    return converted(F.linear(x, weight, bias), out_dtype, out)
 
 
 def converted(

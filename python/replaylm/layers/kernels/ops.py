@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from replaylm.layers.kernels import converted
+from replaylm.layers.kernels import converted, cublas_linear
 from replaylm.layers.kernels import rmsnorm as _rmsnorm
 from replaylm.layers.kernels import silu_mul as _silu_mul
 from replaylm.layers.kernels import skinny_matmul as _skinny
@@ -82,9 +82,9 @@ def _linear(
         return _skinny.skinny_matmul(
             x, weight, bias, gated_silu=gated_silu, out_dtype=out_dtype, out=out
         )
-    y = F.linear(x, weight, bias)
-    y = _silu_mul.silu_and_mul(y) if gated_silu else y
-    return converted(y, out_dtype, out)
+    if not gated_silu:
+        return cublas_linear(x, weight, bias, out_dtype, out)
+    return converted(_silu_mul.silu_and_mul(F.linear(x, weight, bias)), out_dtype, out)
 
 
 @torch.library.custom_op("replaylm::linear", mutates_args=())

@@ -1,5 +1,6 @@
-"""The sampler's noise kernel on the CPU through Triton's interpreter: bit-equal to the torch
-code, and the Sampler's Triton route picks the tokens its torch route picks."""
+"""The sampler's one-pass kernel on the CPU through Triton's interpreter: it picks the tokens of
+the Sampler's torch route, greedy and sampled rows, over a vocabulary whose last block is
+partial."""
 
 from __future__ import annotations
 
@@ -9,26 +10,30 @@ from triton_interpreter import require_triton_interpreter
 require_triton_interpreter()
 
 from replaylm.layers import kernels  # noqa: E402
-from replaylm.layers.kernels.seeded_uniform import seeded_uniform_vocab  # noqa: E402
+from replaylm.layers.kernels.seeded_sample import seeded_sample  # noqa: E402
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo, seeded_uniform  # noqa: E402
 from replaylm.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB = 1000  # not a multiple of the block: the last block is masked
 
 
-def test_kernel_noise_is_bit_equal_to_the_torch_code():
+def test_kernel_picks_the_gumbel_max_of_the_torch_code():
     seeds = torch.tensor([0, 1, 12345, 2**63 - 1, 987654321987], dtype=torch.int64)
-    steps = torch.tensor([0, 7, 1, 4095, 2**40], dtype=torch.int64)
-    got = seeded_uniform_vocab(seeds, steps, VOCAB, block=256)
-    want = seeded_uniform(seeds, steps, torch.arange(VOCAB))
-    assert got.shape == (5, VOCAB) and got.dtype == torch.float32
-    assert torch.equal(got, want)
-    assert float(got.min()) > 0 and float(got.max()) < 1
+    temperatures = torch.tensor([0.0, 0.7, 1.3, 0.9, 0.05])
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(1))
+    scaled = logits / torch.where(temperatures == 0, 1.0, temperatures).unsqueeze(1)
+    for step in (0, 7, 4095, 2**40):
+        steps = torch.full((5,), step, dtype=torch.int64)
+        got = seeded_sample(logits, temperatures, seeds, steps, block=256)
+        noise = seeded_uniform(seeds, steps, torch.arange(VOCAB))
+        want = (scaled - torch.log(-torch.log(noise))).argmax(-1)
+        want[0] = logits[0].argmax()
+        assert got.dtype == torch.int64
+        assert got.tolist() == want.tolist()
 
 
 def test_sampler_triton_route_picks_the_torch_routes_tokens(monkeypatch):
-    # no top-k/top-p/min-p: a batch with a filter sorts each row and draws the torch route's
-    # noise for the sorted ids
+    # no top-k/top-p/min-p: a batch with a filter runs the torch code on every route
     params = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.7),
