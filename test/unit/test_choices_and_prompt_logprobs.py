@@ -103,9 +103,9 @@ def test_forked_choices_equal_requests_of_their_own(checkpoint, prefix_cache):
     engine = _engine(folder, disable_radix_cache=not prefix_cache)
     parent = _req("p", 5, forks=[("p-1", 6), ("p-2", 7)])
     engine.scheduler.add(parent)
-    step_outputs = engine.scheduler.step()  # the prefill, then the forks' first tokens
-    assert {o.req.rid for o in step_outputs} == {"p", "p-1", "p-2"}
-    children = [o.req for o in step_outputs if o.req is not parent]
+    engine.scheduler.step()  # the prefill, then the forks' first tokens (in flight)
+    assert {r.rid for r in engine.scheduler.running} == {"p", "p-1", "p-2"}
+    children = [r for r in engine.scheduler.running if r is not parent]
     prompt_copies = 1 if prefix_cache else 3
     assert engine.scheduler.stats().kv_used_tokens == prompt_copies * len(PROMPT)
     if prefix_cache:
@@ -130,8 +130,8 @@ def test_choices_without_room_to_fork_prefill_alone(checkpoint, caplog):
     engine = _engine(folder, max_total_tokens=24, disable_radix_cache=True)
     parent = _req("p", 5, forks=[("p-1", 6)])
     engine.scheduler.add(parent)
-    outputs = engine.scheduler.step()
-    assert [o.req.rid for o in outputs] == ["p"]  # no room for a copy of the prompt's KV
+    engine.scheduler.step()  # the prefill; its first token in flight
+    assert [r.rid for r in engine.scheduler.running] == ["p"]  # no room for a copy of its KV
     assert "prefill alone" in caplog.text
     child = next(r for r in engine.scheduler.waiting if r.rid == "p-1")
     engine.scheduler.run_to_completion()
@@ -140,9 +140,9 @@ def test_choices_without_room_to_fork_prefill_alone(checkpoint, caplog):
     engine = _engine(folder, max_total_tokens=24)
     parent = _req("p", 5, forks=[("p-1", 6)])
     engine.scheduler.add(parent)
-    outputs = engine.scheduler.step()
-    assert [o.req.rid for o in outputs] == ["p", "p-1"]
-    child = outputs[1].req
+    engine.scheduler.step()
+    assert [r.rid for r in engine.scheduler.running] == ["p", "p-1"]
+    child = engine.scheduler.running[1]
     engine.scheduler.run_to_completion()
     assert [parent.output_ids, child.output_ids] == expected
     assert_kv_released(engine)

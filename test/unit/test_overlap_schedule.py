@@ -123,9 +123,9 @@ def test_an_abort_mid_flight_loses_nothing_else(engine):
             assert a.output_ids == b.output_ids, a.rid
 
 
-def test_a_decode_step_returns_the_tokens_of_the_step_before(engine):
-    """Overlap: a decode step returns nothing the first time (its tokens are in flight), then
-    the previous step's; the last step reads the final one back. Without: each its own."""
+def test_a_step_returns_the_tokens_of_the_step_before(engine):
+    """Overlap: the prefill step returns nothing (its first token is in flight), each decode
+    step the step before's; the last step reads the final one back. Without: each its own."""
     for overlap in (False, True):
         sched = _scheduler(engine, overlap)
         req = Req("one", PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.0), 0, 4)
@@ -135,7 +135,7 @@ def test_a_decode_step_returns_the_tokens_of_the_step_before(engine):
             counts.append(len(sched.step()))
         assert req.finish_reason == FinishReason("length") and len(req.output_ids) == 4
         # prefill, then 3 decode steps (the last token's step is left out: its end is known)
-        assert counts == ([1, 0, 1, 1, 1] if overlap else [1, 1, 1, 1]), counts
+        assert counts == ([0, 1, 1, 1, 1] if overlap else [1, 1, 1, 1]), counts
     assert_kv_released(engine)
 
 

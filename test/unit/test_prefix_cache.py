@@ -89,7 +89,7 @@ def test_mixed_requests_with_aborts_on_a_tiny_pool(tiny_llama3):
         for p, m in zip(prompts, max_new, strict=True)
     ]
     engine = _engine(
-        tiny_llama3, max_total_tokens=300, chunked_prefill_size=32, max_prefill_tokens=64
+        tiny_llama3, max_total_tokens=220, chunked_prefill_size=32, max_prefill_tokens=64
     )
     sched = engine.scheduler
     reqs = [

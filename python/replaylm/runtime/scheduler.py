@@ -12,14 +12,15 @@ KV slots the newest running requests are retracted to the front of the waiting q
 freed, their tokens recomputed when re-admitted). The step is the only place that builds
 ForwardBatches (through `batch_ops`).
 
-Overlap (the default; `--disable-overlap-schedule` turns it off): a decode step is launched
-before the one before it is read back. Its input tokens are that step's sampled ids, copied on
-the device, so the host builds the next batch, and then appends tokens, checks stops and sends
-outputs, while the GPU runs: the GPU does not wait for the host between decode steps. A request
-that finished in the step being read back was computed once more in the step in flight; that
-token is dropped (a request that reaches `max_new_tokens` is left out of the next step, since
-its end is known). Prefill steps, retraction and an empty running set read the step in flight
-back first, so they see every request's tokens.
+Overlap (the default; `--disable-overlap-schedule` turns it off): a step is launched before the
+one before it is read back. A decode step's input tokens are those the step before sampled,
+copied on the device, so the host builds the next batch, and then appends tokens, checks stops
+and sends outputs, while the GPU runs: the GPU does not wait for the host between steps. A
+request that finished in the step being read back was computed once more in the step in flight;
+that token is dropped (a request that reaches `max_new_tokens` is left out of the next step,
+since its end is known). A prefill step reads the step in flight back while the GPU runs the
+prefill; its first tokens are then in flight. Retraction and an empty running set read the step
+in flight back first, so they see every request's tokens.
 
 Structured output: a request with a grammar (`Req.grammar`) has its logits row masked to the
 tokens the grammar allows next, and finishes when the grammar has accepted a stop token. The mask
@@ -262,7 +263,7 @@ class Scheduler:
 
     def step(self) -> list[StepOutput]:
         """Run one forward pass; return the requests that got a token (finished ones included).
-        With overlap, a decode or mixed step returns the tokens of the step before it."""
+        With overlap, a step returns the tokens of the step before it."""
         admitted = self._admit_prefill()
         if admitted:
             return self._prefill_step(*admitted)
@@ -289,7 +290,7 @@ class Scheduler:
         plan = PromptLogprobPlan.build(reqs, chunks, first_token=len(riders))
         self.kv.make_room(sum(chunks) + len(riders))
         batch = prepare_extend(reqs, self.runner, chunks, decoding=riders)
-        pending = self._feed_riders(riders, batch.input_ids)
+        pending = self._feed_in_flight(riders, batch.input_ids)
         if plan is None:
             logits = self.runner.forward(batch)
         else:
@@ -315,25 +316,25 @@ class Scheduler:
         if rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
         sampled = self._sample(riders + sample_reqs, logits, pending)
-        if not riders:
-            return outputs + self._apply(sampled)
-        self._decay_new_token_ratio()
-        outputs = self._read_back()
+        if riders:
+            self._decay_new_token_ratio()
+        outputs += self._read_back()  # the riders' step (a prefill alone read it back above)
         self._in_flight = sampled
         if not self.overlap:
             outputs += self._read_back()
         return outputs
 
-    def _feed_riders(self, riders: list[Req], input_ids: torch.Tensor) -> dict[int, int]:
-        """Copy the step in flight's tokens into the riders' inputs (the batch's first tokens),
-        on the device; the in-flight rows by id(req), as `_sample` takes them."""
+    def _feed_in_flight(self, reqs: list[Req], input_ids: torch.Tensor) -> dict[int, int]:
+        """Copy the step in flight's tokens into the inputs of those of `reqs` (the batch's first
+        tokens: a decode batch's, or a mixed step's riders) it computed, on the device; the
+        in-flight rows by id(req), as `_sample` takes them."""
         in_flight = self._in_flight
-        if in_flight is None or not riders:
+        if in_flight is None or not reqs:
             return {}
         pending = in_flight.rows
-        at = [i for i, r in enumerate(riders) if id(r) in pending]
-        rows = [pending[id(riders[i])] for i in at]
-        if at == rows:  # the usual case: every rider in flight, in the same order
+        at = [i for i, r in enumerate(reqs) if id(r) in pending]
+        rows = [pending[id(reqs[i])] for i in at]
+        if at == rows:  # the usual case: a decode step after a decode step, in the same order
             input_ids[: len(at)].copy_(in_flight.next_ids[: len(at)])
         elif at:
             device = input_ids.device
@@ -369,12 +370,7 @@ class Scheduler:
             return None
         self.kv.make_room(len(reqs))
         batch = prepare_decode(reqs, self.runner)
-        if in_flight is not None:
-            rows = [pending[id(r)] for r in reqs]  # every running request is in flight
-            ids = in_flight.next_ids
-            if rows != list(range(len(rows))):
-                ids = ids[torch.tensor(rows).to(ids.device, non_blocking=True)]
-            batch.input_ids.copy_(ids[: len(rows)])
+        self._feed_in_flight(reqs, batch.input_ids)
         logits = self.runner.forward(batch)
         return self._sample(reqs, logits, pending)
 
