@@ -2,7 +2,8 @@
 cache, stage by stage.
 
     python benchmark/bench_startup.py [--model-path benchmark/configs/qwen3-0.6b.json]
-        [--load-format dummy] [--modes JSON ...] [--device cuda] [--engine] [--json out.json]
+        [--load-format dummy] [--modes JSON ...] [--device cuda] [--engine]
+        [--no-bytecode-cache] [--json out.json]
 
 For each `--cuda-graph-mode` JSON a `launch_server` process is started and POST /generate (one
 token for a fixed 16-token prompt) is retried until it answers: the time from spawning the
@@ -10,6 +11,12 @@ process to that answer is the start time. Every mode starts twice: "cold", with 
 start fills empty (`--compile-cache-dir`, Triton's kernel cache, replaylm's tokenizer cache: a
 fresh folder each), then "warm", on the caches the cold start filled. `--engine` then times the
 offline Engine the same way in a fresh process (imports, `Engine(...)`, one token), warm.
+
+Python's bytecode is part of an installed package (pip compiles it at install), not of a start:
+before the first start, every package a start imports is compiled into a bytecode cache of the
+run's own (`PYTHONPYCACHEPREFIX`), which every start then reads. An environment that ships its
+packages without bytecode and writes none (`PYTHONDONTWRITEBYTECODE`) compiles each module it
+imports from source on every start: `--no-bytecode-cache` measures it as it is.
 
 Where the seconds went: each process logs its start-up stages as they end (`startup stage ...`,
 see replaylm/startup_stages.py) and the server reports them at /get_server_info. A start's table
@@ -23,10 +30,12 @@ it waited (for the other process, the GPU, or a CPU other processes kept busy).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +50,57 @@ MODES = [
 PROMPT = list(range(100, 116))
 TIMEOUT_S = 600.0
 BENCH = "bench"  # the process named by the stages this benchmark measures itself
+
+
+# what a start imports: each top-level package these pull in is compiled whole (lazy imports too)
+STARTUP_MODULES = (
+    "replaylm.launch_server",
+    "replaylm.entrypoints.http_server",
+    "replaylm.runtime.scheduler_process",
+    "replaylm.model_loader.gguf_loader",
+    "transformers",  # a first start converts a GGUF's tokenizer with it
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+)
+
+
+def fill_bytecode_cache(env: dict[str, str]) -> float:
+    """Compile every package that STARTUP_MODULES import (found by importing them in a child
+    process: `_import_roots`), replaylm's included, into `env`'s PYTHONPYCACHEPREFIX, as
+    installing them would; seconds taken."""
+    start = time.perf_counter()
+    found = subprocess.run(
+        [sys.executable, __file__, "--import-roots"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    # check=False: a package may ship files of a newer Python's syntax (tests), never imported
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "-j", "0", *found.stdout.split()],
+        env=env,
+        capture_output=True,
+        check=False,
+    )
+    return time.perf_counter() - start
+
+
+def _import_roots() -> None:
+    """Print the top-level package (or module) of every Python file STARTUP_MODULES import,
+    outside the standard library, one path a line."""
+    for name in STARTUP_MODULES:
+        importlib.import_module(name)
+    stdlib = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
+    entries = {os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)} - stdlib
+    entries = sorted(entries, key=len, reverse=True)  # site-packages before a folder above it
+    roots = set()
+    for module in list(sys.modules.values()):
+        path = os.path.abspath(getattr(module, "__file__", None) or "")
+        entry = next((e for e in entries if path.startswith(e + os.sep)), None)
+        if entry is not None and path.endswith(".py"):
+            roots.add(os.path.join(entry, path[len(entry) + 1 :].split(os.sep)[0]))
+    print("\n".join(sorted(roots)))
 
 
 def server_start(server_args: list[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -177,11 +237,21 @@ def main() -> None:
         default=None,
         help="keep each server's log here (default: a temporary directory)",
     )
+    parser.add_argument(
+        "--no-bytecode-cache",
+        action="store_true",
+        help="leave Python's bytecode cache as the environment sets it (default: a cache of the "
+        "run's own, filled before the first start)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--import-roots", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine_child is not None:
         _engine_child(json.loads(args.engine_child))
+        return
+    if args.import_roots:
+        _import_roots()
         return
     from common import config_path, write_json
 
@@ -189,10 +259,16 @@ def main() -> None:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench_startup_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     rows, engine_rows = [], []
+    python_env = dict(os.environ)
+    if not args.no_bytecode_cache:
+        python_env.pop("PYTHONDONTWRITEBYTECODE", None)
+        python_env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="startup_bytecode_")
+        seconds = fill_bytecode_cache(python_env)
+        print(f"bytecode of the packages a start imports compiled in {seconds:.1f} s")
     for i, modes in enumerate(args.modes):
         caches = Path(tempfile.mkdtemp(prefix="startup_caches_"))
         env = {
-            **os.environ,
+            **python_env,
             "REPLAYLM_CACHE_DIR": str(caches / "replaylm"),
             "TRITON_CACHE_DIR": str(caches / "triton"),
         }
@@ -240,7 +316,12 @@ def main() -> None:
             }
             for r in rows
         ]
-        doc = {"model_path": args.model_path, "rows": rows, "engine": engine_rows}
+        doc = {
+            "model_path": args.model_path,
+            "bytecode_cache": not args.no_bytecode_cache,
+            "rows": rows,
+            "engine": engine_rows,
+        }
         write_json(args.json, {**doc, "summary": summary})
 
 
