@@ -415,12 +415,12 @@ class Scheduler:
         step's budget): in queue order, or longest cached prefix first while the queue is short
         (see `_order_waiting`). A request whose prefix another request of this batch is
         computing waits for the next batch, which finds it cached."""
+        if not self.waiting:
+            return None  # before the reserve: a decode step's host time counts
         reserved = sum(self._expected_new_tokens(r) for r in self.running)
         free_rows = self.runner.req_to_token_pool.available_size()
-        if (
-            not self.waiting
-            or (free_rows == 0 and self.waiting[0].req_pool_idx is None)
-            or self.kv.available - len(self.running) - reserved <= 1
+        if (free_rows == 0 and self.waiting[0].req_pool_idx is None) or (
+            self.kv.available - len(self.running) - reserved <= 1
         ):
             return None  # nothing is admissible: skip ordering and matching the queue
         self._order_waiting()
