@@ -85,6 +85,7 @@ def test_a_cpu_server_start_is_explained_stage_by_stage(tmp_path):
             '{"decode": "disabled", "prefill": "disabled"}',
             "--log-dir",
             str(tmp_path / "logs"),
+            "--no-bytecode-cache",  # the stages are the subject; compiling every package is not
             "--json",
             str(out),
         ],

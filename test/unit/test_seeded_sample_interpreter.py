@@ -30,6 +30,8 @@ def test_kernel_picks_the_gumbel_max_of_the_torch_code():
         want[0] = logits[0].argmax()
         assert got.dtype == torch.int64
         assert got.tolist() == want.tolist()
+        column_major = logits.t().contiguous().t()  # same values, column stride 5
+        assert seeded_sample(column_major, temperatures, seeds, steps, block=256).equal(got)
 
 
 def test_sampler_triton_route_picks_the_torch_routes_tokens(monkeypatch):

@@ -102,11 +102,12 @@ def seeded_sample(
     steps: torch.Tensor,
     block: int = BLOCK,
 ) -> torch.Tensor:
-    """int64 `[B]`: each row's token of float32 `logits` `[B, V]` (unit column stride): the
-    argmax where `temperatures` (float32 `[B]`) is 0, else the Gumbel-max draw at that
-    temperature with the noise of int64 `seeds` and `steps` `[B]` (all contiguous, on the
-    logits' device)."""
+    """int64 `[B]`: each row's token of float32 `logits` `[B, V]`: the argmax where
+    `temperatures` (float32 `[B]`) is 0, else the Gumbel-max draw at that temperature with the
+    noise of int64 `seeds` and `steps` `[B]` (all three contiguous, on the logits' device)."""
     rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
