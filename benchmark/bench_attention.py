@@ -8,6 +8,9 @@ Ceilings: device-to-device copy bandwidth (bytes read + written) and the bf16 ma
   out) over time, against the copy bandwidth. Timed as replays of a CUDA graph of several calls
   (as in a decode graph; no launch overhead), each call on other random KV slots so repeated
   calls do not run from L2;
+- decode over mixed lengths (uniform in 100-2048 tokens) at bs 64/128/256, one slice per request,
+  the programs started in request order and longest request first (the model's launch from
+  LONGEST_FIRST_PROGRAMS_PER_SM programs per multiprocessor);
 - extend: one 4096-token causal prompt (also against torch SDPA's flash kernel on the same q/k/v,
   KV heads repeated for it) and 8 prompts of 512 tokens on 2048-token prefixes: FLOP rate
   against the matmul rate (causal FLOPs only);
@@ -43,6 +46,8 @@ from common import (
 
 DECODE_BS = (1, 8, 64, 256)
 DECODE_CTX = (1024, 4096, 16384)
+MIXED_BS = (64, 128, 256)
+MIXED_LENGTHS = (100, 2048)  # uniform, inclusive
 GOAL_DECODE_PCT = 70.0  # decode bs 64, ctx 4096: % of the copy bandwidth
 GOAL_PREFILL_RATIO = 1.5  # 4096 causal prefill: time over SDPA flash
 
@@ -90,6 +95,31 @@ def bench_store(tokens: int) -> dict:
     }
 
 
+def mixed_length_rows(cache: KVCache, bandwidth: float) -> list[dict]:
+    """Decode over random lengths, one slice per request: request order, then longest first."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for bs in MIXED_BS:
+        lengths = torch.randint(MIXED_LENGTHS[0], MIXED_LENGTHS[1] + 1, (bs,), generator=gen)
+        moved = sum(decode_attention_bytes(1, int(n)) for n in lengths)
+        for longest in (False, True):
+            ms = time_decode_attention(
+                cache, bs, int(lengths.max()), splits=1, lengths=lengths, longest=longest
+            )
+            gbs = moved / (ms / 1e3) / 1e9
+            rows.append(
+                {
+                    "kernel": "decode",
+                    "case": f"bs{bs} mixed {'longest first' if longest else 'request order'}",
+                    "us": 1e3 * ms,
+                    "GB/s": gbs,
+                    "pct_copy_bw": 100 * gbs / bandwidth,
+                    "TFLOP/s": 4 * HEADS * int(lengths.sum()) * DIM / (ms / 1e3) / 1e12,
+                }
+            )
+    return rows
+
+
 def main() -> None:
     json_path = json_path_arg(__doc__)
     torch.manual_seed(0)
@@ -114,6 +144,7 @@ def main() -> None:
                     "TFLOP/s": 4 * bs * HEADS * ctx * DIM / (ms / 1e3) / 1e12,
                 }
             )
+    rows += mixed_length_rows(cache, bandwidth)
     prompt, chunks = ExtendCase(1, 4096, 0), ExtendCase(8, 512, 2048)
     sdpa = sdpa_ms(prompt)
     for name, case in (("1x4096", prompt), ("8x512 on 2048", chunks)):
@@ -136,12 +167,12 @@ def main() -> None:
     stores = [bench_store(t) for t in (64, 4096)]
 
     print(
-        f"\n{'kernel':8} {'case':16} {'us':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
+        f"\n{'kernel':8} {'case':26} {'us':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
         f"{'%mm':>5} {'vs SDPA':>8}"
     )
     for r in rows:
         print(
-            f"{r['kernel']:8} {r['case']:16} {r['us']:9.1f} {r.get('GB/s', 0):7.0f} "
+            f"{r['kernel']:8} {r['case']:26} {r['us']:9.1f} {r.get('GB/s', 0):7.0f} "
             f"{r.get('pct_copy_bw', 0):6.1f} {r['TFLOP/s']:8.1f} {r.get('pct_matmul', 0):5.1f} "
             f"{r.get('ratio_vs_sdpa', 0):8.2f}"
         )
@@ -173,6 +204,14 @@ def main() -> None:
             "name": "decode bs1 ctx16384",
             "us": round(by_case[("decode", "bs1 ctx16384")]["us"], 1),
             "pct_copy_bw": round(by_case[("decode", "bs1 ctx16384")]["pct_copy_bw"], 1),
+        },
+        {
+            "name": "decode bs128 mixed lengths, longest first over request order",
+            "speedup": round(
+                by_case[("decode", "bs128 mixed request order")]["us"]
+                / by_case[("decode", "bs128 mixed longest first")]["us"],
+                3,
+            ),
         },
         {
             "name": "prefill 1x4096 causal",

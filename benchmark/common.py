@@ -34,6 +34,7 @@ from replaylm.layers.attention.triton.common import KernelConfig
 from replaylm.layers.attention.triton.decode import (
     MIN_SPLIT_LEN,
     decode_attention,
+    longest_first,
     num_kv_splits,
 )
 from replaylm.layers.attention.triton.extend import extend_attention
@@ -408,17 +409,21 @@ def time_decode_attention(
     splits: int | None = None,
     min_split_len: int = MIN_SPLIT_LEN,
     contiguous: bool = False,
+    lengths: torch.Tensor | None = None,
+    longest: bool = False,
 ) -> float:
-    """Milliseconds per decode attention call of `bs` requests over `ctx` tokens, merged by the
-    merge kernel as captured graphs do; `splits` slices of at least `min_split_len` tokens
-    (default: the model's launch, `num_kv_splits` and MIN_SPLIT_LEN)."""
+    """Milliseconds per decode attention call of `bs` requests over `ctx` tokens (or `lengths`
+    `[bs]`, at most `ctx` each), merged by the merge kernel as captured graphs do; `splits`
+    slices of at least `min_split_len` tokens (default: the model's launch, `num_kv_splits` and
+    MIN_SPLIT_LEN); `longest`: the programs start longest request first."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = splits or num_kv_splits(bs, KV_HEADS, sms)
     tables = cache.tables(bs, ctx, CALLS_PER_GRAPH, contiguous)
     q = torch.randn(bs, HEADS, DIM, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
     rows = torch.arange(bs, device="cuda")
-    seq_lens = torch.full((bs,), ctx, device="cuda")
+    seq_lens = torch.full((bs,), ctx, device="cuda") if lengths is None else lengths.cuda()
+    order = longest_first(seq_lens) if longest else None
     return graph_ms(
         lambda i: decode_attention(
             q,
@@ -433,6 +438,7 @@ def time_decode_attention(
             min_split_len=min_split_len,
             config=config,
             separate_merge=True,
+            order=order,
         )
     )
 

@@ -15,6 +15,7 @@ import torch
 from replaylm.layers.attention.base import AttentionBackend
 from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.torch_native import TorchNativeAttnBackend
+from replaylm.layers.attention.triton.decode import decode_attention
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -125,3 +126,24 @@ def store_and_attend(
     """What the attention layer does per step: store K/V, then attend into a fresh output."""
     backend.store_kv(k, v, layer, batch)
     return backend.forward(q, k, v, layer, batch, torch.empty_like(q))
+
+
+def triton_decode(
+    case: Case, out: torch.Tensor, splits: int, seq_lens: torch.Tensor | None = None, **launch
+) -> None:
+    """The Triton decode kernel on a decode case (layer 0 of its pool, its table and rows) into
+    `out` in `splits` slices; `seq_lens`: other lengths than the case's; `launch`: further
+    keywords of `decode_attention`."""
+    b = case.batch
+    decode_attention(
+        case.q,
+        b.kv_pool.k_buffers[0],
+        b.kv_pool.v_buffers[0],
+        b.req_to_token_pool.req_to_token,
+        b.req_pool_indices,
+        b.seq_lens if seq_lens is None else seq_lens,
+        out,
+        case.layer.scaling,
+        splits,
+        **launch,
+    )

@@ -6,7 +6,9 @@ Qwen3-0.6B's attention heads (16 query, 8 KV, head dim 128), bf16, as benchmark/
 times them (decode: a CUDA graph of several calls on random KV slots; medians of
 triton.testing.do_bench). Decode: slice count x minimum slice length at short contexts (a chat's
 step), then tile shape, warps, pipeline stages and slice count at long ones, and random against
-contiguous slots. Extend: tile shapes of a 4096-token causal prompt. Decode choices alone in a
+contiguous slots; over mixed lengths (uniform in 100-2048 tokens) at bs 40-128, one slice in
+request order or longest first, and two slices longest first. Extend: tile shapes of a
+4096-token causal prompt. Decode choices alone in a
 graph favour more slices than inside a decode step: settle those with
 benchmark/tuning/bench_decode_chain.py.
 """
@@ -35,6 +37,9 @@ from common import (
 
 SHORT_CONTEXTS = ((1, 512), (8, 512), (1, 2048))  # (bs, ctx)
 LONG_CONTEXTS = ((64, 4096), (1, 16384), (256, 1024))
+MIXED_BS = (40, 48, 64, 96, 128)
+MIXED_LENGTHS = (100, 2048)  # uniform, inclusive
+MIXED_LAUNCHES = ((1, False), (1, True), (2, True))  # slices, longest first
 DECODE_LAUNCHES = ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3))  # n, warps, stages
 EXTEND_LAUNCHES = (  # block_m, block_n, warps, stages
     (128, 64, 8, 3),
@@ -51,7 +56,9 @@ EXTEND_LAUNCHES = (  # block_m, block_n, warps, stages
 def decode_row(cache: KVCache, bs: int, ctx: int, **launch: object) -> dict:
     """One decode case under `launch` (time_decode_attention's keywords), with its byte rate."""
     ms = time_decode_attention(cache, bs, ctx, **launch)
-    fields = {k: str(v) if isinstance(v, KernelConfig) else v for k, v in launch.items()}
+    fields = {  # mixed lengths: their total is in the row, not the tensor
+        k: str(v) if isinstance(v, KernelConfig) else v for k, v in launch.items() if k != "lengths"
+    }
     return {
         "kernel": "decode",
         "case": f"bs{bs} ctx{ctx}",
@@ -78,6 +85,17 @@ def sweep() -> list[dict]:
                     continue  # a grid this large only measures its own launch
                 rows.append(decode_row(cache, bs, ctx, config=config, splits=splits))
     rows += [decode_row(cache, 64, 4096, contiguous=c) for c in (False, True)]
+    gen = torch.Generator().manual_seed(0)
+    for bs in MIXED_BS:
+        lengths = torch.randint(MIXED_LENGTHS[0], MIXED_LENGTHS[1] + 1, (bs,), generator=gen)
+        for splits, longest in MIXED_LAUNCHES:
+            row = decode_row(
+                cache, bs, int(lengths.max()), splits=splits, lengths=lengths, longest=longest
+            )
+            moved = sum(decode_attention_bytes(1, int(n)) for n in lengths)
+            row.update(case=f"bs{bs} mixed", tokens=int(lengths.sum()))
+            row["GB/s"] = moved / (row["us"] / 1e6) / 1e9
+            rows.append(row)
     prompt = ExtendCase(1, 4096, 0)
     for block_m, block_n, warps, stages in EXTEND_LAUNCHES:
         config = KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, block_m=block_m)

@@ -16,15 +16,15 @@ import torch
 
 from replaylm.layers.attention.triton import TritonAttnBackend
 from replaylm.layers.attention.triton.decode import (
-    decode_attention,
     decode_workspace,
     num_kv_splits,
+    starts_longest_first,
 )
 from replaylm.layers.attention.triton.extend import extend_attention
 from replaylm.layers.attention.triton.kv_store import store_kv
 from replaylm.model_executor.forward_batch import ForwardMode
 
-from attention_cases import make_case, reference, rel_error, store_and_attend
+from attention_cases import make_case, reference, rel_error, store_and_attend, triton_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -82,19 +82,8 @@ def test_decode_matches_torch_native(name):
         outs = []
         for separate in [False] * 20 + [True] * 5:
             out = torch.full_like(case.q, float("nan"))
-            decode_attention(
-                case.q,
-                b.kv_pool.k_buffers[0],
-                b.kv_pool.v_buffers[0],
-                b.req_to_token_pool.req_to_token,
-                b.req_pool_indices,
-                b.seq_lens,
-                out,
-                case.layer.scaling,
-                splits,
-                min_split_len=min_len,
-                workspace=ws,
-                separate_merge=separate,
+            triton_decode(
+                case, out, splits, min_split_len=min_len, workspace=ws, separate_merge=separate
             )
             outs.append(out)
         _check(outs[0], ref, dtype)
@@ -217,8 +206,10 @@ def _live(batch, live: int):
     )
 
 
-@pytest.mark.parametrize(("shape", "live"), [(16, 13), (1, 1)])
+@pytest.mark.parametrize(("shape", "live"), [(16, 13), (1, 1), (200, 190)])
 def test_decode_graph_replay_equals_eager(shape, live):
+    """200 requests of 4 KV heads: more programs than the GPU holds, launched longest first from
+    an order sorted inside the graph on every replay."""
     rng = random.Random(shape)
     backend = TritonAttnBackend()
     ctx = _lens(shape, shape, 1, 6000)
@@ -239,7 +230,7 @@ def test_decode_graph_replay_equals_eager(shape, live):
     # runner does (the case's own batch keeps the lengths new batches are drawn from)
     names = ("req_pool_indices", "seq_lens", "out_cache_loc")
     captured = dataclasses.replace(case.batch, **{n: getattr(case.batch, n).clone() for n in names})
-    backend.init_cuda_graph_state(max_bs=32, max_num_tokens=32)
+    backend.init_cuda_graph_state(max_bs=max(32, shape), max_num_tokens=max(32, shape))
     backend.init_forward_metadata_capture_cuda_graph(captured)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -249,6 +240,8 @@ def test_decode_graph_replay_equals_eager(shape, live):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = store_and_attend(backend, q, k, v, case.layer, captured)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert (backend._meta.order is not None) == starts_longest_first(shape, 4, sms)
     pool = case.batch.kv_pool
     for _ in range(3):
         batch = _replay_batch(case, rng, live, shape)

@@ -20,17 +20,24 @@ from replaylm.layers.attention.triton import TritonAttnBackend  # noqa: E402
 from replaylm.layers.attention.triton.backend import DETERMINISTIC_SPLITS  # noqa: E402
 from replaylm.layers.attention.triton.common import KernelConfig  # noqa: E402
 from replaylm.layers.attention.triton.decode import (  # noqa: E402
-    decode_attention,
     decode_workspace,
+    longest_first,
 )
 from replaylm.layers.attention.triton.extend import extend_attention  # noqa: E402
 from replaylm.layers.attention.triton.kv_store import store_kv  # noqa: E402
 from replaylm.model_executor.forward_batch import ForwardMode  # noqa: E402
 
-from attention_cases import make_case, reference, rel_error, store_and_attend  # noqa: E402
+from attention_cases import (  # noqa: E402
+    make_case,
+    reference,
+    rel_error,
+    store_and_attend,
+    triton_decode,
+)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 SMALL_TILES = KernelConfig(block_n=16, num_warps=4, num_stages=1, block_m=32)
+DECODE_TILES = KernelConfig(block_n=16, num_warps=4, num_stages=1)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -62,21 +69,8 @@ def test_decode_split_k_matches_reference(dtype, heads, kv_heads, dim, splits):
         seed=heads + dim,
     )
     _store(case)
-    b = case.batch
     out = torch.full_like(case.q, float("nan"))
-    decode_attention(
-        case.q,
-        b.kv_pool.k_buffers[0],
-        b.kv_pool.v_buffers[0],
-        b.req_to_token_pool.req_to_token,
-        b.req_pool_indices,
-        b.seq_lens,
-        out,
-        case.layer.scaling,
-        num_splits=splits,
-        min_split_len=16,
-        config=KernelConfig(block_n=16, num_warps=4, num_stages=1),
-    )
+    triton_decode(case, out, splits, min_split_len=16, config=DECODE_TILES)
     assert rel_error(out, reference(case)) < TOL[dtype]
 
 
@@ -97,8 +91,7 @@ def test_decode_separate_merge_equals_the_single_launch(heads, kv_heads, splits)
         seed=heads + splits,
     )
     _store(case)
-    b = case.batch
-    seq_lens = b.seq_lens.clone()
+    seq_lens = case.batch.seq_lens.clone()
     seq_lens[0] = 0
     outs = []
     for separate in (False, True):
@@ -106,18 +99,13 @@ def test_decode_separate_merge_equals_the_single_launch(heads, kv_heads, splits)
         ws.mid_o.fill_(float("nan"))
         ws.mid_lse.fill_(float("nan"))
         out = torch.full_like(case.q, float("nan"))
-        decode_attention(
-            case.q,
-            b.kv_pool.k_buffers[0],
-            b.kv_pool.v_buffers[0],
-            b.req_to_token_pool.req_to_token,
-            b.req_pool_indices,
-            seq_lens,
+        triton_decode(
+            case,
             out,
-            case.layer.scaling,
-            num_splits=splits,
+            splits,
+            seq_lens,
             min_split_len=16,
-            config=KernelConfig(block_n=16, num_warps=4, num_stages=1),
+            config=DECODE_TILES,
             workspace=ws,
             separate_merge=separate,
         )
@@ -128,24 +116,57 @@ def test_decode_separate_merge_equals_the_single_launch(heads, kv_heads, splits)
     assert rel_error(outs[1][1:], reference(case)[1:]) < TOL[torch.float16]
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_in_longest_first_order_equals_request_order(splits):
+    """Programs started longest first (a large batch's launch) write every request's output
+    where request order writes it, bit for bit: one slice (the large-batch case) and several
+    (with the single launch's arrival counters)."""
+    case = make_case(
+        ForwardMode.DECODE, [7, 250, 0, 99, 40], [1] * 5, 4, 2, 16, torch.float16, "cpu", seed=2
+    )
+    _store(case)
+    seq_lens = case.batch.seq_lens
+    order = longest_first(seq_lens)
+    assert seq_lens[order].tolist() == sorted(seq_lens.tolist(), reverse=True)
+    outs = []
+    for launch_order in (None, order):
+        out = torch.full_like(case.q, float("nan"))
+        triton_decode(case, out, splits, min_split_len=16, config=DECODE_TILES, order=launch_order)
+        outs.append(out)
+    assert torch.equal(outs[1], outs[0])
+    assert rel_error(outs[1], reference(case)) < TOL[torch.float16]
+
+
+def test_backend_orders_one_slice_batches_at_the_first_layer():
+    """A batch of one slice per request is launched longest first, the order sorted by the
+    forward's first layer from the lengths of that step."""
+    backend = TritonAttnBackend()
+    case = make_case(
+        ForwardMode.DECODE,
+        [12, 0, 40],
+        [1] * 3,
+        4,
+        2,
+        32,
+        torch.float32,
+        "cpu",
+        seed=4,
+        backend=backend,
+    )
+    backend.init_forward_metadata(case.batch)
+    assert backend._meta.num_splits == 1  # the interpreter's one "multiprocessor"
+    out = store_and_attend(backend, case.q, case.k, case.v, case.layer, case.batch)
+    assert backend._meta.order.tolist() == [2, 0, 1]
+    assert rel_error(out, reference(case)) < 1e-5
+
+
 def test_decode_of_an_empty_sequence_is_zero():
     case = make_case(ForwardMode.DECODE, [5, 0], [1, 1], 4, 2, 16, torch.float32, "cpu", seed=3)
     _store(case)
-    b = case.batch
-    seq_lens = b.seq_lens.clone()
+    seq_lens = case.batch.seq_lens.clone()
     seq_lens[1] = 0
     out = torch.full_like(case.q, float("nan"))
-    decode_attention(
-        case.q,
-        b.kv_pool.k_buffers[0],
-        b.kv_pool.v_buffers[0],
-        b.req_to_token_pool.req_to_token,
-        b.req_pool_indices,
-        seq_lens,
-        out,
-        case.layer.scaling,
-        num_splits=2,
-    )
+    triton_decode(case, out, 2, seq_lens)
     assert rel_error(out[0], reference(case)[0]) < 1e-5
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
@@ -157,26 +178,12 @@ def test_decode_workspace_is_reusable_across_launches():
         ForwardMode.DECODE, [3, 120, 60], [1] * 3, 4, 2, 16, torch.float32, "cpu", seed=5
     )
     _store(case)
-    b = case.batch
     ws = decode_workspace(case.q, 2, num_splits=4)
     want = reference(case)
     for lens in ([4, 121, 61], [121, 4, 1], [4, 121, 61]):
         seq_lens = torch.tensor(lens)
         out = torch.full_like(case.q, float("nan"))
-        decode_attention(
-            case.q,
-            b.kv_pool.k_buffers[0],
-            b.kv_pool.v_buffers[0],
-            b.req_to_token_pool.req_to_token,
-            b.req_pool_indices,
-            seq_lens,
-            out,
-            case.layer.scaling,
-            num_splits=4,
-            min_split_len=16,
-            config=KernelConfig(block_n=16, num_warps=4, num_stages=1),
-            workspace=ws,
-        )
+        triton_decode(case, out, 4, seq_lens, min_split_len=16, config=DECODE_TILES, workspace=ws)
         assert torch.count_nonzero(ws.arrivals) == 0
         if lens == [4, 121, 61]:
             assert rel_error(out, want) < 1e-5

@@ -23,7 +23,9 @@ from replaylm.layers.attention.triton.decode import (
     DecodeWorkspace,
     decode_attention,
     decode_workspace,
+    longest_first,
     num_kv_splits,
+    starts_longest_first,
 )
 from replaylm.layers.attention.triton.extend import extend_attention
 from replaylm.layers.attention.triton.kv_store import store_kv
@@ -47,6 +49,10 @@ class _DecodeMetadata:
     # captured graphs merge the slices in a launch of their own (`decode_attention`'s
     # `separate_merge`: no host cost there, the same numbers as the eager single launch)
     separate_merge: bool = False
+    # a batch of more programs than the GPU holds at once starts its requests longest first,
+    # sorted by the forward's first layer (so inside a captured graph, by every replay)
+    longest_first: bool = False
+    order: torch.Tensor | None = None
 
 
 @dataclass
@@ -124,11 +130,13 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
 
     def _decode_metadata(self, batch: ForwardBatch, bs: int) -> _DecodeMetadata:
         """Decode metadata of the batch's first `bs` requests (its first `bs` tokens)."""
+        num_splits = self._num_splits(bs, batch)
         return _DecodeMetadata(
             batch.req_pool_indices[:bs],
             batch.seq_lens[:bs],
             batch.out_cache_loc[:bs],
-            self._num_splits(bs, batch),
+            num_splits,
+            longest_first=self._longest_first(bs, num_splits, batch),
         )
 
     def store_kv(
@@ -214,6 +222,8 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             workspace = decode_workspace(q, pool.num_kv_heads, meta.num_splits, meta.graph_arrivals)
             if meta.graph_arrivals is None:
                 meta.workspace = workspace
+        if meta.longest_first and layer.layer_id == 0:
+            meta.order = longest_first(meta.seq_lens)
         return decode_attention(
             q,
             pool.k_buffers[layer.layer_id],
@@ -226,6 +236,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             meta.num_splits,
             workspace=workspace,
             separate_merge=meta.separate_merge,
+            order=meta.order,
         )
 
     # ---- CUDA graphs ------------------------------------------------------------------------
@@ -247,13 +258,15 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
                 dtype=torch.int32,
                 device=batch.seq_lens.device,
             )
+        num_splits = self._num_splits(batch.batch_size, batch)
         self._meta = _DecodeMetadata(
             batch.req_pool_indices,
             batch.seq_lens,
             batch.out_cache_loc,
-            self._num_splits(batch.batch_size, batch),
+            num_splits,
             graph_arrivals=graph.arrivals,
             separate_merge=True,
+            longest_first=self._longest_first(batch.batch_size, num_splits, batch),
         )
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
@@ -276,3 +289,10 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         if self.deterministic:
             return DETERMINISTIC_SPLITS
         return num_kv_splits(bs, batch.kv_pool.num_kv_heads, _sm_count(batch.seq_lens.device))
+
+    @staticmethod
+    def _longest_first(bs: int, num_splits: int, batch: ForwardBatch) -> bool:
+        """Whether `bs` decode requests of `batch` in `num_splits` slices start longest first."""
+        return num_splits == 1 and starts_longest_first(
+            bs, batch.kv_pool.num_kv_heads, _sm_count(batch.seq_lens.device)
+        )

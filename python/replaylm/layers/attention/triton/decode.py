@@ -1,6 +1,6 @@
 """Decode attention: one query token per request over its paged KV, split-K (flash-decoding).
 
-Grid `(bs, num_kv_heads, num_splits)`: a program takes one request, one KV head and one slice of
+Grid `(num_kv_heads, bs, num_splits)`: a program takes one request, one KV head and one slice of
 the sequence, and computes the attention of all query heads of that KV head's group over the
 slice (so each KV byte is read once per group). The slices' partial outputs are merged in one of
 two ways:
@@ -19,6 +19,12 @@ Both merge the same partials in the same order: their outputs are equal bit for 
 The grid depends only on the batch size and `num_splits`, never on sequence lengths, so the
 launch can be captured in a CUDA graph: each request's slice length is computed in the kernel
 from its length, and slices past the end do nothing. A request of length 0 gets zeros.
+
+A launch with more programs than the GPU holds at once (large batches, one slice each) may take
+the requests in an `order` of its own: longest first (`longest_first`), so that the last programs
+to start are the shortest and the GPU is not left with a few long ones at the end of a batch of
+mixed lengths (docs/tuning.md, "Decode attention: longest requests first"). Every request's
+result is the same in any order.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ MIN_SPLIT_LEN = 64  # tokens (one block): docs/tuning.md, "Decode attention slic
 # fewer, longer slices win than for the kernel alone: docs/tuning.md, "Decode attention slices".
 MIN_SPLITS, MAX_SPLITS = 2, 16
 PROGRAMS_PER_SM = 2
+# a launch of more than this many programs per multiprocessor (two waves of PROGRAMS_PER_SM)
+# starts its requests longest first: docs/tuning.md, "Decode attention: longest requests first"
+LONGEST_FIRST_PROGRAMS_PER_SM = 4
 
 
 def merge_unroll(num_splits: int) -> int:
@@ -72,6 +81,13 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     return min(MAX_SPLITS, max(MIN_SPLITS, 1 << want.bit_length() - 1))
 
 
+def starts_longest_first(batch_size: int, num_kv_heads: int, sm_count: int) -> bool:
+    """Whether a one-slice launch of `batch_size` requests should start them longest first
+    (`longest_first`): when its (request, KV head) programs fill more than two waves, so that
+    the order decides which programs finish last."""
+    return batch_size * num_kv_heads > LONGEST_FIRST_PROGRAMS_PER_SM * sm_count
+
+
 @triton.jit
 def _split_len(seq_len, num_splits, min_split_len):
     """Tokens per slice of a sequence: a multiple of `min_split_len` (a slice may end inside a key
@@ -80,12 +96,12 @@ def _split_len(seq_len, num_splits, min_split_len):
     return tl.cdiv(per_split, min_split_len) * min_split_len
 
 
-# ReqPoolIndices, SeqLens: one element per request, at any 8-byte offset; num_splits (and the
-# log-sum-exps' head stride, which equals it): runtime values, so the batch sizes' slice counts
-# share one compiled variant (docs/tuning.md, "Few compiled variants")
+# ReqPoolIndices, SeqLens, Order: one element per request, at any 8-byte offset; num_splits (and the
+# log-sum-exps' head stride, which equals it) and has_order: runtime values, so the batch sizes'
+# slice counts and orders share one compiled variant (docs/tuning.md, "Few compiled variants")
 @triton.jit(
-    do_not_specialize=["num_splits", "stride_mlh"],
-    do_not_specialize_on_alignment=["ReqPoolIndices", "SeqLens"],
+    do_not_specialize=["num_splits", "stride_mlh", "has_order"],
+    do_not_specialize_on_alignment=["ReqPoolIndices", "SeqLens", "Order"],
 )
 def _decode_kernel(
     Q,
@@ -94,6 +110,7 @@ def _decode_kernel(
     ReqToToken,
     ReqPoolIndices,
     SeqLens,
+    Order,
     Out,
     MidO,
     MidLse,
@@ -101,6 +118,7 @@ def _decode_kernel(
     qk_scale,
     min_split_len,
     num_splits,
+    has_order,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -126,8 +144,11 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_producers(USE_PDL)
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # the KV heads vary fastest: programs start in request order, the order's when given
+    kv_head = tl.program_id(0)
+    b = tl.program_id(1)
+    if has_order:
+        b = tl.load(Order + b).to(tl.int32)
     split = tl.program_id(2)
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_g
@@ -210,6 +231,13 @@ def _decode_kernel(
                     HEAD_DIM,
                     MERGE_UNROLL,
                 )
+
+
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The requests' indices by length, longest first: `decode_attention`'s `order` for a batch
+    whose programs outnumber what the GPU runs at once (`starts_longest_first`; one sort kernel,
+    no host sync)."""
+    return torch.argsort(seq_lens, descending=True)
 
 
 @triton.jit
@@ -356,6 +384,7 @@ def decode_attention(
     config: KernelConfig | None = None,
     workspace: DecodeWorkspace | None = None,
     separate_merge: bool = False,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[bs, H, D]` (request i's one new token) over the `seq_lens[i]` tokens of
     request i, whose KV slots are `req_to_token[req_pool_indices[i], :seq_lens[i]]` in
@@ -363,7 +392,9 @@ def decode_attention(
     from `decode_workspace` for this q and `num_splits` (default: a fresh one). Slice counts up to
     MAX_SPLITS share one compiled variant (`merge_unroll`).
     `separate_merge`: merge the slices in a second launch (for CUDA-graph capture; the same
-    numbers as the default single launch, which costs one launch less of host time)."""
+    numbers as the default single launch, which costs one launch less of host time).
+    `order`: a permutation of the requests `[bs]` in which the programs start (`longest_first`);
+    the output is the same."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     bs = q.shape[0]
     group = num_heads // num_kv_heads
@@ -371,13 +402,14 @@ def decode_attention(
     ws = workspace or decode_workspace(q, num_kv_heads, num_splits)
     mid_o, mid_lse = ws.mid_o, ws.mid_lse
     separate = separate_merge and num_splits > 1  # one slice: written directly either way
-    _decode_kernel[(bs, num_kv_heads, num_splits)](
+    _decode_kernel[(num_kv_heads, bs, num_splits)](
         q,
         k_cache,
         v_cache,
         req_to_token,
         req_pool_indices,
         seq_lens,
+        seq_lens if order is None else order,
         out,
         mid_o,
         mid_lse,
@@ -385,6 +417,7 @@ def decode_attention(
         scale * LOG2E,
         min_split_len,
         num_splits,
+        int(order is not None),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
