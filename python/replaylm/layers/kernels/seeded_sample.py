@@ -48,7 +48,9 @@ def _log(x):
         return tl.log(x)
 
 
-@triton.jit
+# the per-row parameters come from the sampling batch's packed buffer, where the seeds' offset
+# follows the batch size: no variant per alignment, so no compile inside a running server
+@triton.jit(do_not_specialize_on_alignment=["Temperatures", "Seeds", "Steps"])
 def _block_argmax_kernel(
     Logits,
     Temperatures,
