@@ -51,6 +51,10 @@ logger = logging.getLogger("replaylm.launch_server")
 API_KEY_ENV = "REPLAYLM_API_KEY"
 EXIT_CANNOT_START = 2
 EXIT_SCHEDULER_DIED = 1
+# idle keep-alive connections outlive clients' pools (httpx and the OpenAI SDK expire theirs after
+# 5 s, aiohttp after 15 s): at uvicorn's default of 5 s, a client reusing a connection just as the
+# server closes it loses that request (a ReadError under load)
+KEEP_ALIVE_S = 75
 
 
 def _http_stack() -> str:
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         server = GracefulServer(config, manager)
         stages.mark("HTTP app")

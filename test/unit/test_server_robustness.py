@@ -4,6 +4,7 @@ cannot load is one line and exit code 2."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -77,6 +78,21 @@ def test_the_server_runs_on_uvloop_and_httptools(server_factory, tiny_model):
     )  # fmt: skip
     log = server.stderr_tail(chars=10_000_000)
     assert "(OpenAI API under /v1; uvloop event loop, httptools HTTP parser)" in log
+
+
+def test_an_idle_connection_outlives_a_clients_pool_expiry(http_server):
+    """A keep-alive connection idle for longer than httpx's pool keeps one (5 s) still answers:
+    the server never closes a connection that a client may be reusing at that moment."""
+    conn = http.client.HTTPConnection("127.0.0.1", http_server.port, timeout=10)
+    try:
+        for wait in (0.0, 6.0):
+            time.sleep(wait)
+            conn.request("GET", "/health")  # on the first request's socket: no reconnect
+            response = conn.getresponse()
+            assert response.status == 200 and response.read() == b'{"status":"ok"}'
+            assert not response.will_close
+    finally:
+        conn.close()
 
 
 # ---- request bodies -------------------------------------------------------------------------
