@@ -49,8 +49,8 @@ class _DecodeMetadata:
     # captured graphs merge the slices in a launch of their own (`decode_attention`'s
     # `separate_merge`: no host cost there, the same numbers as the eager single launch)
     separate_merge: bool = False
-    # a batch of more programs than the GPU holds at once starts its requests longest first,
-    # sorted by the forward's first layer (so inside a captured graph, by every replay)
+    # a batch of more than two waves of programs (`starts_longest_first`) starts its requests
+    # longest first, sorted by the forward's first layer (inside a captured graph: every replay)
     longest_first: bool = False
     order: torch.Tensor | None = None
 

@@ -20,8 +20,8 @@ The grid depends only on the batch size and `num_splits`, never on sequence leng
 launch can be captured in a CUDA graph: each request's slice length is computed in the kernel
 from its length, and slices past the end do nothing. A request of length 0 gets zeros.
 
-A launch with more programs than the GPU holds at once (large batches, one slice each) may take
-the requests in an `order` of its own: longest first (`longest_first`), so that the last programs
+A launch of more than two waves of programs (large batches, one slice each) may take the requests
+in an `order` of its own: longest first (`longest_first`), so that the last programs
 to start are the shortest and the GPU is not left with a few long ones at the end of a batch of
 mixed lengths (docs/tuning.md, "Decode attention: longest requests first"). Every request's
 result is the same in any order.
@@ -235,8 +235,8 @@ def _decode_kernel(
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     """The requests' indices by length, longest first: `decode_attention`'s `order` for a batch
-    whose programs outnumber what the GPU runs at once (`starts_longest_first`; one sort kernel,
-    no host sync)."""
+    of more than two waves of programs (`starts_longest_first`; one sort kernel, no host
+    sync)."""
     return torch.argsort(seq_lens, descending=True)
 
 
