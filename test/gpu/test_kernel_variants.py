@@ -1,7 +1,8 @@
 """Capturing every default decode shape compiles few Triton variants: row counts, slice counts
 and the one-element-per-request index pointers are not specialised (each variant is a JIT compile
-that a host's first start pays inside capture). The sampler compiles one variant for every batch
-size (a variant compiled while serving stalls the batch: 0.6 s on a cold Triton cache).
+that a host's first start pays inside capture). The sampler and the penalties compile one variant
+for every batch size (a variant compiled while serving stalls the batch: 0.6 s on a cold Triton
+cache).
 
 Counted in a fresh process (Triton's in-memory kernel caches start empty there), on a dummy
 Qwen3-0.6B with 256 decode shapes' worth of requests: shapes 1-16 run the skinny matmul, larger
@@ -30,7 +31,8 @@ COUNT_VARIANTS = f"""
 import json
 from model_parity import dummy_runner
 from replaylm.layers.attention.triton import decode
-from replaylm.layers.kernels import qk_norm_rope, rmsnorm, seeded_sample, silu_mul, skinny_matmul
+from replaylm.layers.kernels import (penalties, qk_norm_rope, rmsnorm, seeded_sample, silu_mul,
+                                    skinny_matmul)
 from replaylm.layers.sampler import SamplingBatchInfo
 from replaylm.sampling_params import SamplingParams
 
@@ -44,11 +46,18 @@ for bs in range(1, 10):  # the packed per-row parameters start at offsets that f
                                          1000, "cuda")
     seeded_sample.seeded_sample(torch.randn(bs, 1000, device="cuda"), info.temperatures,
                                 info.seeds, torch.arange(bs, device="cuda"))
+counts = torch.zeros(32, 1000, dtype=torch.int32, device="cuda")
+seen = torch.zeros(32, 1000, dtype=torch.bool, device="cuda")
+for bs in (1, 5, 16, 17):  # specialised integers: 1, multiples of 16, the rest
+    rows, values = torch.arange(bs, device="cuda"), torch.ones(3, bs, device="cuda")
+    penalties.apply_penalties_kernel(torch.randn(bs, 1000, device="cuda"), counts, seen, rows,
+                                     values)
 kernels = {{"skinny_matmul": skinny_matmul._skinny_matmul_kernel,
            "rms_norm": rmsnorm._rms_norm_kernel, "qk_norm_rope": qk_norm_rope._qk_norm_rope_kernel,
            "decode_attention": decode._decode_kernel, "merge": decode._merge_kernel,
            "silu_mul": silu_mul._silu_mul_kernel,
-           "seeded_sample": seeded_sample._block_argmax_kernel}}
+           "seeded_sample": seeded_sample._block_argmax_kernel,
+           "penalties": penalties._penalties_kernel}}
 print(json.dumps({{name: sum(len(cache[0]) for cache in k.device_caches.values())
                   for name, k in kernels.items()}}))
 """
@@ -74,4 +83,5 @@ def test_decode_capture_compiles_one_variant_per_kernel_role():
         "merge": 1,
         "silu_mul": 1,
         "seeded_sample": 1,
+        "penalties": 1,
     }

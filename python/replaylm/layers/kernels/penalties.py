@@ -10,7 +10,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# the batch size is a runtime value: a penalised batch of a new size compiles no variant (one
+# equal to 1 or divisible by 16 would, inside a running server)
+@triton.jit(do_not_specialize=["batch"])
 def _penalties_kernel(
     Logits, Counts, PromptMask, Rows, Penalties, Out, batch, vocab, BLOCK: tl.constexpr
 ):
