@@ -40,6 +40,8 @@ from common import (
     graph_ms,
     json_path_arg,
     median_ms,
+    mixed_decode_bytes,
+    mixed_lengths,
     time_decode_attention,
     write_json,
 )
@@ -47,7 +49,6 @@ from common import (
 DECODE_BS = (1, 8, 64, 256)
 DECODE_CTX = (1024, 4096, 16384)
 MIXED_BS = (64, 128, 256)
-MIXED_LENGTHS = (100, 2048)  # uniform, inclusive
 GOAL_DECODE_PCT = 70.0  # decode bs 64, ctx 4096: % of the copy bandwidth
 GOAL_PREFILL_RATIO = 1.5  # 4096 causal prefill: time over SDPA flash
 
@@ -100,8 +101,8 @@ def mixed_length_rows(cache: KVCache, bandwidth: float) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for bs in MIXED_BS:
-        lengths = torch.randint(MIXED_LENGTHS[0], MIXED_LENGTHS[1] + 1, (bs,), generator=gen)
-        moved = sum(decode_attention_bytes(1, int(n)) for n in lengths)
+        lengths = mixed_lengths(bs, gen)
+        moved = mixed_decode_bytes(lengths)
         for longest in (False, True):
             ms = time_decode_attention(
                 cache, bs, int(lengths.max()), splits=1, lengths=lengths, longest=longest

@@ -443,6 +443,17 @@ def time_decode_attention(
     )
 
 
+def mixed_lengths(bs: int, generator: torch.Generator) -> torch.Tensor:
+    """`bs` decode lengths uniform in 100-2048 tokens: the spread of nano-vllm's offline batches
+    (the mixed-length decode cases of bench_attention and the attention sweep)."""
+    return torch.randint(100, 2049, (bs,), generator=generator)
+
+
+def mixed_decode_bytes(lengths: torch.Tensor) -> int:
+    """`decode_attention_bytes` of a batch of these `lengths`."""
+    return sum(decode_attention_bytes(1, int(n)) for n in lengths)
+
+
 def decode_attention_bytes(bs: int, ctx: int) -> int:
     """What a decode attention call must move: K and V once, the slot table, q and out."""
     kv = 2 * bs * ctx * KV_HEADS * DIM * DTYPE.itemsize

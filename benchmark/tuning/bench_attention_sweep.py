@@ -31,6 +31,8 @@ from common import (
     decode_attention_bytes,
     json_path_arg,
     median_ms,
+    mixed_decode_bytes,
+    mixed_lengths,
     time_decode_attention,
     write_json,
 )
@@ -38,7 +40,6 @@ from common import (
 SHORT_CONTEXTS = ((1, 512), (8, 512), (1, 2048))  # (bs, ctx)
 LONG_CONTEXTS = ((64, 4096), (1, 16384), (256, 1024))
 MIXED_BS = (40, 48, 64, 96, 128)
-MIXED_LENGTHS = (100, 2048)  # uniform, inclusive
 MIXED_LAUNCHES = ((1, False), (1, True), (2, True))  # slices, longest first
 DECODE_LAUNCHES = ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3))  # n, warps, stages
 EXTEND_LAUNCHES = (  # block_m, block_n, warps, stages
@@ -87,14 +88,13 @@ def sweep() -> list[dict]:
     rows += [decode_row(cache, 64, 4096, contiguous=c) for c in (False, True)]
     gen = torch.Generator().manual_seed(0)
     for bs in MIXED_BS:
-        lengths = torch.randint(MIXED_LENGTHS[0], MIXED_LENGTHS[1] + 1, (bs,), generator=gen)
+        lengths = mixed_lengths(bs, gen)
         for splits, longest in MIXED_LAUNCHES:
             row = decode_row(
                 cache, bs, int(lengths.max()), splits=splits, lengths=lengths, longest=longest
             )
-            moved = sum(decode_attention_bytes(1, int(n)) for n in lengths)
             row.update(case=f"bs{bs} mixed", tokens=int(lengths.sum()))
-            row["GB/s"] = moved / (row["us"] / 1e6) / 1e9
+            row["GB/s"] = mixed_decode_bytes(lengths) / (row["us"] / 1e6) / 1e9
             rows.append(row)
     prompt = ExtendCase(1, 4096, 0)
     for block_m, block_n, warps, stages in EXTEND_LAUNCHES:
