@@ -343,7 +343,9 @@ class ServerArgs:
     prefill_cuda_graph_max_tokens: int | None = field(
         default=None,
         metadata=_opt(
-            "Largest prefill token count to capture from the default list; lower it to capture "
+            "Largest prefill token count to capture from the default list (default: 2048 or "
+            "--chunked-prefill-size, the smaller); larger prefill steps run eagerly. Each "
+            "captured size holds GPU memory (breakable graphs the most); lower it to capture "
             "fewer graphs when prompts are short."
         ),
     )

@@ -450,6 +450,23 @@ def test_prefill_token_buckets_default_up_to_the_chunked_prefill_size():
     assert cfg.prefill.shapes == (50, 100)
 
 
+def test_prefill_token_buckets_default_stop_at_2048_under_a_larger_chunk():
+    cfg = resolve(prefill_cuda_graph_mode="breakable", chunked_prefill_size=8192)
+    assert cfg.prefill.shapes[-1] == 2048  # larger steps run eagerly
+    cfg = resolve(
+        prefill_cuda_graph_mode="breakable",
+        chunked_prefill_size=8192,
+        prefill_cuda_graph_max_tokens=4096,
+    )
+    assert cfg.prefill.shapes[-2:] == (3840, 4096)
+    cfg = resolve(
+        prefill_cuda_graph_mode="breakable",
+        chunked_prefill_size=1000,
+        prefill_cuda_graph_max_tokens=4096,
+    )
+    assert cfg.prefill.shapes[-1] == 1000  # never above the chunk
+
+
 def test_shapes_are_validated_even_for_a_disabled_phase():
     with pytest.raises(CudaGraphConfigError, match="--decode-cuda-graph-bs"):
         resolve("cpu", decode_cuda_graph_bs=[0])

@@ -57,6 +57,8 @@ def _settled_free_memory(device: torch.device) -> int:
 
 class BaseCudaGraphRunner(ABC):
     phase: str
+    shape_unit: str  # what a shape counts, for messages
+    max_shape_flag: str  # the flag that caps this phase's shapes
 
     def __init__(
         self, model_runner: ModelRunner, backend: BaseCudaGraphBackend, shapes: Sequence[int]
@@ -135,7 +137,10 @@ class BaseCudaGraphRunner(ABC):
             desc = f"capturing {self.phase} CUDA graphs ({self.backend.mode})"
             bar = tqdm(shapes, desc=desc, unit="shape", disable=not shows_progress())
             for i, shape in enumerate(bar):
-                self.backend.capture_one(shape, self.fill(None, shape), self.forward_fn, i == 0)
+                try:
+                    self.backend.capture_one(shape, self.fill(None, shape), self.forward_fn, i == 0)
+                except torch.OutOfMemoryError as err:
+                    raise self._out_of_memory(shape, free_before) from err
         free_after = _settled_free_memory(device)  # warm-up runs' cached blocks are not kept
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = free_before - free_after
@@ -147,6 +152,18 @@ class BaseCudaGraphRunner(ABC):
             self.capture_seconds,
             self.capture_bytes / 2**20,
             list(self.shapes),
+        )
+
+    def _out_of_memory(self, shape: int, free_before: int) -> RuntimeError:
+        """The error a user reads instead of torch's, after freeing the graphs captured so far
+        (the process may go on without them: ModelRunner's caller decides)."""
+        held = (free_before - _settled_free_memory(self.model_runner.device)) / 2**30
+        self.cleanup()
+        return RuntimeError(
+            f"GPU out of memory capturing the {self.phase} CUDA graph of {shape} "
+            f"{self.shape_unit} (shapes up to {self.shapes[-1]}; graphs held {held:.1f} GiB "
+            "then): capture fewer or smaller shapes ({self.max_shape_flag}), lower "
+            "--mem-fraction-static, or turn this phase's graphs off (--cuda-graph-mode)"
         )
 
     def capture_context(self) -> CaptureContext:

@@ -20,6 +20,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     over the padding row, writing their one token to KV slot 0."""
 
     phase = "decode"
+    shape_unit, max_shape_flag = "requests", "--decode-cuda-graph-max-bs"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

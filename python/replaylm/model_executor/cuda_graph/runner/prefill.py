@@ -18,6 +18,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     serve this phase."""
 
     phase = "prefill"
+    shape_unit, max_shape_flag = "tokens", "--prefill-cuda-graph-max-tokens"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
