@@ -20,7 +20,10 @@ is generated tokens per second. `--overlap on off` runs every mode with the over
 without it (`--disable-overlap-schedule`). `--server-args` takes one or more JSON objects of
 further Engine (ServerArgs) fields, e.g. `'{}' '{"max_running_requests": 512}'`: every mode runs
 with each. Prints a markdown table; `--json` writes `{"config", "summary": [one row per mode,
-overlap setting and server-args object]}`."""
+overlap setting and server-args object]}`. `--profile` (CUDA) runs the workload once more under
+torch.profiler and adds where its GPU time went: wall seconds, seconds some kernel ran ("busy"),
+and the kernels' seconds per category (matmul, decode and prefill attention, norms, ...; by
+kernel name, `KERNEL_CATEGORIES` in common.py) as the row's `gpu_seconds` and a second table."""
 
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from replaylm.entrypoints.engine import Engine
 from replaylm.model_executor.cuda_graph.config import MODES
 from replaylm.model_executor.forward_stats import ForwardStats
 
-from common import config_path, release_memory, write_json
+from common import KERNEL_CATEGORIES, config_path, gpu_seconds, release_memory, write_json
 
 QWEN3_CONFIG = config_path("qwen3-0.6b")
 DEFAULT_MODES = ("full", "breakable", "tc_piecewise", "disabled")  # every decode mode on CUDA
@@ -49,6 +52,7 @@ MAX_TOKEN_ID = 10000  # prompts draw ids from [0, min(this, vocab - 1)]
 # the warm-up prefills the first prompts whole (chunked like the timed run's), so Triton's JIT of
 # the prefill kernels is not timed: on a cold cache it cost the first mode ~1 s of a 1 s run
 WARMUP_SEQS, WARMUP_TOKENS = 8, 16
+KERNEL_CATEGORY_NAMES = [name for name, _ in KERNEL_CATEGORIES]
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,11 @@ def _params(output_len: int) -> dict[str, Any]:
     return {"max_new_tokens": output_len, "temperature": TEMPERATURE, "ignore_eos": True}
 
 
-def run_mode(engine: Engine, mode: str, workload: Workload, extra: str = "{}") -> dict[str, Any]:
-    """Warm up, then time the whole workload in one generate call; one summary row."""
+def run_mode(
+    engine: Engine, mode: str, workload: Workload, extra: str = "{}", profiled: bool = False
+) -> dict[str, Any]:
+    """Warm up, then time the whole workload in one generate call; one summary row. `profiled`:
+    then run it once more under the profiler, for the row's `gpu_seconds`."""
     engine.generate(
         input_ids=workload.prompts[:WARMUP_SEQS], sampling_params=_params(WARMUP_TOKENS)
     )
@@ -125,7 +132,16 @@ def run_mode(engine: Engine, mode: str, workload: Workload, extra: str = "{}") -
     )
     _sync(engine)
     seconds = time.perf_counter() - start
-    return result_row(
+    forwards = dataclasses.asdict(engine.runner.forward_stats)["phases"]
+    if profiled:
+        engine.flush_cache()
+        times = gpu_seconds(
+            lambda: engine.generate(
+                input_ids=workload.prompts,
+                sampling_params=[_params(n) for n in workload.output_lens],
+            )
+        )
+    row = result_row(
         mode,
         engine.runner.cuda_graphs.summary(),
         len(workload.prompts),
@@ -133,10 +149,13 @@ def run_mode(engine: Engine, mode: str, workload: Workload, extra: str = "{}") -
         output_tokens=sum(len(o["output_ids"]) for o in outputs),
         requested_output_tokens=sum(workload.output_lens),
         seconds=seconds,
-        forwards=dataclasses.asdict(engine.runner.forward_stats)["phases"],
+        forwards=forwards,
         overlap=engine.scheduler.overlap,
         server_args=extra,
     )
+    if profiled:
+        row["gpu_seconds"] = {k: round(v, 3) for k, v in times.items()}
+    return row
 
 
 def result_row(
@@ -194,6 +213,20 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def gpu_table(rows: list[dict[str, Any]]) -> str:
+    """The profiled runs' GPU seconds: wall, busy (some kernel running), then per category."""
+    columns = ["wall", "busy", *KERNEL_CATEGORY_NAMES, "other"]
+    lines = [
+        "| run | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for r in rows:
+        times = r["gpu_seconds"]
+        cells = " | ".join(f"{times.get(c, 0.0):.3f}" for c in columns)
+        lines.append(f"| {r['name']} | {cells} |")
+    return "\n".join(lines)
+
+
 def bench_mode(
     args: argparse.Namespace, mode: str, overlap: bool = True, extra: str = "{}"
 ) -> dict[str, Any]:
@@ -207,7 +240,7 @@ def bench_mode(
         engine.runner.config.vocab_size,
         args.output_len,
     )
-    return run_mode(engine, mode, workload, extra)
+    return run_mode(engine, mode, workload, extra, args.profile)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -257,6 +290,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="further Engine (ServerArgs) fields, JSON objects; several: every mode with each",
     )
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: run the workload once more under the profiler; GPU seconds per kernel "
+        "category in the table and the JSON",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     for extra in args.server_args:
@@ -271,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-seqs must be at least 1")
     if args.output_len is not None and args.output_len < 1:
         parser.error("--output-len must be at least 1")
+    if args.profile and (args.device == "cpu" or not torch.cuda.is_available()):
+        parser.error("--profile times CUDA kernels: it needs a GPU")
     return args
 
 
@@ -302,6 +343,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             write_rows(args, rows)
         release_memory()
     print(f"\n{markdown_table(rows)}")
+    if args.profile:
+        print(f"\n{gpu_table(rows)}")
     return rows
 
 

@@ -134,6 +134,49 @@ def kernel_table(replay: Callable[[], object], replays: int) -> tuple[list[dict]
     return rows, sum(r["total_us"] for r in rows)
 
 
+# kernel-name fragments -> the category a whole-run profile counts that kernel under (first match;
+# "other" for none): cuBLAS's matmuls are named nvjet/gemm/xmma/cutlass on H100
+KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("matmul", ("nvjet", "gemm", "xmma", "cutlass", "splitkreduce", "_skinny_matmul")),
+    ("decode attention", ("_decode_kernel", "_merge_kernel", "radixsort")),
+    ("prefill attention", ("_extend_kernel", "prefill")),
+    ("norms", ("_rms_norm",)),
+    ("activation", ("_silu_mul",)),
+    ("rope and KV store", ("_qk_norm_rope", "_store_kv")),
+    ("sampling", ("argmax", "_penalties")),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(f in lowered for f in fragments):
+            return category
+    return "other"
+
+
+def gpu_seconds(run: Callable[[], object]) -> dict[str, float]:
+    """`run()` under the profiler: its wall seconds, the seconds some kernel ran ("busy", the
+    union of their intervals) and the kernels' summed seconds per KERNEL_CATEGORIES entry."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    out: dict[str, float] = defaultdict(float)
+    spans = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            out[kernel_category(event.name)] += event.device_time / 1e6
+            spans.append((event.time_range.start, event.time_range.end))
+    busy_us, reach = 0.0, float("-inf")
+    for begin, end in sorted(spans):
+        busy_us += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
+    return {"wall": wall, "busy": busy_us / 1e6, **out}
+
+
 # ---- results -------------------------------------------------------------------------------------
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from script_import import import_script
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -80,3 +83,29 @@ def test_a_fixed_output_length_times_prefills_with_mixed_steps(tmp_path):
     for row in rows:
         assert row["output_tokens"] == row["requested_output_tokens"] == 4
         assert row["forwards"]["decode"]["eager"] == 0  # a first token comes from its prefill
+
+
+def test_kernel_categories_of_the_run_profile():
+    names = {
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "matmul",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float>": "matmul",
+        "_skinny_matmul_kernel": "matmul",
+        "_decode_kernel": "decode attention",
+        "_merge_kernel": "decode attention",
+        "_extend_kernel": "prefill attention",
+        "BatchPrefillWithPagedKVCacheKernel": "prefill attention",
+        "_rms_norm_kernel": "norms",
+        "_silu_mul_kernel": "activation",
+        "_qk_norm_rope_kernel": "rope and KV store",
+        "_block_argmax_kernel": "sampling",
+        "void at::native::vectorized_gather_kernel<16, long>": "other",
+    }
+    common = import_script("benchmark/common.py")
+    assert {name: common.kernel_category(name) for name in names} == names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_profile_needs_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        import_script("benchmark/bench_offline.py").parse_args(["--profile"])
+    assert "--profile times CUDA kernels" in capsys.readouterr().err
