@@ -345,8 +345,8 @@ class ServerArgs:
         metadata=_opt(
             "Largest prefill token count to capture from the default list (default: 2048 or "
             "--chunked-prefill-size, the smaller); larger prefill steps run eagerly. Each "
-            "captured size holds GPU memory (breakable graphs the most); lower it to capture "
-            "fewer graphs when prompts are short."
+            "captured size costs capture time and some GPU memory; lower it to capture fewer "
+            "graphs when prompts are short."
         ),
     )
     debug_cuda_graph: bool = field(

@@ -37,6 +37,18 @@ def two_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.relu(), softmax_rows(x)  # a nested break point runs plainly
 
 
+@break_point
+def scale_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.mul(x, 2, out=out)  # writes an argument and returns it, as attention_op does
+
+
+def into_out(x, w, buf):
+    h = x @ w
+    for _ in range(8):
+        h = scale_into(h @ w, torch.empty_like(h)).tanh() + h
+    return h.sum(dim=1), buf  # a small output: the breaks' tensors are most of what it holds
+
+
 def no_break(x, w, buf):
     return (x @ w).tanh()
 
@@ -85,7 +97,8 @@ def test_replay_equals_eager_with_fresh_inputs(fn, breaks):
             torch.testing.assert_close(static_buf, ref_buf, atol=1e-4, rtol=1e-4)
 
 
-def test_two_shapes_share_one_pool_without_corrupting_each_other():
+@pytest.mark.parametrize("fn", [many_breaks, into_out])
+def test_two_shapes_share_one_pool_without_corrupting_each_other(fn):
     pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
     w = torch.randn(64, 64, device="cuda") / 8
     inputs = {n: torch.randn(n, 64, device="cuda") for n in (64, 16)}  # largest first
@@ -93,14 +106,38 @@ def test_two_shapes_share_one_pool_without_corrupting_each_other():
     graphs = {}
     for n in inputs:
         graphs[n] = BreakableCUDAGraph(pool, stream)
-        graphs[n].capture(many_breaks, inputs[n], w, bufs[n])
+        graphs[n].capture(fn, inputs[n], w, bufs[n])
     for step in range(20):
         for n in (16, 64) if step % 2 else (64, 16):
             inputs[n].normal_()
             bufs[n].zero_()
             out, _ = graphs[n].replay()
-            ref, _ = many_breaks(inputs[n].clone(), w, torch.zeros(n, 4, device="cuda"))
+            ref, _ = fn(inputs[n].clone(), w, torch.zeros(n, 4, device="cuda"))
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def _pool_bytes(rows: list[int]) -> int:
+    """GPU memory that graphs of `into_out` over `rows` (one shape each, one pool, largest
+    first) keep reserved once captured, beyond their inputs."""
+    w = torch.randn(1024, 1024, device="cuda") / 32
+    inputs = [torch.randn(n, 1024, device="cuda") for n in rows]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    pool = torch.cuda.graph_pool_handle()
+    graphs = [BreakableCUDAGraph(pool, STREAM) for _ in rows]
+    for graph, x in zip(graphs, inputs, strict=True):
+        graph.capture(into_out, x, w, None)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved() - before
+
+
+def test_shapes_reuse_the_tensors_crossing_their_breaks():
+    # a shape's 8 breaks cross 16 tensors of rows x 4 KiB: 64 MiB at 1,024 rows; kept per
+    # shape, four shapes would hold 2.5 times that
+    largest = _pool_bytes([1024])
+    assert _pool_bytes([1024, 768, 512, 256]) < 1.2 * largest
 
 
 def _capture_and_reset(x, w, buf) -> int:

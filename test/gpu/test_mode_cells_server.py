@@ -221,7 +221,7 @@ def test_cell_matches_eager(cells, cell):
     if same < 0.98 * len(eager):
         # a server's batches depend on arrival timing, so padded graph shapes and eager batches
         # round bf16 logits differently from run to run and flip exact ties. Measured on the
-        # H100 (fourteenth session): 61-64/64 per cell, every divergence at a top-2 gap of
+        # H100: 61-64/64 per cell, every divergence at a top-2 gap of
         # 0.000-0.125; the 32-prompt version of this test passed or failed on one tie
         pytest.xfail(f"{same}/{len(eager)} identical, every divergence at a near-tie")
 

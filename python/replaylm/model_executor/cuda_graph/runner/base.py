@@ -162,7 +162,7 @@ class BaseCudaGraphRunner(ABC):
         return RuntimeError(
             f"GPU out of memory capturing the {self.phase} CUDA graph of {shape} "
             f"{self.shape_unit} (shapes up to {self.shapes[-1]}; graphs held {held:.1f} GiB "
-            "then): capture fewer or smaller shapes ({self.max_shape_flag}), lower "
+            f"then): capture fewer or smaller shapes ({self.max_shape_flag}), lower "
             "--mem-fraction-static, or turn this phase's graphs off (--cuda-graph-mode)"
         )
 
