@@ -52,7 +52,6 @@ MAX_TOKEN_ID = 10000  # prompts draw ids from [0, min(this, vocab - 1)]
 # the warm-up prefills the first prompts whole (chunked like the timed run's), so Triton's JIT of
 # the prefill kernels is not timed: on a cold cache it cost the first mode ~1 s of a 1 s run
 WARMUP_SEQS, WARMUP_TOKENS = 8, 16
-KERNEL_CATEGORY_NAMES = [name for name, _ in KERNEL_CATEGORIES]
 
 
 @dataclass(frozen=True)
@@ -125,22 +124,12 @@ def run_mode(
     )
     engine.flush_cache()  # the timed prompts find none of the warm-up's cached
     engine.runner.forward_stats = ForwardStats()  # count the timed run's forwards only
+    params = [_params(n) for n in workload.output_lens]
     _sync(engine)
     start = time.perf_counter()
-    outputs = engine.generate(
-        input_ids=workload.prompts, sampling_params=[_params(n) for n in workload.output_lens]
-    )
+    outputs = engine.generate(input_ids=workload.prompts, sampling_params=params)
     _sync(engine)
     seconds = time.perf_counter() - start
-    forwards = dataclasses.asdict(engine.runner.forward_stats)["phases"]
-    if profiled:
-        engine.flush_cache()
-        times = gpu_seconds(
-            lambda: engine.generate(
-                input_ids=workload.prompts,
-                sampling_params=[_params(n) for n in workload.output_lens],
-            )
-        )
     row = result_row(
         mode,
         engine.runner.cuda_graphs.summary(),
@@ -149,11 +138,15 @@ def run_mode(
         output_tokens=sum(len(o["output_ids"]) for o in outputs),
         requested_output_tokens=sum(workload.output_lens),
         seconds=seconds,
-        forwards=forwards,
+        forwards=dataclasses.asdict(engine.runner.forward_stats)["phases"],
         overlap=engine.scheduler.overlap,
         server_args=extra,
     )
     if profiled:
+        engine.flush_cache()
+        times = gpu_seconds(
+            lambda: engine.generate(input_ids=workload.prompts, sampling_params=params)
+        )
         row["gpu_seconds"] = {k: round(v, 3) for k, v in times.items()}
     return row
 
@@ -215,7 +208,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 def gpu_table(rows: list[dict[str, Any]]) -> str:
     """The profiled runs' GPU seconds: wall, busy (some kernel running), then per category."""
-    columns = ["wall", "busy", *KERNEL_CATEGORY_NAMES, "other"]
+    columns = ["wall", "busy", *(name for name, _ in KERNEL_CATEGORIES), "other"]
     lines = [
         "| run | " + " | ".join(columns) + " |",
         "|---|" + "---:|" * len(columns),
