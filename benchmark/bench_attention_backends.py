@@ -31,11 +31,13 @@ import torch
 from replaylm.layers.attention.base import AttentionBackend, CudaGraphAttentionBackend
 from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.registry import create_attention_backend
+from replaylm.mem_cache.kv_cache import KVCache
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
+from replaylm.mem_cache.token_allocator import TokenSlotAllocator
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 
-from common import capture_graph, environment, median_ms, write_json
+from common import capture_graph, median_ms, write_json
 
 DTYPE = torch.bfloat16
 KV_HEADS, DIM = 8, 128
@@ -79,8 +81,7 @@ class Setup:
             [prefix] * n,
             list(range(n)),
             slots[:, prefix:].flatten().tolist(),
-            self.table,
-            self.pool,
+            KVCache(self.pool, TokenSlotAllocator(self.pool.size), self.table),
             self.backend,
         )
 
@@ -175,7 +176,7 @@ def main() -> None:
             cells.append(f"{r['us']:9.1f} us (+{r['hook_us']:6.1f})")
         print(f"{model:13} {phase:8} {case:14} " + " ".join(f"{c:>22}" for c in cells))
     if args.json:
-        write_json(args.json, {"environment": environment(), "rows": rows})
+        write_json(args.json, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def time_prefill(runner: ModelRunner, n: int, length: int, eager: bool) -> dict[
     if eager:
         out["eager_ms"] = cuda_time_ms(lambda: eager_forward(runner, batch))
     for r in reqs:
-        release(r, runner)
+        release(r, runner.kv)
     return out
 
 
@@ -107,7 +107,7 @@ def time_decode(runner: ModelRunner, bs: int, context: int, eager: bool) -> dict
     if eager:
         out["eager_ms"] = cuda_time_ms(lambda: eager_forward(runner, batch))
     for r in reqs:
-        release(r, runner)
+        release(r, runner.kv)
     return out
 
 
@@ -118,9 +118,9 @@ def _collective(kernel: str) -> bool:
 def decode_bytes(runner: ModelRunner, bs: int, context: int) -> int:
     """What one rank's decode step reads: its weights and its KV heads' cache."""
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    pool = runner.kv_pool
+    pool = runner.kv.pool
     kv = pool.bytes_per_token(
-        runner.config.num_hidden_layers, pool.num_kv_heads, pool.head_dim, runner.dtype
+        runner.config.num_hidden_layers, pool.num_kv_heads, pool.head_dim, pool.dtype
     )
     return weights + bs * context * kv
 

@@ -72,6 +72,7 @@ from replaylm.sampling_params import SamplingParams
 
 from common import (
     SCHEDULER_WARMUP_STEPS,
+    bench_scheduler,
     build_runner,
     config_path,
     launched_server,
@@ -254,7 +255,8 @@ def decode_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
                 for i in range(bs)
             ]
-            ms[setting] = scheduler_decode_ms(runner, reqs, args.decode_steps, setting == "on")
+            sched = bench_scheduler(runner, prefix_cache=setting == "on")
+            ms[setting] = scheduler_decode_ms(sched, reqs, args.decode_steps)
         for setting, value in ms.items():
             rows.append(
                 {

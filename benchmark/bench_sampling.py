@@ -29,12 +29,13 @@ import torch
 
 from replaylm.layers.kernels import native_only
 from replaylm.layers.sampler import Sampler, SamplingBatchInfo
-from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.request import Req
+from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 
 from common import (
     SCHEDULER_WARMUP_STEPS,
+    bench_scheduler,
     build_runner,
     config_path,
     cuda_time_ms,
@@ -62,12 +63,12 @@ def _requests(bs: int, context: int, max_new: int, vocab: int, setting: str) -> 
     ]
 
 
-def time_decode(runner: ModelRunner, bs: int, context: int, steps: int, setting: str) -> float:
+def time_decode(sched: Scheduler, bs: int, context: int, steps: int, setting: str) -> float:
     """Milliseconds per decode step of `bs` requests under `setting` (see the module
     docstring)."""
     max_new = SCHEDULER_WARMUP_STEPS + steps + 8
-    reqs = _requests(bs, context, max_new, runner.config.vocab_size, setting)
-    return scheduler_decode_ms(runner, reqs, steps)
+    reqs = _requests(bs, context, max_new, sched.runner.config.vocab_size, setting)
+    return scheduler_decode_ms(sched, reqs, steps)
 
 
 def time_sampler(vocab: int, bs: int, device: str) -> dict[str, float]:
@@ -121,12 +122,14 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     tokens_per_req = args.context + SCHEDULER_WARMUP_STEPS + args.steps + 16
-    runner = build_runner(args.model_path, args.device, max(args.bs), tokens_per_req)
+    sched = bench_scheduler(
+        build_runner(args.model_path, args.device, max(args.bs), tokens_per_req)
+    )
     model = Path(args.model_path).stem if args.model_path.endswith(".json") else args.model_path
     rows = []
     for bs in args.bs:
-        off = round(time_decode(runner, bs, args.context, args.steps, "off"), 4)
-        on = round(time_decode(runner, bs, args.context, args.steps, "on"), 4)
+        off = round(time_decode(sched, bs, args.context, args.steps, "off"), 4)
+        on = round(time_decode(sched, bs, args.context, args.steps, "on"), 4)
         for setting, ms in (("off", off), ("on", on)):
             rows.append(
                 {

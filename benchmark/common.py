@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import gc
 import json
+import os
+import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -38,8 +42,10 @@ from replaylm.layers.attention.triton.decode import (
     num_kv_splits,
 )
 from replaylm.layers.attention.triton.extend import extend_attention
+from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_executor.forward_batch import ForwardBatch
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend
 from replaylm.runtime.request import Req
 from replaylm.runtime.scheduler import Scheduler
@@ -49,6 +55,7 @@ from replaylm.server_args import ServerArgs
 BENCHMARK_DIR = Path(__file__).resolve().parent
 REPO = BENCHMARK_DIR.parent
 CONFIGS = BENCHMARK_DIR / "configs"
+RESULTS = BENCHMARK_DIR / "results"  # results/<gpu_slug>/<benchmark>.json: what the docs show
 
 
 # ---- model configs -------------------------------------------------------------------------------
@@ -190,10 +197,51 @@ def _command_output(*cmd: str) -> str | None:
     return out.stdout.strip() or None
 
 
+def _portable(arg: str) -> str:
+    """A command-line argument as it reads on any machine: an absolute path (or `--flag=` one)
+    under the repository relative to it, any other absolute path by its file name."""
+    if arg.startswith("--") and "=" in arg:
+        flag, value = arg.split("=", 1)
+        return f"{flag}={_portable(value)}"
+    if not os.path.isabs(arg):
+        return arg
+    path = Path(arg).resolve()
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
+
+
+def run_command(argv: list[str]) -> str:
+    """The command line `argv` (sys.argv's shape) as typed at the repository's root: `python`,
+    the script's path, its arguments (`_portable`) less `--json PATH`, which only says where the
+    result went."""
+    args: list[str] = []
+    rest = iter(argv[1:])
+    for arg in rest:
+        if arg == "--json":
+            next(rest, None)
+        elif not arg.startswith("--json="):
+            args.append(_portable(arg))
+    script = os.path.abspath(argv[0])  # argv[0] is relative to the folder it was run from
+    return shlex.join(["python", _portable(script), *args])
+
+
+def gpu_slug(gpu: str | None) -> str:
+    """The folder under results/ of what ran on the device named `gpu` (None: the CPU): the
+    model's short lowercase name, "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA GeForce RTX 4090"
+    -> "rtx4090"."""
+    if gpu is None:
+        return "cpu"
+    words = [w for w in re.split(r"[^a-z0-9]+", gpu.lower()) if w]
+    for i, word in enumerate(words):
+        if any(c.isdigit() for c in word):
+            return words[i - 1] + word if word.isdigit() and i > 0 else word
+    return "".join(words)
+
+
 @functools.cache
 def environment() -> dict[str, str | None]:
-    """What a result depends on besides its arguments: the GPU, its driver, torch, CUDA and
-    triton versions, and the commit measured (None for what this machine cannot tell)."""
+    """What a result depends on besides its arguments, and where it came from: the GPU, its
+    driver, torch, CUDA and triton versions, the commit measured (None for what this machine
+    cannot tell), the date (UTC) and this process's command line (`run_command`)."""
     cuda = torch.cuda.is_available()
     driver = _command_output("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
     commit = _command_output("git", "rev-parse", "--short", "HEAD")
@@ -206,6 +254,8 @@ def environment() -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
         "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "command": run_command(sys.argv),
     }
 
 
@@ -218,9 +268,19 @@ def json_path_arg(doc: str | None) -> Path | None:
     return parser.parse_args().json
 
 
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Write a benchmark's result `doc` to `path`, with the `environment` it was measured in."""
-    path.write_text(json.dumps({"environment": environment(), **doc}, indent=1))
+def write_json(path: Path, doc: dict[str, Any], command: str | None = None) -> None:
+    """Write a benchmark's result `doc` to `path` (its folders made), with the `environment` it
+    was measured in where `doc` has none; `command`: the command line recorded, when not this
+    process's."""
+    env = environment() | ({"command": command} if command else {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"environment": env, **doc}, indent=1))
+
+
+def add_environment(path: Path, command: str) -> None:
+    """Give the JSON at `path`, written by `command` (a tool that does not use `write_json`, as
+    the accuracy suite), the environment block a benchmark's result carries."""
+    write_json(path, json.loads(path.read_text()), command)
 
 
 def release_memory() -> None:
@@ -289,22 +349,27 @@ def dummy_runner(
     room for `max_bs` requests of `context` tokens, default decode shapes (up to 256) and prefill
     buckets (up to 2048); `extra`: further ServerArgs fields (with `tp_size` and
     `dist_init_addr`: the runner of rank `tp_rank`)."""
-    return ModelRunner(
-        ServerArgs(
-            model_path=str(config_path(model)),
-            load_format="dummy",
-            device="cuda",
-            dtype="bfloat16",
-            max_running_requests=256,
-            context_length=max(context, 2048) + 64,
-            max_total_tokens=max_bs * (context + 64) + 4096,
-            cuda_graph_mode=modes,
-            chunked_prefill_size=2048,
-            mem_fraction_static=0.85,
-            **(extra or {}),
-        ),
-        tp_rank=tp_rank,
+    return load_model_runner(
+        resolve_engine_config(
+            ServerArgs(
+                model_path=str(config_path(model)),
+                load_format="dummy",
+                device="cuda",
+                dtype="bfloat16",
+                max_running_requests=256,
+                context_length=max(context, 2048) + 64,
+                max_total_tokens=max_bs * (context + 64) + 4096,
+                cuda_graph_mode=modes,
+                chunked_prefill_size=2048,
+                mem_fraction_static=0.85,
+                **(extra or {}),
+            ),
+            tp_rank=tp_rank,
+        )
     )
+
+
+PREFILL_CHUNK = 2048  # the server's default --chunked-prefill-size
 
 
 def build_runner(
@@ -317,16 +382,18 @@ def build_runner(
     """A runner of `model_path` (a `.json` config: dummy weights) on `device`, default modes,
     whose KV pool and request table hold `max_bs` requests of `tokens_per_req` tokens (the KV
     pool less where the GPU's memory ends first); `extra`: further ServerArgs fields."""
-    return ModelRunner(
-        ServerArgs(
-            model_path=model_path,
-            load_format="dummy" if model_path.endswith(".json") else "auto",
-            device=device,
-            max_running_requests=max_bs,
-            context_length=tokens_per_req,
-            max_total_tokens=max_bs * tokens_per_req + 64,
-            chunked_prefill_size=2048,
-            **(extra or {}),
+    return load_model_runner(
+        resolve_engine_config(
+            ServerArgs(
+                model_path=model_path,
+                load_format="dummy" if model_path.endswith(".json") else "auto",
+                device=device,
+                max_running_requests=max_bs,
+                context_length=tokens_per_req,
+                max_total_tokens=max_bs * tokens_per_req + 64,
+                chunked_prefill_size=PREFILL_CHUNK,
+                **(extra or {}),
+            )
         )
     )
 
@@ -351,16 +418,19 @@ def decode_batch(runner: ModelRunner, bs: int, context: int) -> tuple[list[Req],
 SCHEDULER_WARMUP_STEPS = 20  # untimed decode steps before `scheduler_decode_ms` times any
 
 
-def scheduler_decode_ms(
-    runner: ModelRunner, reqs: list[Req], steps: int, prefix_cache: bool = True
-) -> float:
-    """Milliseconds per decode step of `reqs` through a Scheduler as a server runs it (the
-    overlap schedule, the runner's CUDA-graph modes): every request prefilled and decoding, then
-    SCHEDULER_WARMUP_STEPS untimed steps, then `steps` timed ones (the device synchronised
-    before and after). The requests need max_new_tokens > SCHEDULER_WARMUP_STEPS + steps; they
-    are aborted after, their KV freed and the prefix cache flushed (the runner's pool is reused)."""
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    sched = Scheduler(runner, frozenset(), None, 2048, None, prefix_cache=prefix_cache)
+def bench_scheduler(runner: ModelRunner, prefix_cache: bool = True) -> Scheduler:
+    """A Scheduler over `runner` as a server runs it (the overlap schedule, default chunks)."""
+    return Scheduler(runner, frozenset(), None, PREFILL_CHUNK, None, prefix_cache=prefix_cache)
+
+
+def scheduler_decode_ms(sched: Scheduler, reqs: list[Req], steps: int) -> float:
+    """Milliseconds per decode step of `reqs` through `sched` (the runner's CUDA-graph modes):
+    every request prefilled and decoding, then SCHEDULER_WARMUP_STEPS untimed steps, then
+    `steps` timed ones (the device synchronised before and after). The requests need
+    max_new_tokens > SCHEDULER_WARMUP_STEPS + steps; they are aborted after, their KV freed and
+    the prefix cache flushed (the runner's pool is reused)."""
+    device = sched.runner.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for req in reqs:
         sched.add(req)
     while sched.waiting or len(sched.running) < len(reqs):  # prefill steps
@@ -376,7 +446,7 @@ def scheduler_decode_ms(
     for req in reqs:
         sched.abort(req.rid)
     sched.run_to_completion()
-    sched.kv.flush()
+    sched.prefix_cache.flush()
     return elapsed / steps * 1e3
 
 

@@ -2,6 +2,14 @@
 # The GPU check: run test/gpu and the benchmarks on a CUDA machine, log everything under $OUT,
 # and print a short summary table last.
 #
+# Each benchmark's JSON gets its canonical name, results/GPU/NAME.json (GPU: the device's short
+# name as benchmark/common.py's gpu_slug gives it, e.g. h200; NAME: the benchmark's name below,
+# serving's serving_DECODE_PREFILL), as does the accuracy suite's summary (accuracy.json, unless
+# $REPLAYLM_ACCURACY_JSON says otherwise). At the end $OUT/results is packed into one file,
+# $OUT/results.tar.gz, and removed, so that a copy of $OUT brings few files back:
+# `tar -xzf results.tar.gz -C benchmark` lays them over benchmark/results/, and
+# `python benchmark/render_docs.py` renders docs/benchmarks.md from them.
+#
 #   bash scripts/gpu_check.sh [pytest args...]
 #   GPU_CHECK_BENCH=0: tests only; GPU_CHECK_TESTS=0: benchmarks only;
 #   GPU_CHECK_BENCHES="one_batch startup": run only those benchmarks (default: attention matmul
@@ -32,7 +40,7 @@
 #   128, sigma 1, at most 4096 and 1024), then the multi_turn workload once (64 conversations of 4
 #   turns, all at once). Each finite rate R sends round(10 * R) requests (at least 100: about 10 s
 #   of arrivals), inf sends 512: sized so that two servers' runs fit in 8 minutes on an H100. JSON:
-#   bench_serving_rates_TAG.json and bench_serving_multi_turn_TAG.json, TAG the flags (defaults,
+#   serving_rates_TAG.json and serving_multi_turn_TAG.json, TAG the flags (defaults,
 #   enable-mixed-chunk, ...); img/serving_rates.png plots the sweeps (ITL p99, TTFT p50, output
 #   tok/s per rate, a line per server) when matplotlib imports.
 #   decode_host_scale: decode_host's host time per step at 256, 512 and 1024 running requests
@@ -68,6 +76,12 @@ export PYTHONPATH="$PWD/python:$PWD/test:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/gpu.txt"
+common_py() {  # python code using benchmark/common.py as `common`, args...: its sys.argv[1:]
+    python3 -c "import sys; sys.path.insert(0, 'benchmark'); import common; $1" "${@:2}"
+}
+slug=$(common_py 'print(common.gpu_slug(common.environment()["gpu"]))') || slug=unknown
+results="$OUT/results/$slug"
+export REPLAYLM_ACCURACY_JSON="${REPLAYLM_ACCURACY_JSON:-$results/accuracy.json}"
 
 gpus=$(nvidia-smi -L | wc -l)
 tp_sizes() {  # those of the arguments this machine's GPUs allow
@@ -81,14 +95,18 @@ if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
         --junitxml="$OUT/gpu_tests.xml" "$@" \
         2>&1 | tee "$OUT/gpu_tests.log"
     tests_rc=${PIPESTATUS[0]}
+    if [ -f "$REPLAYLM_ACCURACY_JSON" ]; then  # the accuracy suite ran: its JSON, as a result's
+        common_py 'import pathlib; common.add_environment(pathlib.Path(sys.argv[1]), sys.argv[2])' \
+            "$REPLAYLM_ACCURACY_JSON" "python -m pytest ${GPU_CHECK_TARGETS:-test/gpu} $*"
+    fi
 fi
 
 bench_rc=0
-run_bench() {  # name, script, args...: JSON to $OUT/name.json, output appended to bench.log
+run_bench() {  # bench_NAME, script, args...: JSON to $results/NAME.json, output to bench.log
     local name=$1 script=$2
     shift 2
     echo "=== $name" | tee -a "$OUT/bench.log"
-    python3 "$script" --json "$OUT/$name.json" "$@" 2>&1 | tee -a "$OUT/bench.log"
+    python3 "$script" --json "$results/${name#bench_}.json" "$@" 2>&1 | tee -a "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || bench_rc=1
 }
 port=30123  # the local server's, for the serving benchmarks
@@ -145,7 +163,7 @@ serving_rates_local() {  # per GPU_CHECK_SERVING_ARGS entry: a server, its rate 
             --base-url "http://127.0.0.1:$port" --endpoint generate --workload multi_turn \
             --num-prompts 64 --turns 4 --random-token-range 100 40000 --disable-tqdm
         stop_server
-        jsons+=("$OUT/bench_serving_rates_$tag.json")
+        jsons+=("$results/serving_rates_$tag.json")
         tags+=("$tag")
     done
     if python3 -c "import matplotlib" 2>/dev/null; then
@@ -199,4 +217,7 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
 fi
 
 python3 scripts/summarize_gpu_check.py "$OUT"
+if [ -d "$OUT/results" ]; then
+    tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -r "$OUT/results"
+fi
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

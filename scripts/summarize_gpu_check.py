@@ -3,7 +3,7 @@
     python scripts/summarize_gpu_check.py OUT
 
 One row per test file (passed / failed / skipped, seconds) from the JUnit XML, then the `summary`
-rows of every benchmark JSON (`{"summary": [{"name": ..., ...}, ...]}`).
+rows of every benchmark JSON under OUT/results/<gpu>/ (`{"summary": [{"name": ..., ...}, ...]}`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main(out: Path) -> None:
             print(f"{name:44} {p:5d} {f:5d} {s:5d} {t:7.1f}")
     else:
         print("no test results (pytest did not run)")
-    for path in sorted(out.glob("bench_*.json")):
+    for path in sorted(out.glob("results/*/*.json")):
         rows = json.loads(path.read_text()).get("summary", [])
         print(f"\n{path.stem}")
         for row in rows:

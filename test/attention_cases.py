@@ -16,8 +16,10 @@ from replaylm.layers.attention.base import AttentionBackend
 from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.torch_native import TorchNativeAttnBackend
 from replaylm.layers.attention.triton.decode import decode_attention
+from replaylm.mem_cache.kv_cache import KVCache
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
+from replaylm.mem_cache.token_allocator import TokenSlotAllocator
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -83,8 +85,7 @@ def make_case(
         prefix_lens,
         rows,
         torch.cat(new_slots).tolist(),
-        table,
-        pool,
+        KVCache(pool, TokenSlotAllocator(pool.size), table),
         backend or TorchNativeAttnBackend(),
     )
     t = sum(extend_lens)
@@ -102,12 +103,13 @@ def reference(case: Case) -> torch.Tensor:
     """torch_native's output in float32, over a float32 copy of the pool (new K/V stored)."""
     b = case.batch
     pool = KVPool(
-        b.kv_pool.size, 1, b.kv_pool.num_kv_heads, b.kv_pool.head_dim, torch.float32, case.q.device
+        b.kv.pool.size, 1, b.kv.pool.num_kv_heads, b.kv.pool.head_dim, torch.float32, case.q.device
     )
-    pool.k_buffers[0].copy_(b.kv_pool.k_buffers[0])
-    pool.v_buffers[0].copy_(b.kv_pool.v_buffers[0])
+    pool.k_buffers[0].copy_(b.kv.pool.k_buffers[0])
+    pool.v_buffers[0].copy_(b.kv.pool.v_buffers[0])
     native = TorchNativeAttnBackend()
-    ref_batch = dataclasses.replace(b, kv_pool=pool, attn_backend=native)
+    kv = dataclasses.replace(b.kv, pool=pool)
+    ref_batch = dataclasses.replace(b, kv=kv, attn_backend=native)
     native.init_forward_metadata(ref_batch)
     q = case.q.float()
     return native.forward(
@@ -137,9 +139,9 @@ def triton_decode(
     b = case.batch
     decode_attention(
         case.q,
-        b.kv_pool.k_buffers[0],
-        b.kv_pool.v_buffers[0],
-        b.req_to_token_pool.req_to_token,
+        b.kv.pool.k_buffers[0],
+        b.kv.pool.v_buffers[0],
+        b.kv.req_to_token.req_to_token,
         b.req_pool_indices,
         b.seq_lens if seq_lens is None else seq_lens,
         out,

@@ -4,7 +4,7 @@ Without a CUDA GPU, Triton kernels can only run in Triton's interpreter (on CPU 
 switch is read when a kernel is defined, so it is set here, before any test module imports one.
 
 HTTP servers for the CPU tests: `http_server` is the built-in SmolLM2 on CPU, started once per
-session (~20-30 s) and shared by the HTTP test modules (test/unit) and the accuracy harness test
+session (~20-30 s) and shared by the HTTP test modules (test/cpu) and the accuracy harness test
 (test/accuracy); `server_factory` starts further ones (tiny checkpoints: seconds).
 `tiny_qwen3_runner`: a CPU ModelRunner of a tiny Qwen3 checkpoint, for graph-runner tests.
 """
@@ -59,15 +59,18 @@ def server_factory() -> Iterator[Callable[..., ServerProcess]]:
 def tiny_qwen3_runner(tmp_path_factory):
     """A CPU ModelRunner of a tiny random Qwen3 (512 KV slots, 8 request rows), per module."""
     # imported here, after TRITON_INTERPRET is set: they load modules that import triton
-    from replaylm.model_executor.model_runner import ModelRunner
+    from replaylm.model_executor.engine_config import resolve_engine_config
+    from replaylm.model_executor.runner_setup import load_model_runner
     from replaylm.server_args import ServerArgs
 
     from tiny_checkpoints import write_tiny_checkpoint
 
     folder = tmp_path_factory.mktemp("tiny_qwen3")
     write_tiny_checkpoint("qwen3", folder)
-    return ModelRunner(
-        ServerArgs(
-            model_path=str(folder), device="cpu", max_total_tokens=512, max_running_requests=8
+    return load_model_runner(
+        resolve_engine_config(
+            ServerArgs(
+                model_path=str(folder), device="cpu", max_total_tokens=512, max_running_requests=8
+            )
         )
     )

@@ -20,7 +20,7 @@ HTTP_SERVER_FLAGS = ("--max-total-tokens", str(KV_TOKENS), "--context-length", s
 TIMEOUT_S = 120
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colours."}]
-TINY_API_KEY = "sekret"  # the key of test/unit/conftest.py's `tiny_keyed_server`
+TINY_API_KEY = "sekret"  # the key of test/cpu/conftest.py's `tiny_keyed_server`
 BENCH_SERVING = Path(__file__).resolve().parents[1] / "benchmark" / "bench_serving.py"
 
 

@@ -10,11 +10,11 @@ from replaylm.entrypoints.engine import Engine
 def assert_kv_released(engine: Engine) -> None:
     scheduler, runner = engine.scheduler, engine.runner
     assert not scheduler.has_work
-    tree = scheduler.kv.tree
+    tree = scheduler.prefix_cache.tree
     if tree is not None:
         assert tree.protected_size == 0  # no request holds a cached prefix
-        assert tree.total_size + runner.token_allocator.available_size() == runner.max_total_tokens
-        scheduler.kv.flush()
+        assert tree.total_size + runner.kv.allocator.available_size() == runner.kv.size
+        scheduler.prefix_cache.flush()
         assert tree.total_size == 0
-    assert runner.token_allocator.available_size() == runner.max_total_tokens
-    assert runner.req_to_token_pool.available_size() == engine.server_args.max_running_requests
+    assert runner.kv.allocator.available_size() == runner.kv.size
+    assert runner.kv.req_to_token.available_size() == engine.server_args.max_running_requests

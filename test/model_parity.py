@@ -1,6 +1,6 @@
 """Shared scenarios comparing our ModelRunner with HF transformers on tiny random checkpoints.
 
-`test/unit` runs them in float32 on the CPU (to 1e-4), `test/gpu` in bfloat16 on CUDA (relative
+`test/cpu` runs them in float32 on the CPU (to 1e-4), `test/gpu` in bfloat16 on CUDA (relative
 error by norm). Each scenario takes `close(ours, ref)`, which asserts one logits row is close.
 """
 
@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
@@ -26,13 +28,15 @@ Close = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def make_runner(folder: str, device: str, dtype: str) -> ModelRunner:
-    return ModelRunner(
-        ServerArgs(
-            model_path=folder,
-            device=device,
-            dtype=dtype,
-            max_total_tokens=1024,
-            max_running_requests=8,
+    return load_model_runner(
+        resolve_engine_config(
+            ServerArgs(
+                model_path=folder,
+                device=device,
+                dtype=dtype,
+                max_total_tokens=1024,
+                max_running_requests=8,
+            )
         )
     )
 
@@ -40,18 +44,20 @@ def make_runner(folder: str, device: str, dtype: str) -> ModelRunner:
 def dummy_runner(config: str | Path, device: str, dtype: str, **args: Any) -> ModelRunner:
     """A ModelRunner on random weights (`--load-format dummy`) for the HF config file `config`;
     `args` are further ServerArgs fields."""
-    return ModelRunner(
-        ServerArgs(
-            **{
-                "model_path": str(config),
-                "load_format": "dummy",
-                "device": device,
-                "dtype": dtype,
-                "max_total_tokens": 2048,
-                "max_running_requests": 8,
-                "context_length": 1024,
-                **args,
-            }
+    return load_model_runner(
+        resolve_engine_config(
+            ServerArgs(
+                **{
+                    "model_path": str(config),
+                    "load_format": "dummy",
+                    "device": device,
+                    "dtype": dtype,
+                    "max_total_tokens": 2048,
+                    "max_running_requests": 8,
+                    "context_length": 1024,
+                    **args,
+                }
+            )
         )
     )
 
@@ -99,7 +105,7 @@ def scripted_logits(
             req.output_ids.append(first_decode_id + step)
         out.append(runner.forward(prepare_decode(reqs, runner)).float().clone())
     for req in reqs:
-        release(req, runner)
+        release(req, runner.kv)
     return out
 
 
@@ -117,7 +123,7 @@ def chunked_then_decode_logits(runner: ModelRunner) -> list[torch.Tensor]:
             req.output_ids.append(1000 + 7 * step)
         out.append(runner.forward(prepare_decode(reqs, runner)).clone())
     for req in reqs:
-        release(req, runner)
+        release(req, runner.kv)
     return [o.float() for o in out]
 
 
@@ -158,9 +164,9 @@ def prefill_then_decode(hf_model, runner: ModelRunner, close: Close, steps: int 
         logits = runner.forward(prepare_decode(reqs, runner))
         _check(hf_model, runner, reqs, logits, close)
     for req in reqs:
-        release(req, runner)
-    assert runner.token_allocator.available_size() == runner.max_total_tokens
-    assert runner.req_to_token_pool.available_size() == 8
+        release(req, runner.kv)
+    assert runner.kv.allocator.available_size() == runner.kv.size
+    assert runner.kv.req_to_token.available_size() == 8
 
 
 def chunked_prefill_over_prefix(hf_model, runner: ModelRunner, close: Close) -> None:
@@ -172,7 +178,7 @@ def chunked_prefill_over_prefix(hf_model, runner: ModelRunner, close: Close) -> 
     logits = runner.forward(prepare_extend(rest, runner))
     _check(hf_model, runner, rest, logits, close)
     for req in reqs:
-        release(req, runner)
+        release(req, runner.kv)
 
 
 def divergence_gaps(
@@ -194,7 +200,7 @@ def top2_gap(runner: ModelRunner, ids: list[int]) -> float:
     req = Req("gap", ids, SamplingParams(), 0, 1)
     with torch.inference_mode():
         logits = runner.forward(prepare_extend([req], runner))[0]
-    release(req, runner)
+    release(req, runner.kv)
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
 

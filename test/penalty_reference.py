@@ -1,5 +1,5 @@
 """The logit adjustments (penalties, logit_bias, min_tokens) written out plainly in torch, one
-request at a time from its prompt and output ids, and a recorder of what a ModelRunner's sampler
+request at a time from its prompt and output ids, and a recorder of what a Scheduler's sampler
 is handed, to compare every sampled row with that reference (CPU and CUDA tests)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.request import Req
+from replaylm.runtime.scheduler import Scheduler
 from replaylm.sampling_params import SamplingParams
 
 
@@ -43,8 +43,8 @@ def reference_logits(
 
 @dataclass
 class SampledStep:
-    """One `runner.sample` call: each row's seed (which request) and step (tokens out before),
-    the model's logits and the logits the sampler saw (None: the raw ones), on the CPU."""
+    """One `Scheduler.draw_tokens` call: each row's seed (which request) and step (tokens out
+    before), the model's logits and the logits the sampler saw (None: the raw ones), on the CPU."""
 
     seeds: list[int]
     steps: list[int]
@@ -52,18 +52,19 @@ class SampledStep:
     adjusted: torch.Tensor | None
 
 
-def record_sampling(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[SampledStep]:
-    """From now on (until the test ends), every `runner.sample` call is appended to the returned
-    list before it runs as it would (the recording waits for the GPU; the results are the same)."""
+def record_sampling(scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch) -> list[SampledStep]:
+    """From now on (until the test ends), every `scheduler.draw_tokens` call is appended to the
+    returned list before it runs as it would (the recording waits for the GPU; the results are
+    the same)."""
     calls: list[SampledStep] = []
-    sample = runner.sample
+    sample = scheduler.draw_tokens
 
     def recorded(logits, info, steps, adjust=None):
         adjusted = adjust.apply(logits).cpu() if adjust is not None else None
         calls.append(SampledStep(info.seeds.tolist(), steps.tolist(), logits.cpu(), adjusted))
         return sample(logits, info, steps, adjust)
 
-    monkeypatch.setattr(runner, "sample", recorded)
+    monkeypatch.setattr(scheduler, "draw_tokens", recorded)
     return calls
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from replaylm.distributed.launch import run_on_ranks
-from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.engine_config import resolve_engine_config
+from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.server_args import ServerArgs
 
 from model_parity import scripted_logits
@@ -46,7 +47,7 @@ def runner_logits(args: ServerArgs, rank: int) -> list[np.ndarray]:
     tensors would cross the process boundary as shared memory of an exited process)."""
     if args.device == "cpu":
         torch.set_num_threads(1)  # the ranks share the machine's cores
-    runner = ModelRunner(args, tp_rank=rank)
+    runner = load_model_runner(resolve_engine_config(args), tp_rank=rank)
     logits = scripted_logits(runner, prompt_lens=(5, 40, 17), first_decode_id=200)
     return [t.cpu().numpy() for t in logits]
 

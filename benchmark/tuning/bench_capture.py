@@ -42,7 +42,8 @@ import triton.runtime.jit as triton_jit
 from replaylm.model_executor.cuda_graph.backend import breakable, full
 from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGraph
 from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner
-from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.engine_config import resolve_engine_config
+from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.server_args import ServerArgs
 
 from common import config_path, release_memory, write_json
@@ -137,7 +138,9 @@ def bench_model(model: str, modes: str) -> list[dict[str, Any]]:
     )
     rows: list[dict[str, Any]] = []
     with instrumented(timers):
-        runner = ModelRunner(args)  # captures each phase in turn, as a server's start does
+        runner = load_model_runner(
+            resolve_engine_config(args)
+        )  # captures each phase in turn, as a server's start does
         for pass_name in ("start", "again", "no empty_cache"):
             if pass_name != "start":
                 noop = patch.object(torch.cuda, "empty_cache", lambda: None)

@@ -38,7 +38,7 @@ from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 
-from common import build_runner, config_path, write_json
+from common import PREFILL_CHUNK, build_runner, config_path, write_json
 
 DEFAULT_MODEL = config_path("qwen3-0.6b")
 WARMUP = 20
@@ -60,7 +60,7 @@ def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) ->
         for i in range(bs)
     ]
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    group = max(1, runner.args.chunked_prefill_size // context)  # requests per prefill batch
+    group = max(1, PREFILL_CHUNK // context)  # requests per prefill batch
     with torch.inference_mode():
         tokens = []
         for start in range(0, bs, group):
@@ -82,7 +82,7 @@ def time_decode_steps(runner: ModelRunner, bs: int, context: int, steps: int) ->
                 forward.append(launched - prepared)
                 step.append(time.perf_counter() - start)
     for req in reqs:
-        release(req, runner)
+        release(req, runner.kv)
     return {
         "prepare_us": round(statistics.median(prepare) * 1e6, 1),
         "forward_us": round(statistics.median(forward) * 1e6, 1),
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     most = max(args.bs)
     graphs = {"decode_cuda_graph_bs": sorted(set(args.bs))}
     runner = build_runner(args.model_path, args.device, most, tokens_per_req, graphs)
-    if runner.max_total_tokens < most * tokens_per_req:
+    if runner.kv.size < most * tokens_per_req:
         raise SystemExit(
-            f"the KV cache holds {runner.max_total_tokens} tokens, fewer than {most} requests "
+            f"the KV cache holds {runner.kv.size} tokens, fewer than {most} requests "
             f"of {tokens_per_req} need ({most * tokens_per_req}): lower --context or --steps"
         )
     model = Path(args.model_path).stem if args.model_path.endswith(".json") else args.model_path

@@ -28,13 +28,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 
-from replaylm.layers.attention.registry import check_deterministic
-from replaylm.layers.attention.selection import resolve_phase_backends
-from replaylm.model_executor.cuda_graph.config import (
-    CudaGraphConfig,
-    check_cuda_graph_args,
-    resolve_cuda_graph_config,
-)
+from replaylm.model_executor.cuda_graph.config import check_cuda_graph_args
+from replaylm.model_executor.engine_config import EngineConfig, resolve_engine_config
 from replaylm.runtime.scheduler_process import (
     SchedulerProcess,
     one_line_error,
@@ -75,9 +70,8 @@ def _usage_error(message: str) -> NoReturn:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
-    """(server args, whether to only print the CUDA-graph config). Checks what needs no device
-    (and so no torch); `resolve_for_device` checks the rest, or for `--device auto` the
-    scheduler process, which finds out the device."""
+    """(server args, whether to only print the CUDA-graph config). Checks what needs no device;
+    `resolve_engine_config` resolves the rest for this machine."""
     parser = argparse.ArgumentParser(
         prog="python -m replaylm.launch_server",
         description=__doc__,
@@ -102,47 +96,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
     except (ValueError, FileNotFoundError) as err:
         _usage_error(str(err))
     return args, ns.print_cuda_graph_config
-
-
-def resolve_for_device(args: ServerArgs) -> CudaGraphConfig:
-    """The CUDA-graph config for the device the model will load on, after the checks that
-    depend on it; ValueError with a one-line message for a bad combination."""
-    device = _graph_device(args.device)
-    graphs = resolve_cuda_graph_config(args, device)
-    if args.deterministic:
-        backends = resolve_phase_backends(
-            args.attention_backend, args.prefill_attention_backend, device
-        )
-        for backend in {backends.decode, backends.prefill}:
-            check_deterministic(backend)
-    if args.enable_pdl and device != "cuda":  # a GPU's capability: where the model loads
-        import torch
-
-        from replaylm.layers.kernels import check_pdl
-
-        check_pdl(True, torch.device(device))
-    return graphs
-
-
-def _graph_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch  # only here: --print-cuda-graph-config with an explicit device needs no torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def log_cuda_graph_config(graphs: CudaGraphConfig) -> None:
-    for warning in graphs.warnings:
-        logger.warning("%s", warning)
-    for note in graphs.notes:
-        logger.info("%s", note)
-    logger.info(
-        "CUDA graphs: %s (decode from %s, prefill from %s)",
-        graphs.summary(),
-        graphs.decode.source,
-        graphs.prefill.source,
-    )
 
 
 class GracefulServer(uvicorn.Server):
@@ -190,42 +143,39 @@ class GracefulServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     """Start-up runs in parallel: the scheduler process starts loading the model first, while
-    this process loads the tokenizer; torch is the scheduler's to import (this process checks
-    the device-dependent flags itself only for a named device, where that needs no torch; the
-    scheduler resolves `auto`, and its config is what the log and /get_server_info show). Each
-    stage of the start is logged as it ends (`startup stage ...`)."""
+    this process loads the tokenizer. This process resolves the settings for the machine once
+    (the GPUs probed through the driver: torch is the scheduler's to import) and hands them to
+    the scheduler. Each stage of the start is logged as it ends (`startup stage ...`)."""
     stages = StartupStages.from_process_start("http")
     args, print_only = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    config = _resolve_or_exit(args)  # a bad combination fails here, before anything starts
     if print_only:
-        graphs = _resolve_or_exit(args)
-        for warning in graphs.warnings:
+        for warning in config.cuda_graphs.warnings:
             logger.warning("%s", warning)
-        print(json.dumps(graphs.to_dict()))
+        print(json.dumps(config.cuda_graphs.to_dict()))
         return 0
-    if args.device != "auto":  # a bad combination fails here, before anything starts or logs
-        _resolve_or_exit(args)
+    config.log()
     if args.node_rank > 0:
-        return serve_other_node(args)
+        return serve_other_node(config)
     stages.mark("imports and arguments")
-    scheduler = SchedulerProcess.start(args)
+    scheduler = SchedulerProcess.start(config)
     stages.mark("spawn scheduler")
-    logger.info("server args: %s", args)
+    logger.info("server args: %s", config.args)
     from replaylm.entrypoints.http_server import create_app
     from replaylm.runtime.tokenizer_manager import TokenizerManager
 
     stages.mark("front-end imports")
     try:
-        manager = TokenizerManager(args, scheduler, stages)
+        manager = TokenizerManager(config, scheduler, stages)
     except Exception as err:  # the tokenizer or the model failed to load; the child is stopped
         logger.debug("start-up failed", exc_info=True)
         _usage_error(one_line_error(err))
-    log_cuda_graph_config(manager.cuda_graphs)
     try:
         app = create_app(manager)
-        config = uvicorn.Config(
+        http_config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
@@ -233,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_graceful_shutdown=5,
             timeout_keep_alive=KEEP_ALIVE_S,
         )
-        server = GracefulServer(config, manager)
+        server = GracefulServer(http_config, manager)
         stages.mark("HTTP app")
         logger.info(
             "serving %s at http://%s:%d (OpenAI API under /v1; %s)",
@@ -255,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def serve_other_node(args: ServerArgs) -> int:
+def serve_other_node(config: EngineConfig) -> int:
     """`--node-rank` above 0: run this node's tensor-parallel ranks, which follow rank 0 on
     node 0 (no HTTP here). The exit code: 0 once they all ended after rank 0's shutdown (or on
     SIGINT/SIGTERM), 1 when one failed (the others are stopped; the log says which and why)."""
+    args = config.args
     first = args.node_rank * args.ranks_per_node
     logger.info(
         "node %d of %d: tensor-parallel ranks %d-%d of %d, meeting at %s",
@@ -269,7 +220,7 @@ def serve_other_node(args: ServerArgs) -> int:
         args.tp_size,
         args.dist_init_addr,
     )
-    procs = spawn_followers(args, range(args.ranks_per_node))
+    procs = spawn_followers(config, range(args.ranks_per_node))
     signalled = False
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
@@ -300,10 +251,10 @@ def serve_other_node(args: ServerArgs) -> int:
     return 0
 
 
-def _resolve_or_exit(args: ServerArgs) -> CudaGraphConfig:
-    """resolve_for_device, or a usage error."""
+def _resolve_or_exit(args: ServerArgs) -> EngineConfig:
+    """resolve_engine_config, or a usage error."""
     try:
-        return resolve_for_device(args)
+        return resolve_engine_config(args)
     except ValueError as err:
         _usage_error(str(err))
 

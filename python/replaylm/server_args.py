@@ -15,8 +15,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from replaylm.cuda_graph_modes import PHASES, modes_help
 from replaylm.dtype_names import DTYPE_NAMES
+from replaylm.layers.attention.registry import ATTENTION_BACKENDS
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL, resolve_model_path
+from replaylm.model_loader.formats import LOAD_FORMATS
 
 
 def _opt(
@@ -28,17 +31,11 @@ def _opt(
     return {"help": help_text, "choices": choices, "server_only": server_only, "secret": secret}
 
 
-ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton", "flashinfer")
-# Choices named here, not imported from the modules that use them: the HTTP process parses its
-# command line without importing torch (it starts the scheduler process first; see launch_server).
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# choices from torch-free tables: the HTTP process parses its command line without importing
+# torch (it starts the scheduler process first; see launch_server)
+ATTENTION_BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
 REDACTED = "<set>"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
-CUDA_GRAPH_MODES_HELP = (
-    "full (decode only: the whole step in one graph), breakable (a chain of graphs with "
-    "attention run eagerly between them), tc_piecewise (torch.compile pieces split at "
-    "attention, each captured), disabled (eager)"
-)
 
 
 @dataclass(repr=False)
@@ -278,19 +275,18 @@ class ServerArgs:
         metadata=_opt(
             "CUDA-graph mode of each phase as one JSON object, e.g. "
             '\'{"decode": "full", "prefill": "breakable"}\' (the default on a GPU; the CPU runs '
-            f"eagerly). It overrides the per-phase flags. Modes: {CUDA_GRAPH_MODES_HELP}. "
+            f"eagerly). It overrides the per-phase flags. Phases: {', '.join(PHASES)}. Modes: "
+            f"{modes_help()}. "
             "`launch_server --print-cuda-graph-config` shows what a command line resolves to."
         ),
     )
     decode_cuda_graph_mode: str | None = field(
         default=None,
-        metadata=_opt(
-            "CUDA-graph mode of the decode phase: full, breakable, tc_piecewise or disabled."
-        ),
+        metadata=_opt(f"CUDA-graph mode of the decode phase: {modes_help('decode')}."),
     )
     prefill_cuda_graph_mode: str | None = field(
         default=None,
-        metadata=_opt("CUDA-graph mode of the prefill phase: breakable, tc_piecewise or disabled."),
+        metadata=_opt(f"CUDA-graph mode of the prefill phase: {modes_help('prefill')}."),
     )
     decode_disable_cuda_graph: bool = field(
         default=False, metadata=_opt("Run decode eagerly (no CUDA graph).")

@@ -32,11 +32,10 @@ from pathlib import Path
 
 import pytest
 
-from replaylm.model_executor.cuda_graph.config import (
-    MODES,
-    CudaGraphConfigError,
-    resolve_cuda_graph_config,
-)
+from replaylm.cuda_graph_modes import MODES
+from replaylm.device.gpu_probe import GpuFacts
+from replaylm.model_executor.cuda_graph.config import CudaGraphConfigError
+from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.server_args import ServerArgs
 
@@ -59,9 +58,10 @@ def accepted_cells() -> list[tuple[str, str]]:
     cells = []
     for decode in MODES:
         for prefill in MODES:
-            args = ServerArgs(cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}))
+            modes = json.dumps({"decode": decode, "prefill": prefill})
+            args = ServerArgs(device="cuda", cuda_graph_mode=modes)
             try:
-                resolve_cuda_graph_config(args, "cuda")
+                resolve_engine_config(args, GpuFacts(1, 2**37))
             except CudaGraphConfigError:
                 continue
             cells.append((decode, prefill))

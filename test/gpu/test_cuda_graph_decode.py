@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from replaylm.entrypoints.engine import Engine
+from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
@@ -53,7 +55,9 @@ def _args(**kw) -> ServerArgs:
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    return ModelRunner(_args(decode_cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64, 96, 128]))
+    return load_model_runner(
+        resolve_engine_config(_args(decode_cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64, 96, 128]))
+    )
 
 
 def _eager(runner: ModelRunner, batch) -> torch.Tensor:
@@ -81,11 +85,13 @@ def test_replayed_logits_equal_eager(runner, bs):
         assert rel_error(logits, eager) < 1e-2
     assert runner.forward_stats.phases["decode"].graph == graph_before + 4
     for req in reqs:
-        release(req, runner)
+        release(req, runner.kv)
 
 
 def test_batch_beyond_the_largest_shape_falls_back_to_eager():
-    small = ModelRunner(_args(decode_cuda_graph_bs=[1, 2, 4], max_running_requests=8))
+    small = load_model_runner(
+        resolve_engine_config(_args(decode_cuda_graph_bs=[1, 2, 4], max_running_requests=8))
+    )
     reqs = [Req(i, [100 + i, 200, 300 + i], SamplingParams(), 0, 4) for i in range(6)]
     small.forward(prepare_extend(reqs, small))
     for r in reqs:

@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from replaylm.cuda_graph_modes import DISABLED, mode_cells
 from replaylm.entrypoints.engine import Engine
 
 pytestmark = pytest.mark.gpu
@@ -68,10 +69,7 @@ def test_chunked_prefill_generates_what_whole_prefill_generates(prompts, togethe
     assert _generate(chunked, prompts) == together
 
 
-@pytest.mark.parametrize(
-    ("decode", "prefill"),
-    [("full", "breakable"), ("breakable", "breakable"), ("tc_piecewise", "tc_piecewise")],
-)
+@pytest.mark.parametrize(("decode", "prefill"), mode_cells())
 def test_graph_modes_generate_what_eager_generates(prompts, together, decode, prefill):
     graphed = _engine(
         cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}),
@@ -82,15 +80,7 @@ def test_graph_modes_generate_what_eager_generates(prompts, together, decode, pr
     assert stats["decode"].graph > 0 and stats["prefill"].graph > 0
 
 
-@pytest.mark.parametrize(
-    ("decode", "prefill"),
-    [
-        ("full", "breakable"),
-        ("breakable", "breakable"),
-        ("tc_piecewise", "tc_piecewise"),
-        ("disabled", "disabled"),
-    ],
-)
+@pytest.mark.parametrize(("decode", "prefill"), [*mode_cells(), (DISABLED, DISABLED)])
 def test_mixed_steps_generate_what_eager_generates(prompts, together, decode, prefill):
     """`--enable-mixed-chunk`: prompts prefill 64 tokens a step beside the running requests'
     decode tokens (through the decode kernel), in every mode; nothing changes."""

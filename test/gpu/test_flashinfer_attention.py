@@ -121,7 +121,7 @@ def _mixed_logits(runner: ModelRunner) -> list[torch.Tensor]:
             req.output_ids.append(1234)
         out.append(runner.forward(prepare_extend([fresh], runner, decoding=running)).float())
     for req in [*running, fresh]:
-        release(req, runner)
+        release(req, runner.kv)
     return out
 
 

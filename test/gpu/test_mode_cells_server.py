@@ -20,12 +20,14 @@ import httpx
 import pytest
 from cell_features import CellFeatures, cell_features, check_definitions, compare_with_eager
 
+from replaylm.cuda_graph_modes import DISABLED, modes_serving
+
 from server_process import start_server
 
 pytestmark = pytest.mark.gpu
 
-DECODE = ("full", "breakable", "tc_piecewise", "disabled")
-PREFILL = ("breakable", "tc_piecewise", "disabled")
+DECODE = (*modes_serving("decode"), DISABLED)
+PREFILL = (*modes_serving("prefill"), DISABLED)
 QUESTIONS = [
     f"In one sentence, what is {t}?"
     for t in (

@@ -1,10 +1,10 @@
 """Llama / Qwen2 / Qwen3 in bfloat16 on CUDA against HF transformers in float32.
 
-The scenarios of test/unit/test_model_vs_hf.py. The reference runs in float32 on the same weights
+The scenarios of test/cpu/test_model_vs_hf.py. The reference runs in float32 on the same weights
 rounded to bfloat16 (as our loader rounds them), so what is measured is our bf16 arithmetic: each
 logits row must be within 5% of the reference by norm (||ours - ref|| / ||ref||). These tiny
 random models amplify activation rounding (weights 7x HF's init scale): the largest error seen on
-an H100 was 2.1%. Exactness is checked in float32 on the CPU (test/unit, to 1e-4).
+an H100 was 2.1%. Exactness is checked in float32 on the CPU (test/cpu, to 1e-4).
 """
 
 from __future__ import annotations

@@ -14,18 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from replaylm.cuda_graph_modes import DISABLED, mode_cells
 from replaylm.entrypoints.engine import Engine
 from replaylm.layers.kernels import pdl_launch
 
 from model_parity import dummy_runner, scripted_logits
 
 QWEN3 = Path(__file__).resolve().parents[2] / "benchmark" / "configs" / "qwen3-0.6b.json"
-MODES = [
-    ("disabled", "disabled"),
-    ("full", "breakable"),
-    ("breakable", "breakable"),
-    ("tc_piecewise", "tc_piecewise"),
-]
+MODES = [(DISABLED, DISABLED), *mode_cells()]
 
 pytestmark = [
     pytest.mark.gpu,

@@ -109,11 +109,14 @@ def _reqs(engine: Engine, indices: list[int]) -> list[Req]:
     ]
 
 
-def _run(engine: Engine, reqs: list[Req], overlap: bool) -> None:
+def _scheduler(engine: Engine, overlap: bool) -> Scheduler:
     # a scheduler of its own over the engine's KV pool: no prefix cache to outlive it
-    sched = Scheduler(
+    return Scheduler(
         engine.runner, engine.eos_token_ids, None, 2048, None, overlap=overlap, prefix_cache=False
     )
+
+
+def _run(sched: Scheduler, reqs: list[Req]) -> None:
     for i, req in enumerate(reqs):
         sched.add(req)
         if i % 2:
@@ -122,13 +125,13 @@ def _run(engine: Engine, reqs: list[Req], overlap: bool) -> None:
 
 
 def test_served_with_decode_graphs_every_row_equals_the_reference(engine, monkeypatch):
-    calls = record_sampling(engine.runner, monkeypatch)
     graphs_before = engine.runner.forward_stats.phases["decode"].graph
     outputs = {}
     for overlap in (True, False):
-        calls.clear()
+        sched = _scheduler(engine, overlap)
+        calls = record_sampling(sched, monkeypatch)
         reqs = _reqs(engine, list(range(len(PARAMS))))
-        _run(engine, reqs, overlap)
+        _run(sched, reqs)
         checked = check_against_reference(calls, reqs, engine.eos_token_ids)
         assert all(checked[r.rid] >= len(r.output_ids) > 0 for r in reqs)
         assert not set(reqs[3].output_ids[:8]) & engine.eos_token_ids  # its min_tokens
@@ -136,7 +139,7 @@ def test_served_with_decode_graphs_every_row_equals_the_reference(engine, monkey
     assert engine.runner.forward_stats.phases["decode"].graph > graphs_before
     assert outputs[True] == outputs[False]
     alone = _reqs(engine, PLAIN)
-    _run(engine, alone, overlap=True)
+    _run(_scheduler(engine, True), alone)
     assert [r.output_ids for r in alone] == [outputs[True][i] for i in PLAIN]
 
 

@@ -15,8 +15,11 @@ import json
 import pytest
 import torch
 
+from replaylm.cuda_graph_modes import modes_serving
 from replaylm.entrypoints.engine import Engine
+from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend, release
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
@@ -41,7 +44,7 @@ def _args(**kw) -> ServerArgs:
     return ServerArgs(**{**base, **kw})
 
 
-MODES = ("breakable", "tc_piecewise")
+MODES = modes_serving("prefill")  # the modes that run attention between captured pieces
 DECODE_BS = [1, 2, 4, 8, 16, 32, 64]
 
 
@@ -51,7 +54,11 @@ def _both(mode: str) -> str:
 
 @pytest.fixture(scope="module", params=MODES)
 def runner(request) -> ModelRunner:
-    return ModelRunner(_args(cuda_graph_mode=_both(request.param), decode_cuda_graph_bs=DECODE_BS))
+    return load_model_runner(
+        resolve_engine_config(
+            _args(cuda_graph_mode=_both(request.param), decode_cuda_graph_bs=DECODE_BS)
+        )
+    )
 
 
 def test_tc_piecewise_splits_once_per_attention_call(runner):
@@ -95,7 +102,7 @@ def test_prefill_sweep_every_length_1_to_600(runner):
     for n in range(1, 601):
         req = Req(n, _ids(n, n), SamplingParams(), 0, 1)
         _check(runner, prepare_extend([req], runner), "prefill")
-        release(req, runner)
+        release(req, runner.kv)
 
 
 def test_prefill_mixed_batch_with_shared_prefixes(runner):
@@ -108,7 +115,7 @@ def test_prefill_mixed_batch_with_shared_prefixes(runner):
         _check(runner, prepare_extend(reqs, runner), "prefill")
     finally:
         for r in reqs:
-            release(r, runner)
+            release(r, runner.kv)
 
 
 def test_chunked_prefill_of_a_3000_token_prompt(runner):
@@ -116,7 +123,7 @@ def test_chunked_prefill_of_a_3000_token_prompt(runner):
     while req.kv_len < 3000:
         chunk = min(1000, 3000 - req.kv_len)
         _check(runner, prepare_extend([req], runner, [chunk]), "prefill")
-    release(req, runner)
+    release(req, runner.kv)
 
 
 @pytest.mark.parametrize("bs", [1, 7, 64])
@@ -130,7 +137,7 @@ def test_decode_under_breakable(runner, bs):
             logits = _check(runner, prepare_decode(reqs, runner), "decode")
     finally:
         for r in reqs:
-            release(r, runner)
+            release(r, runner.kv)
 
 
 @pytest.mark.parametrize("mode", MODES)

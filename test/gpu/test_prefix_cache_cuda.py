@@ -83,11 +83,11 @@ def test_deterministic_outputs_do_not_depend_on_the_cache():
     prompts = _prompts(engine)
     computed = []
     for prompt in prompts:  # each alone, on an empty cache: every token computed
-        engine.scheduler.kv.flush()
+        engine.scheduler.prefix_cache.flush()
         (out,) = engine.generate(input_ids=[prompt], sampling_params=PARAMS)
         assert out["meta_info"]["cached_tokens"] == 0
         computed.append(out["output_ids"])
-    engine.scheduler.kv.flush()
+    engine.scheduler.prefix_cache.flush()
     _outputs(engine, prompts[:1])  # caches the system prompt
     outs = engine.generate(input_ids=prompts, sampling_params=PARAMS)
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from replaylm.distributed.parallel_state import TPGroup, init_tensor_parallel
 from replaylm.entrypoints.engine import Engine
+from replaylm.layers.kernels.peer_sum_norm import peer_sum_add_rms_norm
 from replaylm.layers.kernels.rmsnorm import rms_norm
 from replaylm.server_args import ServerArgs
 
@@ -194,7 +195,7 @@ def _fused_case(group: TPGroup, rows: int, cols: int) -> tuple[float, float, boo
         rs.copy_(torch.randn(rs.shape, device=device, generator=shared))
 
     def calls() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [peer.sum_add_rms_norm(xs[i], rs[i], weight, 1e-6, i) for i in range(SITES)]
+        return [peer_sum_add_rms_norm(peer, xs[i], rs[i], weight, 1e-6, i) for i in range(SITES)]
 
     refill()
     calls()  # warm-up (compiles) outside the capture

@@ -71,7 +71,7 @@ def test_decode_matches_torch_native(name):
         seed=len(name),
     )
     b = case.batch
-    b.kv_pool.store(0, b.out_cache_loc, case.k, case.v)
+    b.kv.pool.store(0, b.out_cache_loc, case.k, case.v)
     ref = reference(case)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for splits, min_len in [(num_kv_splits(len(ctx), kv_heads, sms), 64), (64, 16), (1, 256)]:
@@ -110,16 +110,16 @@ def test_extend_matches_torch_native(name, aligned):
         ForwardMode.EXTEND, prefix, new, heads, kv_heads, dim, dtype, "cuda", seed=len(name)
     )
     b = case.batch
-    b.kv_pool.store(0, b.out_cache_loc, case.k, case.v)
+    b.kv.pool.store(0, b.out_cache_loc, case.k, case.v)
     out = torch.full_like(case.q, float("nan"))
     extend_attention(
         case.q,
         case.k,
         case.v,
         out,
-        b.kv_pool.k_buffers[0],
-        b.kv_pool.v_buffers[0],
-        b.req_to_token_pool.req_to_token,
+        b.kv.pool.k_buffers[0],
+        b.kv.pool.v_buffers[0],
+        b.kv.req_to_token.req_to_token,
         b.req_pool_indices,
         b.prefix_lens,
         b.extend_seq_lens,
@@ -159,7 +159,7 @@ def _replay_batch(case, rng: random.Random, live: int, shape: int):
     shuffled rows with new lengths (<= the case's), then padding: seq_len 1 over the zero
     padding row writing KV slot 0, and the last one seq_len 0."""
     b = case.batch
-    table = b.req_to_token_pool
+    table = b.kv.req_to_token
     rows = b.req_pool_indices.tolist()
     rng.shuffle(rows)
     full = {
@@ -242,7 +242,7 @@ def test_decode_graph_replay_equals_eager(shape, live):
         out = store_and_attend(backend, q, k, v, case.layer, captured)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert (backend._meta.order is not None) == starts_longest_first(shape, 4, sms)
-    pool = case.batch.kv_pool
+    pool = case.batch.kv.pool
     for _ in range(3):
         batch = _replay_batch(case, rng, live, shape)
         for static in (q, k, v):
@@ -275,11 +275,11 @@ def test_aligned_extend_does_not_depend_on_how_the_prompt_is_chunked(first):
     tokens + the rest: the rest's outputs are bit-equal (keys fold in tiles at fixed positions)."""
     case = make_case(ForwardMode.EXTEND, [0], [600], 16, 8, 128, BF16, "cuda", seed=first)
     b = case.batch
-    b.kv_pool.store(0, b.out_cache_loc, case.k, case.v)
+    b.kv.pool.store(0, b.out_cache_loc, case.k, case.v)
     caches = (
-        b.kv_pool.k_buffers[0],
-        b.kv_pool.v_buffers[0],
-        b.req_to_token_pool.req_to_token,
+        b.kv.pool.k_buffers[0],
+        b.kv.pool.v_buffers[0],
+        b.kv.req_to_token.req_to_token,
         b.req_pool_indices,
     )
 

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from replaylm.entrypoints.engine import Engine
+from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.server_args import ServerArgs
 
 from model_parity import chunked_then_decode_logits, rel_error, top2_gap
@@ -71,17 +73,19 @@ def test_smollm2_greedy_tokens_equal(engines):
 
 
 def _qwen3(backend: str) -> ModelRunner:
-    return ModelRunner(
-        ServerArgs(
-            model_path=str(QWEN3),
-            load_format="dummy",
-            device="cuda",
-            dtype="bfloat16",
-            max_total_tokens=8192,
-            max_running_requests=8,
-            context_length=4096,
-            decode_cuda_graph_bs=[1, 2, 4, 8],
-            attention_backend=backend,
+    return load_model_runner(
+        resolve_engine_config(
+            ServerArgs(
+                model_path=str(QWEN3),
+                load_format="dummy",
+                device="cuda",
+                dtype="bfloat16",
+                max_total_tokens=8192,
+                max_running_requests=8,
+                context_length=4096,
+                decode_cuda_graph_bs=[1, 2, 4, 8],
+                attention_backend=backend,
+            )
         )
     )
 

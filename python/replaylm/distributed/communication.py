@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from replaylm.distributed.parallel_state import destroy_tensor_parallel, tp_group
+from replaylm.distributed.peer_all_reduce import PeerAllReduce
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -21,17 +22,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def peer_sum_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, site: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(rmsnorm(sum + residual) * weight, sum + residual)`, `sum` the ranks' `x`, in the
-    one-shot kernel where the group has one (`--tp-all-reduce one-shot`) and `x` suits it; None
-    otherwise, and always while torch.compile traces (the all-reduce is the traceable
-    collective), for the caller to all-reduce and norm."""
+def one_shot_peer(x: torch.Tensor, residual: torch.Tensor) -> PeerAllReduce | None:
+    """The group's peer buffer where it sums `x` (with `residual`) in the one-shot kernel
+    (`--tp-all-reduce one-shot`, `x` suits it); None otherwise, and always while torch.compile
+    traces (the all-reduce is the traceable collective), for the caller to all-reduce."""
     peer = tp_group().peer_all_reduce
     if peer is None or torch.compiler.is_compiling() or not peer.takes(x, residual):
         return None
-    return peer.sum_add_rms_norm(x, residual, weight, eps, site)
+    return peer
 
 
 def all_gather_columns(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The peer-memory buffer behind `--tp-all-reduce one-shot`: each layer's sum of partial outputs,
-residual add and RMSNorm in one launch (`peer_sum_norm`), for messages up to
+residual add and RMSNorm in one launch (`layers/kernels/peer_sum_norm.py`), for messages up to
 `ONE_SHOT_MAX_BYTES` (decode steps). A decode step's sums are a few KiB to a few hundred KiB,
 where NCCL's protocol costs more than moving the bytes; larger ones stay with NCCL.
 
@@ -19,10 +19,19 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 # the largest message (one rank's partial sums) the one-shot kernel takes: each rank writes
-# (ranks - 1) times this over NVLink, which stops paying against NCCL's ring around here on H100s
+# (ranks - 1) times this over NVLink, which stops paying against NCCL's ring around here
 ONE_SHOT_MAX_BYTES = 512 * 1024
 MAX_WIDTH = 16384  # the widest row one program holds
 SLOTS = 2
+# the empty mark per element width: -0.0's bits as a signed integer
+EMPTY_MARK = {2: -(1 << 15), 4: -(1 << 31)}
+_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32}
+
+
+def mark_empty(buffer: torch.Tensor, width: int) -> None:
+    """Fill `buffer` (any dtype, its byte size a multiple of `width`) with the empty mark of
+    elements `width` bytes wide."""
+    buffer.view(torch.uint8).view(_INT_OF_WIDTH[width]).fill_(EMPTY_MARK[width])
 
 
 def choose_all_reduce(
@@ -48,14 +57,11 @@ def choose_all_reduce(
 
 
 class PeerAllReduce:
-    """The symmetric buffer of one tensor-parallel group for one dtype, and the fused sum over
-    it. Built on every rank of the group at once (the buffer's rendezvous is a collective)."""
+    """The symmetric buffer of one tensor-parallel group for one dtype, which the fused sum's
+    kernel runs over. Built on every rank of the group at once (the buffer's rendezvous is a
+    collective)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> None:
-        # imported here: the kernel's module imports triton, which CPU-only groups never need
-        from replaylm.distributed.peer_sum_norm import launch_peer_sum_norm, mark_empty
-
-        self._kernel = launch_peer_sum_norm
         self.dtype = dtype
         self.rank = group.rank()
         ranks = group.size()
@@ -86,24 +92,4 @@ class PeerAllReduce:
             and x.shape[-1] <= MAX_WIDTH
             and residual.shape == x.shape
             and residual.stride(-1) == 1
-        )
-
-    def sum_add_rms_norm(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        site: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(rmsnorm(sum + residual) * weight, sum + residual)`, `sum` the ranks' `x`."""
-        return self._kernel(
-            x,
-            residual,
-            weight,
-            eps,
-            self.regions[site % SLOTS],
-            self.region_elems,
-            self.rank,
-            self.max_programs,
         )

@@ -15,6 +15,7 @@ import random
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, overload
 
+from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.model_loader.tokenizer import chat_input_ids, text_decoder, tokenizer_info
 from replaylm.runtime.io_struct import FlushCacheReq, ShutdownReq, TokenizedGenerateReq
@@ -62,21 +63,22 @@ class Engine:
         **kwargs: Any,
     ) -> None:
         self.startup = startup_stages or StartupStages("engine")
-        self.server_args = ServerArgs(model_path=model_path, **kwargs)
-        self.server_args.validate()
-        if self.server_args.nnodes > 1:
+        args = ServerArgs(model_path=model_path, **kwargs)
+        args.validate()
+        if args.nnodes > 1:
             raise ValueError("the offline Engine runs every tensor-parallel rank here: nnodes 1")
-        self.server_args = with_dist_init_addr(self.server_args)
+        self.config = with_dist_init_addr(resolve_engine_config(args))
+        self.config.log()
+        self.server_args = self.config.args  # with the defaults resolved for the device
         # the other ranks load alongside this one, and follow its scheduler
-        self._followers = spawn_followers(self.server_args, range(1, self.server_args.tp_size))
+        self._followers = spawn_followers(self.config, range(1, args.tp_size))
         self.runner, self.tokenizer, self.eos_token_ids = load_runner_and_tokenizer(
-            self.server_args, self.startup
+            self.config, self.startup
         )
         if self._followers:
             from replaylm.distributed.communication import broadcast_objects
 
             broadcast_objects([tokenizer_info(self.tokenizer)])
-        self.server_args = self.runner.args  # with the defaults resolved for the device
         self._seed_rng = random.Random(self.server_args.seed)
         self._next_rid = 0
         self._decode = text_decoder(self.tokenizer) if self.tokenizer is not None else None
@@ -164,7 +166,7 @@ class Engine:
             from replaylm.distributed.communication import broadcast_objects
 
             broadcast_objects([FlushCacheReq()])
-        return self.scheduler.kv.flush()
+        return self.scheduler.prefix_cache.flush()
 
     def shutdown(self) -> None:
         """End the other tensor-parallel ranks' processes (none with tp_size 1). Safe to call
@@ -210,12 +212,10 @@ class Engine:
     def _request_msg(self, ids: list[int], params: SamplingParams) -> TokenizedGenerateReq:
         """The request as the scheduler processes get theirs (so the other ranks can make the
         same `Req` of it)."""
-        runner = self.runner
-        check_input_ids(ids, runner.config.vocab_size, runner.context_len, runner.max_total_tokens)
-        check_vocab_ids(params, runner.config.vocab_size)
-        max_new = clamp_max_new_tokens(
-            len(ids), params.max_new_tokens, runner.context_len, runner.max_total_tokens
-        )
+        vocab_size, kv = self.runner.config.vocab_size, self.runner.kv
+        check_input_ids(ids, vocab_size, kv.context_len, kv.size)
+        check_vocab_ids(params, vocab_size)
+        max_new = clamp_max_new_tokens(len(ids), params.max_new_tokens, kv.context_len, kv.size)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         rid, self._next_rid = str(self._next_rid), self._next_rid + 1
         # with other ranks, the grammar travels compiled and serialized, as a server sends it

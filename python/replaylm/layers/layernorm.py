@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from replaylm.distributed.communication import all_reduce, peer_sum_add_rms_norm
+from replaylm.distributed.communication import all_reduce, one_shot_peer
 from replaylm.layers.kernels import use_triton_kernels
 
 
@@ -33,9 +33,14 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.sum_site is not None:
             assert residual is not None  # every sum of partials is followed by a residual add
-            fused = peer_sum_add_rms_norm(x, residual, self.weight, self.eps, self.sum_site)
-            if fused is not None:
-                return fused
+            peer = one_shot_peer(x, residual)
+            if peer is not None:
+                # imported here: the kernel's module imports triton, which CPU groups never need
+                from replaylm.layers.kernels.peer_sum_norm import peer_sum_add_rms_norm
+
+                return peer_sum_add_rms_norm(
+                    peer, x, residual, self.weight, self.eps, self.sum_site
+                )
             x = all_reduce(x)
         if use_triton_kernels(x):
             from replaylm.layers.kernels.ops import rms_norm

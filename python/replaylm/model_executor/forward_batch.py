@@ -4,8 +4,8 @@ Tokens of all requests are packed along one flat token dimension (`T` = `num_tok
 `i` owns tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`. A mixed step
 is an EXTEND batch whose first `num_decode` requests are running requests' decode tokens (one
 each) riding along with the prefill chunks. Every field a kernel reads is a tensor here: a graph
-runner copies them into its static inputs, or reads them in place when the batch was built there
-(`DecodeInputs`); the `*_cpu` lists are host copies for code that needs sizes without a device
+runner reads them in place when the batch was built in its `GraphInputs` (as the scheduler's are),
+or copies them in; the `*_cpu` lists are host copies for code that needs sizes without a device
 sync.
 """
 
@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replaylm.model_executor.packed_inputs import DecodeInputs, pack_host, send_packed
+from replaylm.model_executor.packed_inputs import GraphInputs, pack_host, send_packed
 
 if TYPE_CHECKING:
     from replaylm.layers.attention.base import AttentionBackend
-    from replaylm.mem_cache.kv_pool import KVPool
-    from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
+    from replaylm.mem_cache.kv_cache import KVCache
 
 
 class ForwardMode(Enum):
@@ -58,8 +57,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int64, KV slot each new token writes
     seq_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
-    req_to_token_pool: ReqToTokenPool
-    kv_pool: KVPool
+    kv: KVCache
     attn_backend: AttentionBackend
     # EXTEND only: the first `num_decode` requests (and tokens) are decode tokens, one per
     # request, which an attention backend may run through its decode kernel
@@ -77,14 +75,13 @@ class ForwardBatch:
         prefix_lens: list[int],
         req_pool_indices: list[int],
         out_cache_loc: Sequence[int],
-        req_to_token_pool: ReqToTokenPool,
-        kv_pool: KVPool,
+        kv: KVCache,
         attn_backend: AttentionBackend,
-        into: DecodeInputs | None = None,
+        into: GraphInputs | None = None,
         num_decode: int = 0,
     ) -> ForwardBatch:
         """Pack per-request host lists into device tensors and record every new token's KV slot
-        in the request table (`req_to_token_pool.write`), so the batch's attention can read it.
+        in the request table (`ReqToTokenPool.write`), so the batch's attention can read it.
 
         Every value is computed in plain Python on the host and the lot crosses to the table's
         device in one copy (the fields are views of it), so building a batch launches one kernel
@@ -94,23 +91,24 @@ class ForwardBatch:
         `new_token_ids[i]` are request i's tokens for this step, at positions
         `prefix_lens[i] ..`; their KV slots are `out_cache_loc` in the same packed order.
 
-        `into` (decode only): the persistent inputs of a graph shape of at least this many
-        requests. The batch is packed there, padded to `into.size` with padding requests (token
-        0 at position 0 of the table's padding row, whose entry is KV slot 0, as it stays), and
-        the returned batch views its live requests' part.
+        `into`: the persistent inputs of the graph shape that will replay the batch. The batch
+        is packed there, padded to `into.num_tokens` tokens with padding requests (see
+        GraphInputs; their table entries are the padding row's, KV slot 0, as it stays), and the
+        returned batch views its live part.
         """
-        live = len(new_token_ids)
+        live, live_tokens = len(new_token_ids), len(out_cache_loc)
+        table = kv.req_to_token
         if into is not None:
-            pad = into.size - live
-            if not forward_mode.is_decode() or pad < 0:
+            sizes = into.padding_sizes(live_tokens)
+            if live + len(sizes) > into.max_requests:
                 raise ValueError(
-                    f"decode inputs of {into.size} requests cannot hold "
-                    f"{live} requests in {forward_mode.name} mode"
+                    f"graph inputs of {into.max_requests} requests cannot hold "
+                    f"{live + len(sizes)} requests"
                 )
-            new_token_ids = [*new_token_ids, *[[0]] * pad]
-            prefix_lens = [*prefix_lens, *[0] * pad]
-            req_pool_indices = [*req_pool_indices, *[req_to_token_pool.padding_row] * pad]
-            out_cache_loc = [*out_cache_loc, *[0] * pad]
+            new_token_ids = [*new_token_ids, *([0] * n for n in sizes)]
+            prefix_lens = [*prefix_lens, *[0] * len(sizes)]
+            req_pool_indices = [*req_pool_indices, *[into.padding_row] * len(sizes)]
+            out_cache_loc = [*out_cache_loc, *[0] * (into.num_tokens - live_tokens)]
         ext_cpu = [len(t) for t in new_token_ids]
         seq_cpu = [p + n for p, n in zip(prefix_lens, ext_cpu, strict=True)]
         bs, num_tokens = len(ext_cpu), sum(ext_cpu)
@@ -118,8 +116,8 @@ class ForwardBatch:
             raise ValueError(
                 f"out_cache_loc has {len(out_cache_loc)} slots for {num_tokens} tokens"
             )
-        req_to_token_pool.check_fits(max(seq_cpu, default=0))  # a longer one would spill rows
-        width = req_to_token_pool.row_width
+        table.check_fits(max(seq_cpu, default=0))  # a longer one would spill rows
+        width = table.row_width
         # token j of request i sits at position prefix_i + j, table entry row_i * width + that
         token_ids = [t for ids in new_token_ids for t in ids]
         spans = list(zip(req_pool_indices, prefix_lens, seq_cpu, strict=True))
@@ -127,35 +125,23 @@ class ForwardBatch:
         table_index = [r * width + j for r, p, s in spans for j in range(p, s)]
         starts = list(accumulate(ext_cpu, initial=0))
         starts.pop()
-        wide = (
-            token_ids
-            + positions
-            + list(out_cache_loc)
-            + table_index
-            + req_pool_indices
-            + seq_cpu
-            + prefix_lens
-            + ext_cpu
-            + starts
-        )  # in PACKED_FIELDS' order
+        per_request = [req_pool_indices, seq_cpu, prefix_lens, ext_cpu, starts]
+        if into is not None:  # the request fields are `max_requests` long there
+            per_request = [[*f, *[0] * (into.max_requests - bs)] for f in per_request]
+        wide = token_ids + positions + list(out_cache_loc) + table_index  # PACKED_FIELDS' order
+        for f in per_request:
+            wide += f
         if into is None:
-            wide_d, narrow = send_packed(req_to_token_pool.device, wide, out_cache_loc)
+            wide_d, narrow = send_packed(table.device, wide, out_cache_loc)
             fields = wide_d.split_with_sizes([num_tokens] * 4 + [bs] * 5)  # one call
         else:
             into.load(pack_host(wide, out_cache_loc))
             fields, narrow = into.fields, into.slots32
-        req_to_token_pool.write(fields[3], narrow)
+        table.write(fields[3], narrow)
         if into is not None:
-            fields = into.live(live)
+            fields = into.views(live_tokens, live)
         return cls.from_fields(
-            forward_mode,
-            fields,
-            seq_cpu[:live],
-            ext_cpu[:live],
-            req_to_token_pool,
-            kv_pool,
-            attn_backend,
-            num_decode,
+            forward_mode, fields, seq_cpu[:live], ext_cpu[:live], kv, attn_backend, num_decode
         )
 
     @classmethod
@@ -165,8 +151,7 @@ class ForwardBatch:
         fields: Sequence[torch.Tensor],
         seq_lens_cpu: list[int],
         extend_seq_lens_cpu: list[int],
-        req_to_token_pool: ReqToTokenPool,
-        kv_pool: KVPool,
+        kv: KVCache,
         attn_backend: AttentionBackend,
         num_decode: int = 0,
     ) -> ForwardBatch:
@@ -185,8 +170,7 @@ class ForwardBatch:
             out_cache_loc=slots,
             seq_lens_cpu=seq_lens_cpu,
             extend_seq_lens_cpu=extend_seq_lens_cpu,
-            req_to_token_pool=req_to_token_pool,
-            kv_pool=kv_pool,
+            kv=kv,
             attn_backend=attn_backend,
             num_decode=num_decode,
         )

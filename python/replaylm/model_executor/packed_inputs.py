@@ -1,15 +1,16 @@
 """How a batch's host-built index fields reach the device: packed into one buffer, one copy.
 
 `ForwardBatch.create` packs nine int64 fields (`PACKED_FIELDS`, in that order) and the new
-tokens' int32 KV slots. `send_packed` sends them to a fresh device buffer. `DecodeInputs` is a
-persistent device buffer of that layout for decode batches of one padded size: a graph captured
+tokens' int32 KV slots. `send_packed` sends them to a fresh device buffer. `GraphInputs` is a
+persistent device buffer of that layout for the batches one graph shape replays: a graph captured
 over its fields reads each later batch built there, so its replay copies nothing.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from itertools import accumulate
 
 import torch
 
@@ -25,6 +26,9 @@ PACKED_FIELDS = (
     "extend_seq_lens",
     "extend_start_loc",
 )
+TOKEN_FIELDS = 4
+# the packed fields a ForwardBatch keeps (the table index is only written into the table)
+BATCH_FIELDS = tuple(n for n in PACKED_FIELDS if n != "table_index")
 
 
 def pack_host(wide: Sequence[int], narrow: Sequence[int]) -> torch.Tensor:
@@ -47,41 +51,109 @@ def send_packed(
     return head.view(torch.int64), tail.view(torch.int32)
 
 
-class DecodeInputs:
-    """The persistent device home of decode batches padded to `size` requests (one token each):
-    one buffer laid out as `ForwardBatch.create` packs such a batch, `fields` (the nine
-    `PACKED_FIELDS`, int64, `size` each) then `slots32` (int32).
+class GraphInputs:
+    """The persistent device home of the batches one graph shape replays: `num_tokens` tokens
+    (live ones, then padding) over at most `max_requests` requests. One buffer laid out as
+    `ForwardBatch.create` packs a batch, `fields` (the nine `PACKED_FIELDS`, int64: the token
+    fields `num_tokens` long, the request fields `max_requests` long, so every field keeps its
+    address whatever the number of requests) then `slots32` (int32, per token).
+
+    Padding: the tokens after the live ones form requests of at most `pad_span` tokens each
+    (token 0 at positions 0.. of the request table's all-zero `padding_row`, writing KV slot 0),
+    so they read and write nothing live. A decode shape pads with one-token requests.
 
     A batch built here stays valid until the next one is: `load` overwrites the buffer in stream
     order, so work queued before reads its own batch's values, and a host that builds one batch
     per step (as the scheduler does) never sees two.
     """
 
-    def __init__(self, size: int, device: torch.device) -> None:
-        if size < 1:
-            raise ValueError(f"decode inputs need at least one request, got {size}")
-        self.size = size
-        wide_bytes = 8 * len(PACKED_FIELDS) * size
-        self.buffer = torch.empty(wide_bytes + 4 * size, dtype=torch.uint8, device=device)
-        wide, narrow = self.buffer.split_with_sizes([wide_bytes, 4 * size])
-        self.fields: tuple[torch.Tensor, ...] = tuple(wide.view(torch.int64).split(size))
+    def __init__(
+        self,
+        num_tokens: int,
+        max_requests: int,
+        pad_span: int,
+        padding_row: int,
+        device: torch.device,
+    ) -> None:
+        if num_tokens < 1 or max_requests < 1 or pad_span < 1:
+            raise ValueError(
+                f"graph inputs need tokens, requests and a padding span, got {num_tokens}, "
+                f"{max_requests}, {pad_span}"
+            )
+        self.num_tokens, self.max_requests = num_tokens, max_requests
+        self.pad_span, self.padding_row = pad_span, padding_row
+        sizes = [num_tokens] * TOKEN_FIELDS + [max_requests] * (len(PACKED_FIELDS) - TOKEN_FIELDS)
+        wide_bytes = 8 * sum(sizes)
+        self.buffer = torch.zeros(wide_bytes + 4 * num_tokens, dtype=torch.uint8, device=device)
+        wide, narrow = self.buffer.split_with_sizes([wide_bytes, 4 * num_tokens])
+        self.fields: tuple[torch.Tensor, ...] = tuple(wide.view(torch.int64).split(sizes))
         self.slots32 = narrow.view(torch.int32)
-        self._live: dict[int, tuple[torch.Tensor, ...]] = {size: self.fields}
+        self._views = {(num_tokens, max_requests): self.fields}
 
     def field(self, name: str) -> torch.Tensor:
         return self.fields[PACKED_FIELDS.index(name)]
 
-    def live(self, n: int) -> tuple[torch.Tensor, ...]:
-        """The fields' first `n` entries (made once per `n`: slicing costs host time)."""
-        views = self._live.get(n)
+    def views(self, num_tokens: int, num_requests: int) -> tuple[torch.Tensor, ...]:
+        """The fields' first `num_tokens` / `num_requests` entries (made once per pair: slicing
+        costs host time)."""
+        key = (num_tokens, num_requests)
+        views = self._views.get(key)
         if views is None:
-            views = self._live[n] = tuple(f[:n] for f in self.fields)
+            views = self._views[key] = tuple(
+                f[: num_tokens if i < TOKEN_FIELDS else num_requests]
+                for i, f in enumerate(self.fields)
+            )
         return views
 
     def holds(self, input_ids: torch.Tensor) -> bool:
         """Whether a batch with these `input_ids` was built here."""
         return input_ids.data_ptr() == self.fields[0].data_ptr()
 
+    def padding_sizes(self, live_tokens: int) -> list[int]:
+        """The new tokens of each padding request after `live_tokens` live ones."""
+        pad = self.num_tokens - live_tokens
+        if pad < 0:
+            raise ValueError(f"graph inputs of {self.num_tokens} tokens cannot hold {live_tokens}")
+        full, rest = divmod(pad, self.pad_span)
+        return [self.pad_span] * full + ([rest] if rest else [])
+
     def load(self, host: torch.Tensor) -> None:
         """One copy of a `pack_host` buffer of this layout into the device buffer."""
         self.buffer.copy_(host, non_blocking=True)
+
+    def copy_in(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """Copy the `BATCH_FIELDS` of a batch built elsewhere in, padded (not a scheduler's
+        path: its batches are built here; a few copies more)."""
+        names = BATCH_FIELDS
+        tokens, reqs = len(batch["input_ids"]), len(batch["seq_lens"])
+        live = self.views(tokens, reqs)
+        dsts = [live[PACKED_FIELDS.index(n)] for n in names]
+        torch._foreach_copy_(dsts, [batch[n] for n in names], non_blocking=True)
+        sizes = self.padding_sizes(tokens)
+        if not sizes:
+            return
+        rows = len(sizes)
+        if reqs + rows > self.max_requests:
+            raise ValueError(
+                f"graph inputs of {self.max_requests} requests cannot hold {reqs + rows}"
+            )
+        starts = [tokens + s for s in accumulate(sizes, initial=0)][:-1]
+        padding = {
+            "input_ids": [0] * (self.num_tokens - tokens),
+            "positions": [j for n in sizes for j in range(n)],
+            "out_cache_loc": [0] * (self.num_tokens - tokens),
+            "req_pool_indices": [self.padding_row] * rows,
+            "seq_lens": sizes,
+            "prefix_lens": [0] * rows,
+            "extend_seq_lens": sizes,
+            "extend_start_loc": starts,
+        }
+        host = torch.tensor([v for n in names for v in padding[n]], dtype=torch.int64)
+        srcs = host.split([len(padding[n]) for n in names])
+        pad_dsts = [
+            self.field(n)[tokens:]
+            if PACKED_FIELDS.index(n) < TOKEN_FIELDS
+            else self.field(n)[reqs : reqs + rows]
+            for n in names
+        ]
+        torch._foreach_copy_(pad_dsts, list(srcs), non_blocking=True)

@@ -16,20 +16,20 @@ from tqdm.auto import tqdm
 
 from replaylm.distributed.parallel_state import shows_progress
 from replaylm.model_loader.dummy_weights import fill_dummy_weights
+from replaylm.model_loader.formats import LOAD_FORMATS
 from replaylm.model_loader.gguf_loader import (
     count_gguf_tensors,
     iter_gguf_weights,
     read_gguf_config,
 )
-from replaylm.model_loader.model_config import ModelConfig, is_hf_folder
 from replaylm.model_loader.safetensors_loader import (
     count_safetensors_tensors,
     iter_safetensors_weights,
     safetensors_files,
 )
+from replaylm.models.config import ModelConfig, is_hf_folder
 from replaylm.models.llama import LlamaForCausalLM
 from replaylm.models.registry import get_model_class
-from replaylm.server_args import LOAD_FORMATS
 from replaylm.startup_stages import StartupStages, TimedIterator
 from replaylm.utils import default_dtype
 

@@ -7,6 +7,7 @@ to q and k before rope (Qwen3).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,8 +33,10 @@ from replaylm.layers.logits_processor import (
 )
 from replaylm.layers.rotary_embedding import RotaryEmbedding
 from replaylm.layers.vocab_embedding import VocabEmbedding, VocabParallelEmbedding, VocabRows
-from replaylm.model_executor.forward_batch import ForwardBatch
-from replaylm.model_loader.model_config import ModelConfig
+from replaylm.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.forward_batch import ForwardBatch
 
 # checkpoint projection name -> (fused module name, shard)
 _FUSED_SHARDS = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from replaylm.model_loader.model_config import ModelConfig
+from replaylm.models.config import ModelConfig
 from replaylm.models.llama import LlamaForCausalLM
 
 

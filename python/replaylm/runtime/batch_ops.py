@@ -3,7 +3,9 @@
 The scheduler forms every batch (and forks every `n > 1` request) through these functions, so KV
 slots, request-table rows and each request's host copy of its slots (`Req.kv_slots`) always change
 together. A request may come with slots already (a prefix found in the prefix cache): its new row
-gets them written before its batch runs.
+gets them written before its batch runs. Batches are for one runner, over its KV cache
+(`runner.kv`), built where they will run; the memory-only functions take the
+`KVCache` alone.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 from replaylm.model_executor.packed_inputs import send_packed
 
 if TYPE_CHECKING:
+    from replaylm.mem_cache.kv_cache import KVCache
     from replaylm.model_executor.model_runner import ModelRunner
-    from replaylm.model_executor.packed_inputs import DecodeInputs
     from replaylm.runtime.request import Req
 
 
@@ -36,7 +38,8 @@ def prepare_extend(
     Checks the lengths and allocates KV slots first, so ValueError or OutOfKVCacheError leaves
     every request untouched.
     """
-    table = runner.req_to_token_pool
+    kv = runner.kv
+    table = kv.req_to_token
     new_ids = [[r.last_id] for r in decoding]
     for req in decoding:
         table.check_fits(req.kv_len + 1)
@@ -44,17 +47,17 @@ def prepare_extend(
         todo = req.id_slice(req.kv_len, req.num_ids)
         new_ids.append(todo if chunk_sizes is None else todo[: chunk_sizes[i]])
         table.check_fits(req.kv_len + len(new_ids[-1]))
-    slots = runner.token_allocator.alloc(sum(len(t) for t in new_ids))
+    slots = kv.allocator.alloc(sum(len(t) for t in new_ids))
     rows_needed = [r for r in reqs if r.req_pool_idx is None]
     try:
         rows = table.alloc(len(rows_needed))
     except Exception:
-        runner.token_allocator.free(slots)
+        kv.allocator.free(slots)
         raise
     for req, row in zip(rows_needed, rows, strict=True):
         req.req_pool_idx = row
     prefixes = [(row, 0, r.kv_slots) for r, row in zip(rows_needed, rows, strict=True)]
-    write_rows([span for span in prefixes if span[2]], runner)  # slots found in the prefix cache
+    write_rows([span for span in prefixes if span[2]], kv)  # slots found in the prefix cache
     everyone = [*decoding, *reqs]
     prefix_lens = [req.kv_len for req in everyone]
     start = 0
@@ -67,55 +70,49 @@ def prepare_extend(
 
 
 def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
-    """A DECODE batch: each request's last token (the one not yet in the cache). It is built in
-    the inputs of the decode graph that will replay it, where there is one (`decode_inputs`), so
-    it stays valid until the next decode batch is prepared."""
-    runner.req_to_token_pool.check_fits(max((r.kv_len for r in reqs), default=0) + 1)
-    slots = runner.token_allocator.alloc(len(reqs))
+    """A DECODE batch: each request's last token (the one not yet in the cache). Where a graph
+    will replay it, it is built in that graph's inputs (`ModelRunner.build_batch`), so it stays
+    valid until the next batch of that shape is prepared."""
+    runner.kv.req_to_token.check_fits(max((r.kv_len for r in reqs), default=0) + 1)
+    slots = runner.kv.allocator.alloc(len(reqs))
     prefix_lens = [r.kv_len for r in reqs]
     for req, slot in zip(reqs, slots, strict=True):
         req.kv_slots.append(slot)
     return _create(
-        ForwardMode.DECODE,
-        reqs,
-        [[r.last_id] for r in reqs],
-        prefix_lens,
-        slots,
-        runner,
-        runner.decode_inputs(len(reqs)),
+        ForwardMode.DECODE, reqs, [[r.last_id] for r in reqs], prefix_lens, slots, runner
     )
 
 
-def fork(parent: Req, children: list[Req], runner: ModelRunner, share: bool = False) -> None:
+def fork(parent: Req, children: list[Req], kv: KVCache, share: bool = False) -> None:
     """Give each child its own request-table row holding the parent's cached prompt, so the
     children decode on from the parent's prefill without computing it again: the parent's own
     slots (`share`, for slots the prefix cache holds) or a device copy of its KV. Raises
     OutOfKVCacheError / OutOfRequestSlotsError with every request untouched."""
-    n, table = parent.kv_len, runner.req_to_token_pool
+    n, table = parent.kv_len, kv.req_to_token
     if share:
         rows = table.alloc(len(children))
-        write_rows([(row, 0, parent.kv_slots) for row in rows], runner)
+        write_rows([(row, 0, parent.kv_slots) for row in rows], kv)
         for child, row in zip(children, rows, strict=True):
             child.req_pool_idx = row
             child.kv_slots = list(parent.kv_slots)
         return
-    slots = runner.token_allocator.alloc(n * len(children))
+    slots = kv.allocator.alloc(n * len(children))
     try:
         rows = table.alloc(len(children))
     except Exception:
-        runner.token_allocator.free(slots)
+        kv.allocator.free(slots)
         raise
     index = [row * table.row_width + j for row in rows for j in range(n)]
     wide, dst32 = send_packed(table.device, parent.kv_slots * len(children) + slots + index, slots)
     src, dst, table_index = wide.split(len(slots))
-    runner.kv_pool.copy(src, dst)
+    kv.pool.copy(src, dst)
     table.write(table_index, dst32)
     for i, (child, row) in enumerate(zip(children, rows, strict=True)):
         child.req_pool_idx = row
         child.kv_slots = slots[i * n : (i + 1) * n]
 
 
-def write_rows(spans: list[tuple[int, int, list[int]]], runner: ModelRunner) -> None:
+def write_rows(spans: list[tuple[int, int, list[int]]], kv: KVCache) -> None:
     """Record each (row, start, slots): `slots` at positions start.. of request-table row `row`,
     in one host-to-device copy. Only each span's first entry and length cross from the host: the
     table index of every slot is expanded on the device (a cached prefix is thousands of slots
@@ -123,7 +120,7 @@ def write_rows(spans: list[tuple[int, int, list[int]]], runner: ModelRunner) -> 
     spans = [span for span in spans if span[2]]
     if not spans:
         return
-    table = runner.req_to_token_pool
+    table = kv.req_to_token
     firsts = [row * table.row_width + start for row, start, _ in spans]
     lengths = [len(s) for _, _, s in spans]
     slots = array("i")
@@ -139,14 +136,14 @@ def write_rows(spans: list[tuple[int, int, list[int]]], runner: ModelRunner) -> 
     table.write(index, narrow)
 
 
-def release(req: Req, runner: ModelRunner) -> None:
+def release(req: Req, kv: KVCache) -> None:
     """Free the request's own KV slots (those past `shared_len`: the prefix cache's stay) and
     its request-table row (host bookkeeping only: a step in flight may still write them; later
     steps reuse them in stream order)."""
     if req.req_pool_idx is None:
         return
-    runner.token_allocator.free(req.kv_slots[req.shared_len :])
-    runner.req_to_token_pool.free(req.req_pool_idx)
+    kv.allocator.free(req.kv_slots[req.shared_len :])
+    kv.req_to_token.free(req.req_pool_idx)
     req.req_pool_idx = None
     req.kv_slots = []
     req.shared_len = 0
@@ -159,22 +156,10 @@ def _create(
     prefix_lens: list[int],
     slots: list[int],
     runner: ModelRunner,
-    into: DecodeInputs | None = None,
     num_decode: int = 0,
 ) -> ForwardBatch:
     """The batch; ForwardBatch.create also records each new token's slot in the request table
     (at its request's row and its position), from the batch's one host-to-device copy."""
     rows = [r.req_pool_idx for r in reqs if r.req_pool_idx is not None]
     assert len(rows) == len(reqs)  # prepare_extend gave each a row; decoding ones keep theirs
-    return ForwardBatch.create(
-        mode,
-        new_ids,
-        prefix_lens,
-        rows,
-        slots,
-        runner.req_to_token_pool,
-        runner.kv_pool,
-        runner.attn_backend,
-        into,
-        num_decode,
-    )
+    return runner.build_batch(mode, new_ids, prefix_lens, rows, slots, num_decode)

@@ -13,7 +13,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from replaylm.model_executor.cuda_graph.config import CudaGraphConfig
 from replaylm.model_executor.forward_stats import ForwardStats
 from replaylm.runtime.request import FinishReason
 from replaylm.sampling_params import SamplingParams
@@ -116,8 +115,6 @@ class SchedulerReady:
     max_total_tokens: int
     context_len: int
     vocab_size: int
-    max_running_requests: int  # resolved for the device when the flag was not given
-    cuda_graphs: CudaGraphConfig  # resolved for the device the model loaded on
     cuda_graph_capture: dict[str, dict[str, Any]]  # ModelRunner.cuda_graph_stats()
     startup: dict[str, Any]  # the scheduler process's StartupStages.to_dict()
 

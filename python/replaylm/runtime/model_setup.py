@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from replaylm.model_executor.engine_config import EngineConfig
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.model_loader.tokenizer import load_tokenizer
-from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
 
 
@@ -19,12 +20,13 @@ def eos_token_ids(runner: ModelRunner, tokenizer_eos: int | None) -> frozenset[i
 
 
 def load_runner_and_tokenizer(
-    args: ServerArgs, stages: StartupStages | None = None
+    config: EngineConfig, stages: StartupStages
 ) -> tuple[ModelRunner, Any, frozenset[int]]:
     """The ModelRunner, the tokenizer (None for a weights-only folder) and the EOS token ids;
-    `stages` (see ModelRunner) marked as they load."""
-    runner = ModelRunner(args, stages)
+    `stages` marked as they load."""
+    args = config.args
+    runner = load_model_runner(config, stages)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-    runner.startup.mark("tokenizer")
+    stages.mark("tokenizer")
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
     return runner, tokenizer, eos_token_ids(runner, tokenizer_eos)

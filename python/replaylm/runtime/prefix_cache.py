@@ -19,16 +19,16 @@ from replaylm.mem_cache.radix_cache import PrefixMatch, RadixCache
 from replaylm.runtime.batch_ops import fork, release, write_rows
 
 if TYPE_CHECKING:
-    from replaylm.model_executor.model_runner import ModelRunner
+    from replaylm.mem_cache.kv_cache import KVCache
     from replaylm.runtime.request import Req
 
 logger = logging.getLogger(__name__)
 
 
 class PrefixCache:
-    def __init__(self, runner: ModelRunner, enabled: bool) -> None:
-        self.runner = runner
-        self.allocator = runner.token_allocator
+    def __init__(self, kv: KVCache, enabled: bool) -> None:
+        self.kv = kv
+        self.allocator = kv.allocator
         self.tree = RadixCache(self.allocator) if enabled else None
         self.prompt_tokens = 0  # prompt tokens of first admissions, and of them found cached
         self.cached_tokens = 0
@@ -95,7 +95,7 @@ class PrefixCache:
             self.allocator.free(duplicates)
             write_rows(
                 [(req.req_pool_idx, req.shared_len, found.slots[req.shared_len : known])],
-                self.runner,
+                self.kv,
             )
         req.kv_slots[:n] = found.slots
         req.prefix_node, req.shared_len = found.node, n
@@ -108,19 +108,19 @@ class PrefixCache:
             known = self.tree.insert(req.id_slice(0, n), req.kv_slots[:n])
             self.allocator.free(req.kv_slots[req.shared_len : known] + req.kv_slots[n:])
             self._unlock(req)
-            self.runner.req_to_token_pool.free(req.req_pool_idx)
+            self.kv.req_to_token.free(req.req_pool_idx)
             req.req_pool_idx, req.kv_slots, req.shared_len = None, [], 0
             return
-        release(req, self.runner)
+        release(req, self.kv)
 
     def fork(self, parent: Req, children: list[Req]) -> None:
         """The other choices of a prefilled `n > 1` request, sharing its cached prompt (the cache
         on: `cache_computed` has just inserted it) or copying it (off)."""
         if self.tree is None or parent.prefix_node is None:
             self.make_room(parent.kv_len * len(children))
-            fork(parent, children, self.runner)
+            fork(parent, children, self.kv)
             return
-        fork(parent, children, self.runner, share=True)
+        fork(parent, children, self.kv, share=True)
         for child in children:
             self.tree.lock(parent.prefix_node)
             child.prefix_node, child.shared_len = parent.prefix_node, parent.shared_len

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replaylm.layers.sampler import SamplingBatchInfo
+from replaylm.layers.logit_adjust import LogitAdjuster, LogitAdjustments
+from replaylm.layers.sampler import RankZeroSampler, Sampler, SamplingBatchInfo
 from replaylm.mem_cache.errors import OutOfKVCacheError, OutOfRequestSlotsError
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend
@@ -158,7 +159,15 @@ class Scheduler:
         self.decode_text = decode_text
         self.chunk_size = chunked_prefill_size
         self.max_prefill_tokens = max_prefill_tokens or chunked_prefill_size
-        self.kv = PrefixCache(runner, prefix_cache)
+        self.kv = runner.kv
+        self.prefix_cache = PrefixCache(self.kv, prefix_cache)
+        # sampling: the step's own, outside the model's forward (under tensor parallelism rank
+        # 0's ids, broadcast); penalty state per request-table row, allocated when a penalised
+        # request first comes
+        self.sampler = Sampler() if runner.tp.size == 1 else RankZeroSampler()
+        self.logit_adjuster = LogitAdjuster(
+            self.kv.max_requests, runner.config.vocab_size, runner.device
+        )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # requests with a full cached prompt, decoding
         self.num_retractions = 0
@@ -207,10 +216,9 @@ class Scheduler:
 
     def add(self, req: Req) -> None:
         """Queue a request. Its prompt plus one token must fit the KV cache (callers clamp)."""
-        if len(req.input_ids) >= self.runner.max_total_tokens:
+        if len(req.input_ids) >= self.kv.size:
             raise ValueError(
-                f"the prompt has {len(req.input_ids)} tokens; the KV cache holds "
-                f"{self.runner.max_total_tokens}"
+                f"the prompt has {len(req.input_ids)} tokens; the KV cache holds {self.kv.size}"
             )
         self.waiting.append(req)
 
@@ -228,7 +236,7 @@ class Scheduler:
                         return child
                 if req.rid == rid:
                     queue.remove(req)
-                    self.kv.release(req)
+                    self.prefix_cache.release(req)
                     req.finish_reason = FinishReason("abort", "aborted by the client")
                     self.waiting.extendleft(reversed(self._unforked(req)))
                     return req
@@ -239,19 +247,21 @@ class Scheduler:
         return bool(self.waiting or self.running or self._in_flight)
 
     def stats(self) -> SchedulerStats:
-        total = self.runner.max_total_tokens
+        total = self.kv.size
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_used_tokens=total - self.kv.available,
+            kv_used_tokens=total - self.prefix_cache.available,
             kv_total_tokens=total,
             num_retractions=self.num_retractions,
             forward_stats=self.runner.forward_stats,
             grammar_steps=self.grammar_steps,
             grammar_host_s=self.grammar_host_s,
-            prefix_prompt_tokens=self.kv.prompt_tokens,
-            prefix_cached_tokens=self.kv.cached_tokens,
-            prefix_cache_tokens=self.kv.tree.total_size if self.kv.tree is not None else 0,
+            prefix_prompt_tokens=self.prefix_cache.prompt_tokens,
+            prefix_cached_tokens=self.prefix_cache.cached_tokens,
+            prefix_cache_tokens=self.prefix_cache.tree.total_size
+            if self.prefix_cache.tree is not None
+            else 0,
         )
 
     def run_to_completion(self) -> None:
@@ -268,7 +278,7 @@ class Scheduler:
         if admitted:
             return self._prefill_step(*admitted)
         outputs = []
-        if self.kv.available < len(self.running):
+        if self.prefix_cache.available < len(self.running):
             outputs = self._read_back()  # its finished requests free slots; retract after
         if not self.running:
             return outputs + self._read_back()
@@ -288,7 +298,7 @@ class Scheduler:
         sampled tokens are read back as a decode step's are); the requests whose prompt is now
         cached sample their first token."""
         plan = PromptLogprobPlan.build(reqs, chunks, first_token=len(riders))
-        self.kv.make_room(sum(chunks) + len(riders))
+        self.prefix_cache.make_room(sum(chunks) + len(riders))
         batch = prepare_extend(reqs, self.runner, chunks, decoding=riders)
         pending = self._feed_in_flight(riders, batch.input_ids)
         if plan is None:
@@ -298,7 +308,7 @@ class Scheduler:
             logits, hidden = self.runner.forward_keeping_hidden(batch, index)
             plan.score(self.runner, hidden)
         for req in reqs:
-            self.kv.cache_computed(req)
+            self.prefix_cache.cache_computed(req)
         outputs = [] if riders else self._read_back()  # while the GPU runs the prefill
         done = [i for i, r in enumerate(reqs) if r.kv_len == r.num_ids]
         for i, req in enumerate(reqs):
@@ -308,7 +318,7 @@ class Scheduler:
                 self.waiting.appendleft(req)  # a chunked prompt: next chunk next step
         sample_reqs, rows = self._fork_choices([reqs[i] for i in done])
         # their first sample: penalty state from their prompt (and output, if re-admitted)
-        self.runner.logit_adjuster.init_requests(sample_reqs)
+        self.logit_adjuster.init_requests(sample_reqs)
         # logits rows: the riders', then the prefilled requests' (forked choices share a row)
         rows = list(range(len(riders))) + [len(riders) + done[row] for row in rows]
         if not rows:
@@ -368,7 +378,7 @@ class Scheduler:
         reqs = self._decoding()
         if not reqs:
             return None
-        self.kv.make_room(len(reqs))
+        self.prefix_cache.make_room(len(reqs))
         batch = prepare_decode(reqs, self.runner)
         self._feed_in_flight(reqs, batch.input_ids)
         logits = self.runner.forward(batch)
@@ -389,7 +399,7 @@ class Scheduler:
             if not children:
                 continue
             try:
-                self.kv.fork(parent, children)
+                self.prefix_cache.fork(parent, children)
             except (OutOfKVCacheError, OutOfRequestSlotsError) as err:
                 logger.info("request %s: %s; its other choices prefill alone", parent.rid, err)
                 self.waiting.extendleft(reversed(children))
@@ -418,9 +428,9 @@ class Scheduler:
         if not self.waiting:
             return None  # before the reserve: a decode step's host time counts
         reserved = sum(self._expected_new_tokens(r) for r in self.running)
-        free_rows = self.runner.req_to_token_pool.available_size()
+        free_rows = self.kv.req_to_token.available_size()
         if (free_rows == 0 and self.waiting[0].req_pool_idx is None) or (
-            self.kv.available - len(self.running) - reserved <= 1
+            self.prefix_cache.available - len(self.running) - reserved <= 1
         ):
             return None  # nothing is admissible: skip ordering and matching the queue
         self._order_waiting()
@@ -434,14 +444,14 @@ class Scheduler:
         used = 0  # KV slots this batch takes (its chunks and their first decode tokens)
         while self.waiting:
             req = self.waiting[0]
-            found = self.kv.match(req)
+            found = self.prefix_cache.match(req)
             if found is not None and reqs and _computing_more(reqs, req, len(found.slots)):
                 deferred.append(self.waiting.popleft())
                 continue
             cached = len(found.slots) if found is not None else 0
             # locking the match takes its slots out of what eviction can free
-            locked = self.kv.lock_cost(found)
-            free_kv = self.kv.available - locked - len(self.running) - reserved - used
+            locked = self.prefix_cache.lock_cost(found)
+            free_kv = self.prefix_cache.available - locked - len(self.running) - reserved - used
             todo = req.num_ids - req.kv_len - cached
             needs_row = req.req_pool_idx is None
             # keep one slot per admitted request for its first decode token
@@ -454,7 +464,7 @@ class Scheduler:
             # the choices forked once the prompt is cached each need a row, and their KV unless
             # the prefix cache shares the prompt
             forks = len(req.forks) if chunk == todo else 0
-            prompt_copy = 0 if self.kv.tree is not None else req.num_ids
+            prompt_copy = 0 if self.prefix_cache.tree is not None else req.num_ids
             fork_kv = forks * (prompt_copy + 1 + self._expected_new_tokens(req))
             if (
                 chunk == todo
@@ -466,7 +476,7 @@ class Scheduler:
             ):
                 break  # would finish its prompt with no room to decode: wait
             self.waiting.popleft()
-            self.kv.admit(req, found)
+            self.prefix_cache.admit(req, found)
             if req.admitted_at is None:  # not for a later chunk or after a retraction
                 req.admitted_at = time.time()
             reqs.append(req)
@@ -496,11 +506,14 @@ class Scheduler:
         policy: reuse what is cached before it is evicted); first come first served beyond that,
         where matching every request each step costs more than it saves. A partly prefilled
         prompt stays first (it holds KV and a row)."""
-        if self.kv.tree is None or not 1 < len(self.waiting) <= LPM_MAX_WAITING:
+        if self.prefix_cache.tree is None or not 1 < len(self.waiting) <= LPM_MAX_WAITING:
             return
         started = [r for r in self.waiting if r.kv_slots]
         rest = [r for r in self.waiting if not r.kv_slots]
-        matched = {id(r): len(m.slots) if (m := self.kv.match(r)) is not None else 0 for r in rest}
+        matched = {
+            id(r): len(m.slots) if (m := self.prefix_cache.match(r)) is not None else 0
+            for r in rest
+        }
         rest.sort(key=lambda r: -matched[id(r)])  # stable: ties keep their arrival order
         self.waiting = deque(started + rest)
 
@@ -508,11 +521,11 @@ class Scheduler:
         """Free KV for one decode token per running request: move the newest running requests
         back to the waiting queue, then (if one request still cannot step) drop the cached
         chunks of partially prefilled waiting requests. Retracted tokens are recomputed later."""
-        while self.kv.available < len(self.running) and len(self.running) > 1:
+        while self.prefix_cache.available < len(self.running) and len(self.running) > 1:
             req = self.running.pop()
             self._retract(req)
             self.waiting.appendleft(req)
-        if self.kv.available < len(self.running):
+        if self.prefix_cache.available < len(self.running):
             for req in self.waiting:
                 if req.kv_len:
                     self._retract(req)
@@ -524,9 +537,10 @@ class Scheduler:
             req.rid,
             req.kv_len,
         )
-        self.kv.release(req)
+        self.prefix_cache.release(req)
         self.num_retractions += 1
 
+    @torch.inference_mode()
     def _sample(
         self, reqs: list[Req], logits: torch.Tensor, pending: dict[int, int] | None = None
     ) -> _Sampled:
@@ -541,9 +555,26 @@ class Scheduler:
         pending = pending or {}
         num_out = [len(r.output_ids) + (id(r) in pending) for r in reqs]
         steps = torch.tensor(num_out).to(logits.device, non_blocking=True)
-        adjust = self.runner.logit_adjuster.adjustments(reqs, num_out, self.eos_ids)
-        next_ids = self.runner.sample(self._constrain(reqs, logits), info, steps, adjust)
+        adjust = self.logit_adjuster.adjustments(reqs, num_out, self.eos_ids)
+        next_ids = self.draw_tokens(self._constrain(reqs, logits), info, steps, adjust)
         return _Sampled.start(reqs, next_ids, _logprobs(reqs, logits, next_ids))
+
+    def draw_tokens(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        steps: torch.Tensor,
+        adjust: LogitAdjustments | None = None,
+    ) -> torch.Tensor:
+        """Next token id per request (`[B]` int64); `steps` = tokens each request generated.
+        `adjust` (penalties, logit_bias, min_tokens) changes the logits the sampler sees, not
+        `logits` itself (logprobs stay the model's), and counts the sampled ids for the
+        penalties."""
+        if adjust is None:
+            return self.sampler(logits, info, steps)
+        next_ids = self.sampler(adjust.apply(logits), info, steps)
+        adjust.record(next_ids)
+        return next_ids
 
     def _constrain(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
         """`logits` with the rows of requests with a grammar masked to what it allows next (a
@@ -582,7 +613,7 @@ class Scheduler:
             if req.grammar is not None and not self._feed_grammar(req, token):
                 outputs.append(StepOutput(req, [], None))
                 self.running.remove(req)
-                self.kv.release(req)
+                self.prefix_cache.release(req)
                 continue
             text = None
             if req.sampling_params.stop and self.decode_text is not None:
@@ -598,7 +629,7 @@ class Scheduler:
             )
             if req.finished:
                 self.running.remove(req)
-                self.kv.release(req)
+                self.prefix_cache.release(req)
         return outputs
 
     def _feed_grammar(self, req: Req, token: int) -> bool:

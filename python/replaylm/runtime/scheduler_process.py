@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -33,8 +32,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
+from replaylm.device.cuda_context import cuda_device_index, open_in_background
+from replaylm.device.triton_key import hash_triton_in_background
+from replaylm.distributed.launch import free_loopback_addr
 from replaylm.model_loader.tokenizer import TokenizerInfo, scheduler_decoder
-from replaylm.runtime.cuda_context import cuda_device_index, open_in_background
 from replaylm.runtime.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -47,12 +48,11 @@ from replaylm.runtime.io_struct import (
     TokenizedGenerateReq,
 )
 from replaylm.runtime.request import Req
-from replaylm.runtime.triton_key import hash_triton_in_background
-from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
 from replaylm.structured.loader import GrammarLoader
 
 if TYPE_CHECKING:
+    from replaylm.model_executor.engine_config import EngineConfig
     from replaylm.runtime.scheduler import Scheduler
     from replaylm.structured.grammar import RequestGrammar
 
@@ -77,21 +77,25 @@ class SchedulerProcess:
     followers: dict[int, BaseProcess]
 
     @classmethod
-    def start(cls, args: ServerArgs) -> SchedulerProcess:
-        """Spawn the child (and the other ranks of node 0); it starts loading the model at once
-        (send it TokenizerInfo next). The children get no secrets: they have no use for them."""
-        args = with_dist_init_addr(dataclasses.replace(args, api_key=None))
+    def start(cls, config: EngineConfig) -> SchedulerProcess:
+        """Spawn the child (and the other ranks of node 0) for the resolved `config`; it starts
+        loading the model at once (send it TokenizerInfo next). The children get no secrets:
+        they have no use for them."""
+        config = with_dist_init_addr(
+            dataclasses.replace(config, args=dataclasses.replace(config.args, api_key=None))
+        )
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=run_scheduler_process,
-            args=(args, child_conn, time.time()),
+            args=(config, child_conn, time.time()),
             daemon=True,
             name="replaylm-scheduler",
         )
         proc.start()
         child_conn.close()
-        return cls(proc, conn, spawn_followers(args, range(1, args.ranks_per_node)))
+        followers = spawn_followers(config, range(1, config.args.ranks_per_node))
+        return cls(proc, conn, followers)
 
     def is_alive(self) -> bool:
         return self.proc.is_alive() and all(p.is_alive() for p in self.followers.values())
@@ -125,27 +129,28 @@ def _code(proc: BaseProcess) -> str:
     return f" (code {proc.exitcode})" if proc.exitcode is not None else ""
 
 
-def with_dist_init_addr(args: ServerArgs) -> ServerArgs:
-    """`args` with the address where its tensor-parallel ranks meet: a free loopback port when
-    all ranks run on this machine and none was given."""
+def with_dist_init_addr(config: EngineConfig) -> EngineConfig:
+    """`config` with the address where its tensor-parallel ranks meet: a free loopback port
+    when all ranks run on this machine and none was given."""
+    args = config.args
     if args.tp_size == 1 or args.dist_init_addr is not None:
-        return args
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{port}")
+        return config
+    return dataclasses.replace(
+        config, args=dataclasses.replace(args, dist_init_addr=free_loopback_addr())
+    )
 
 
-def spawn_followers(args: ServerArgs, local_ranks: range) -> dict[int, BaseProcess]:
+def spawn_followers(config: EngineConfig, local_ranks: range) -> dict[int, BaseProcess]:
     """Spawn the scheduler processes of tensor-parallel ranks other than 0, by their index on
-    this node (`args.node_rank`); {rank: process}."""
+    this node (`--node-rank`); {rank: process}."""
     ctx = mp.get_context("spawn")
     procs: dict[int, BaseProcess] = {}
+    args = config.args
     for local in local_ranks:
         rank = args.node_rank * args.ranks_per_node + local
         procs[rank] = ctx.Process(
             target=run_scheduler_process,
-            args=(args, None, time.time(), rank),
+            args=(config, None, time.time(), rank),
             daemon=True,
             name=f"replaylm-scheduler-tp{rank}",
         )
@@ -165,13 +170,14 @@ def stop_processes(procs: list[BaseProcess], timeout_s: float) -> None:
 
 
 def run_scheduler_process(
-    args: ServerArgs, conn: Connection | None, spawned_at: float, tp_rank: int = 0
+    config: EngineConfig, conn: Connection | None, spawned_at: float, tp_rank: int = 0
 ) -> None:
     """Process entry point; `spawned_at`: when the parent spawned it (epoch seconds), where its
     start-up stages begin. Ctrl-C goes to the parent, which shuts this process down. `conn`:
     the pipe to the tokenizer manager, rank 0's only (None: a follower of tensor-parallel rank
     `tp_rank`, which exits with code 1 when it fails)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    args = config.args
     gpu = cuda_device_index(args.device, args.tp_size, tp_rank, args.ranks_per_node)
     if gpu is not None:  # the context and Triton's cache key are made beside the imports below
         open_in_background(gpu)
@@ -185,9 +191,9 @@ def run_scheduler_process(
     stages.mark("spawn")
     logger.info("scheduler process started: importing torch and the model code")
     if conn is None:
-        sys.exit(_run_follower(args, tp_rank, stages))
+        sys.exit(_run_follower(config, tp_rank, stages))
     try:
-        built = _build_scheduler(args, conn, stages)
+        built = _build_scheduler(config, conn, stages)
         if built is None:
             return  # shut down before it was ready
         scheduler, grammars = built
@@ -195,11 +201,9 @@ def run_scheduler_process(
         stages.log_summary()
         conn.send(
             SchedulerReady(
-                max_total_tokens=runner.max_total_tokens,
-                context_len=runner.context_len,
+                max_total_tokens=runner.kv.size,
+                context_len=runner.kv.context_len,
                 vocab_size=runner.config.vocab_size,
-                max_running_requests=runner.max_running_requests,
-                cuda_graphs=runner.cuda_graphs,
                 cuda_graph_capture=runner.cuda_graph_stats(),
                 startup=stages.to_dict(),
             )
@@ -241,13 +245,13 @@ def one_line_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
-def _run_follower(args: ServerArgs, tp_rank: int, stages: StartupStages) -> int:
+def _run_follower(config: EngineConfig, tp_rank: int, stages: StartupStages) -> int:
     """A follower rank's life: its exit code, 0 after rank 0's ShutdownReq, 1 (one log line
     saying why) when anything fails, a broken group included. A start-up failure on node 0 is
     logged quietly: rank 0 fails alike (the same flags and model) and the front end says why."""
     started = False
     try:
-        built = _build_scheduler(args, None, stages, tp_rank)
+        built = _build_scheduler(config, None, stages, tp_rank)
         if built is not None:
             started = True
             # its batches are rank 0's, which logs them
@@ -256,23 +260,24 @@ def _run_follower(args: ServerArgs, tp_rank: int, stages: StartupStages) -> int:
         return 0
     except Exception as err:
         logger.debug("tensor-parallel rank %d failed", tp_rank, exc_info=True)
-        level = logging.ERROR if started or args.node_rank > 0 else logging.INFO
+        level = logging.ERROR if started or config.args.node_rank > 0 else logging.INFO
         logger.log(level, "tensor-parallel rank %d stops: %s", tp_rank, one_line_error(err))
         return 1
 
 
 def _build_scheduler(
-    args: ServerArgs, conn: Connection | None, stages: StartupStages, tp_rank: int = 0
+    config: EngineConfig, conn: Connection | None, stages: StartupStages, tp_rank: int = 0
 ) -> tuple[Scheduler, GrammarLoader] | None:
     """Load the model, then take the manager's TokenizerInfo (a follower rank: rank 0's
     broadcast of it); the scheduler and the loader of structured-output grammars (which the
     first grammar brings the vocabulary to), or None if the manager sent ShutdownReq."""
-    from replaylm.model_executor.model_runner import ModelRunner
+    from replaylm.model_executor.runner_setup import load_model_runner
     from replaylm.runtime.model_setup import eos_token_ids
     from replaylm.runtime.scheduler import Scheduler
 
     stages.mark("imports")
-    runner = ModelRunner(args, stages, tp_rank)
+    args = config.args
+    runner = load_model_runner(config, stages, tp_rank)
     info = _first_message(conn, args.tp_size)
     if isinstance(info, ShutdownReq):
         return None
@@ -337,7 +342,7 @@ def _loop(scheduler: Scheduler, conn: Connection | None, grammars: GrammarLoader
             elif isinstance(msg, AbortReq) and (req := scheduler.abort(msg.rid)) is not None:
                 aborted.append(req)
             elif isinstance(msg, FlushCacheReq):
-                flushed = scheduler.kv.flush()
+                flushed = scheduler.prefix_cache.flush()
                 if conn is not None:
                     conn.send(FlushCacheOut(flushed))
         if conn is None:  # a follower: the same steps, no outputs

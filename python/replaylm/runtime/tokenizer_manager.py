@@ -52,11 +52,11 @@ from replaylm.runtime.scheduler_process import (
     one_line_error,
 )
 from replaylm.sampling_params import SamplingParams
-from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
 from replaylm.structured.cache import HeldGrammars
 
 if TYPE_CHECKING:
+    from replaylm.model_executor.engine_config import EngineConfig
     from replaylm.model_loader.tokenizer import HFTokenizer
     from replaylm.structured.compiler import GrammarCompiler
 
@@ -94,18 +94,20 @@ class TokenizerManager:
 
     def __init__(
         self,
-        server_args: ServerArgs,
+        config: EngineConfig,
         scheduler: SchedulerProcess | None = None,
         stages: StartupStages | None = None,
     ) -> None:
-        """`scheduler`: a child already started for `server_args` (default: start one now). It
+        """`config`: the server's settings, resolved for this machine. `scheduler`: a child
+        already started for `config` (default: start one now). It
         is stopped if the tokenizer or the model fails to load. `stages`: this process's
         start-up stages, marked as it goes (default: its own, from its construction on); with
         the scheduler's, `server_info` reports them."""
+        server_args = config.args
         self.server_args = server_args
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self.startup = stages or StartupStages("http")
-        self._scheduler = scheduler or SchedulerProcess.start(server_args)
+        self._scheduler = scheduler or SchedulerProcess.start(config)
         try:
             self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
             self.startup.mark("tokenizer")
@@ -131,11 +133,9 @@ class TokenizerManager:
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
-        self.max_running_requests = ready.max_running_requests  # resolved for the device
-        self.server_args = dataclasses.replace(
-            server_args, max_running_requests=self.max_running_requests
-        )
-        self.cuda_graphs = ready.cuda_graphs  # as the scheduler resolved it for its device
+        assert server_args.max_running_requests is not None  # resolved for the device
+        self.max_running_requests = server_args.max_running_requests
+        self.cuda_graphs = config.cuda_graphs
         self.cuda_graph_capture = ready.cuda_graph_capture
         self.scheduler_startup = ready.startup
         # structured output: the compiler is made for the first constrained request (importing

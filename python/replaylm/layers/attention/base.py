@@ -28,6 +28,13 @@ class AttentionBackend(ABC):
 
     name: str
 
+    @property
+    def full_graph_backend(self) -> AttentionBackend:
+        """The backend whose hooks a `full` CUDA graph would call (itself; a per-phase
+        backend's decode backend). Whether it has them is its registry entry's `graph_hooks`
+        (`registry.supports_full_graph`)."""
+        return self
+
     def init_model(self, layers: Sequence[Attention], dtype: torch.dtype) -> None:
         """Called once the model is built, before any batch: its attention layers (by layer id)
         and dtype, for a backend that plans its kernels per model; ValueError naming
@@ -43,7 +50,7 @@ class AttentionBackend(ABC):
     ) -> None:
         """Write K/V of the new tokens at their KV slots. Must not sync with the host nor size a
         launch by anything but the token count (it is captured inside graph segments)."""
-        batch.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        batch.kv.pool.store(layer.layer_id, batch.out_cache_loc, k, v)
 
     def kv_store_target(
         self, layer: Attention, batch: ForwardBatch

@@ -146,7 +146,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
     ) -> None:
-        pool = batch.kv_pool
+        pool = batch.kv.pool
         store_kv(
             pool.k_buffers[layer.layer_id],
             pool.v_buffers[layer.layer_id],
@@ -158,7 +158,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
     def kv_store_target(
         self, layer: Attention, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pool = batch.kv_pool
+        pool = batch.kv.pool
         return pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], batch.out_cache_loc
 
     def forward_extend(
@@ -239,7 +239,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         if indices_out is None:
             indices_out = torch.empty(host[-1], dtype=torch.int32, device=device)
         kv_indices(
-            batch.req_to_token_pool.req_to_token,
+            batch.kv.req_to_token.req_to_token,
             batch.req_pool_indices[:bs],
             batch.seq_lens[:bs],
             indptr_out,
@@ -297,7 +297,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V buffers as FlashInfer's `[pages, 1, Hkv, D]` (views made once per
         pool: a view is host time every layer would pay)."""
-        pool = batch.kv_pool
+        pool = batch.kv.pool
         if pool is not self._pool:
             self._pool = pool
             self._caches = [
@@ -312,7 +312,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
             raise RuntimeError("init_cuda_graph_state was not called")
         if self._graph is None:
             device = batch.seq_lens.device
-            slots = batch.kv_pool.k_buffers[0].shape[0]
+            slots = batch.kv.pool.k_buffers[0].shape[0]
             self._graph = _GraphBuffers(
                 torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
                 torch.ones(max_bs, dtype=torch.int32, device=device),

@@ -10,7 +10,7 @@ eagerly between segments, as it does for a single backend.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -22,14 +22,18 @@ if TYPE_CHECKING:
 
 
 class PerPhaseAttnBackend(CudaGraphAttentionBackend):
-    """See the module docstring. Its graph hooks raise ValueError when the decode backend has
-    none (the CUDA-graph resolver refuses `full` decode graphs for it first)."""
+    """See the module docstring. Its graph hooks are its decode backend's: the resolver and the
+    full graph backend admit it only when that backend has them."""
 
     name = "per_phase"
 
     def __init__(self, decode: AttentionBackend, prefill: AttentionBackend) -> None:
         self.decode = decode
         self.prefill = prefill
+
+    @property
+    def full_graph_backend(self) -> AttentionBackend:
+        return self.decode
 
     def _for(self, batch: ForwardBatch) -> AttentionBackend:
         return self.decode if batch.forward_mode.is_decode() else self.prefill
@@ -83,9 +87,5 @@ class PerPhaseAttnBackend(CudaGraphAttentionBackend):
         self._graph_backend().init_forward_metadata_replay_cuda_graph(batch)
 
     def _graph_backend(self) -> CudaGraphAttentionBackend:
-        if not isinstance(self.decode, CudaGraphAttentionBackend):
-            raise ValueError(
-                f"a full decode graph needs an attention backend with CUDA-graph hooks; the "
-                f"decode backend '{self.decode.name}' has none"
-            )
-        return self.decode
+        # the full graph backend admits this backend only when its decode backend has hooks
+        return cast(CudaGraphAttentionBackend, self.decode)

@@ -55,6 +55,14 @@ BACKENDS_WITH_GRAPH_HOOKS = frozenset(n for n, s in ATTENTION_BACKENDS.items() i
 DETERMINISTIC_BACKENDS = frozenset(n for n, s in ATTENTION_BACKENDS.items() if s.deterministic)
 
 
+def supports_full_graph(backend: AttentionBackend) -> bool:
+    """Whether a `full` CUDA graph may capture `backend`'s attention: the `graph_hooks` of the
+    registry entry of the backend whose hooks it would call, the one place that says so (the
+    CUDA-graph resolver reads the same entry by name, without importing the backend)."""
+    spec = ATTENTION_BACKENDS.get(backend.full_graph_backend.name)
+    return spec is not None and spec.graph_hooks
+
+
 def check_deterministic(backend: str) -> None:
     """ValueError unless the resolved `backend` has batch-invariant kernels (`--deterministic`)."""
     if backend not in DETERMINISTIC_BACKENDS:

@@ -40,7 +40,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         device = batch.seq_lens.device
         lk = max(batch.seq_lens_cpu, default=0)
         lq = max(batch.extend_seq_lens_cpu, default=0)
-        rows = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :lk].to(torch.int64)
+        rows = batch.kv.req_to_token.req_to_token[batch.req_pool_indices, :lk].to(torch.int64)
         kpos = torch.arange(lk, device=device)
         qpos = torch.arange(lq, device=device)
         key_valid = kpos[None, :] < batch.seq_lens[:, None]  # [B, Lk]
@@ -60,8 +60,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         meta = self._meta
         if meta is None:
             raise RuntimeError("init_forward_metadata was not called for this batch")
-        k_cache = batch.kv_pool.k_buffers[layer.layer_id]
-        v_cache = batch.kv_pool.v_buffers[layer.layer_id]
+        k_cache = batch.kv.pool.k_buffers[layer.layer_id]
+        v_cache = batch.kv.pool.v_buffers[layer.layer_id]
         k = k_cache[meta.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lk, D]
         v = v_cache[meta.kv_slots].transpose(1, 2).to(q.dtype)
         qp = q[meta.q_index].transpose(1, 2)  # [B, H, Lq, D]

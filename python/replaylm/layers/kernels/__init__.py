@@ -103,8 +103,7 @@ def cublas_linear(
     """`F.linear(x, weight, bias)` in `out_dtype`, written into `out` when given (see
     `converted`). A float32 result of a 2-D half-precision `x` on CUDA without bias comes from
     cuBLAS's own float32 output (`torch.mm`'s `out_dtype`): no rounding to x's dtype and no
-    conversion pass (the LM head's logits at 256 rows: 174 us against 270; docs/tuning.md, "LM
-    head above 16 rows")."""
+    conversion pass (docs/tuning.md, "LM head above 16 rows")."""
     if out_dtype == torch.float32 != x.dtype and bias is None and x.dim() == 2 and x.is_cuda:
         return torch.mm(x, weight.t(), out_dtype=out_dtype, out=out)
     return converted(F.linear(x, weight, bias), out_dtype, out)

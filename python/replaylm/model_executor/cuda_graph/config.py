@@ -12,8 +12,10 @@ Pure Python (no torch: the launcher resolves before it spawns the model's proces
              error instead;
 4. validate  modes the backends cannot serve and the capture shapes.
 
-What a mode can do is one row of `MODE_TRAITS`; the rules and the validation read the rows, so a
-new graph mode is one backend module, one line in `backend/factory.py` and one row here.
+What a mode can do is one row of `MODE_TRAITS` (`replaylm/cuda_graph_modes.py`); the rules and the
+validation read the rows, so a new graph mode is one backend module, one line in
+`backend/factory.py` and one row there. The attention backends come in resolved (`PhaseAttention
+Backends`): the front end resolves them and this config once, before the model process starts.
 Every problem raises CudaGraphConfigError: one line naming the flag and the valid choices.
 """
 
@@ -24,32 +26,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from replaylm.cuda_graph_modes import (
+    DEFAULTS_CUDA,
+    MODE_TRAITS,
+    MODES,
+    PHASES,
+    ModeTraits,
+    debug_eager_modes,
+    unsupported_reason,
+)
 from replaylm.layers.attention.registry import BACKENDS_WITH_GRAPH_HOOKS
-from replaylm.layers.attention.selection import resolve_phase_backends
+from replaylm.layers.attention.selection import PhaseAttentionBackends
 
-PHASES = ("decode", "prefill")
-
-
-@dataclass(frozen=True)
-class ModeTraits:
-    """What a graph mode can do."""
-
-    phases: tuple[str, ...]  # the phases it serves
-    # it captures attention, so the attention backend needs CUDA-graph hooks
-    # (CudaGraphAttentionBackend: the registry's `graph_hooks`)
-    needs_attention_graph_hooks: bool
-    # under --debug-cuda-graph it captures nothing and runs its graph path eagerly, on any device
-    debug_eager: bool
-
-
-MODE_TRAITS: dict[str, ModeTraits] = {
-    "full": ModeTraits(("decode",), needs_attention_graph_hooks=True, debug_eager=False),
-    "breakable": ModeTraits(PHASES, needs_attention_graph_hooks=False, debug_eager=True),
-    "tc_piecewise": ModeTraits(PHASES, needs_attention_graph_hooks=False, debug_eager=True),
-}
-MODES = (*MODE_TRAITS, "disabled")
 GRAPH_DEVICES = ("cuda",)
-DEFAULTS_CUDA = {"decode": "full", "prefill": "breakable"}
 
 JSON_FLAG = "--cuda-graph-mode"
 LEGACY_REPLACEMENTS = {
@@ -57,24 +46,6 @@ LEGACY_REPLACEMENTS = {
     "--disable-piecewise-cuda-graph": "--prefill-disable-cuda-graph",
     "--enable-breakable-cuda-graph": "--prefill-cuda-graph-mode breakable",
 }
-
-
-def debug_eager_modes() -> tuple[str, ...]:
-    """The modes that --debug-cuda-graph runs eagerly (so on any device)."""
-    return tuple(m for m, t in MODE_TRAITS.items() if t.debug_eager)
-
-
-def modes_serving(phase: str) -> tuple[str, ...]:
-    """The graph modes that can serve `phase`."""
-    return tuple(m for m, t in MODE_TRAITS.items() if phase in t.phases)
-
-
-def unsupported_reason(phase: str, mode: str) -> str | None:
-    """Why `mode` cannot serve `phase` (None: it can, or it is `disabled`)."""
-    if mode == "disabled" or phase in MODE_TRAITS[mode].phases:
-        return None
-    others = " or ".join(repr(m) for m in modes_serving(phase))
-    return f"{phase} mode {mode!r} is not supported yet; use {others} (or 'disabled')"
 
 
 class CudaGraphConfigError(ValueError):
@@ -98,9 +69,22 @@ class GraphArgs(Protocol):
     prefill_cuda_graph_max_tokens: int | None
     max_running_requests: int | None  # None: not resolved for the device yet (checks only)
     chunked_prefill_size: int
-    attention_backend: str
-    prefill_attention_backend: str | None
     debug_cuda_graph: bool
+    tc_piecewise_compiler: str
+    tc_piecewise_kernels: str
+    compile_cache_dir: str | None
+
+
+@dataclass(frozen=True)
+class GraphBackendOptions:
+    """The graph backends' own options: `debug` runs the breakable and tc_piecewise paths
+    eagerly (--debug-cuda-graph); the others are tc_piecewise's compiler, kernels and compile
+    cache directory."""
+
+    debug: bool = False
+    compiler: str = "inductor"
+    kernels: str = "fused"
+    compile_cache_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +107,7 @@ class CudaGraphConfig:
     prefill: PhaseConfig
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # informational: defaults on CPU, rules that turned a phase off
+    options: GraphBackendOptions = GraphBackendOptions()
 
     def phase(self, name: str) -> PhaseConfig:
         return getattr(self, name)
@@ -330,9 +315,9 @@ def default_decode_batch_sizes(max_bs: int) -> tuple[int, ...]:
     return tuple(sorted({s for s in sizes if s < max_bs} | {max_bs}))
 
 
-# Larger prefill steps run eagerly unless a flag captures them: an eager step of 8,192 tokens loses
-# under 1% to Python's launch time, and each bucket costs capture time and graph memory
-# (Llama-3.1-8B: 424 MiB for the buckets up to 2,048 tokens, 1.9 GiB up to 8,192).
+# Larger prefill steps run eagerly unless a flag captures them: a step that large loses little to
+# Python's launch time, and each bucket costs capture time and graph memory (docs/benchmarks.md,
+# "CUDA-graph capture").
 DEFAULT_PREFILL_MAX_TOKENS = 2048
 
 
@@ -416,12 +401,12 @@ def check_cuda_graph_args(args: GraphArgs) -> None:
         _shapes(args, phase, False, parsed.warnings)
 
 
-def resolve_cuda_graph_config(args: GraphArgs, device: str) -> CudaGraphConfig:
-    """Resolve the per-phase CUDA-graph config for `device` (`cuda` or `cpu`)."""
+def resolve_cuda_graph_config(
+    args: GraphArgs, device: str, backends: PhaseAttentionBackends
+) -> CudaGraphConfig:
+    """Resolve the per-phase CUDA-graph config for `device` (`cuda` or `cpu`) and the phases'
+    resolved attention backends."""
     parsed = _parse(args)
-    backends = resolve_phase_backends(
-        args.attention_backend, args.prefill_attention_backend, device
-    )
     base_ctx = {"device": device, "debug": "on" if args.debug_cuda_graph else "off"}
     phases: dict[str, PhaseConfig] = {}
     notes: list[str] = []
@@ -441,6 +426,12 @@ def resolve_cuda_graph_config(args: GraphArgs, device: str) -> CudaGraphConfig:
             source = f"rule {rule.name}"
         shapes = _shapes(args, phase, mode != "disabled", parsed.warnings)
         phases[phase] = PhaseConfig(mode, source, shapes)
+    options = GraphBackendOptions(
+        args.debug_cuda_graph,
+        args.tc_piecewise_compiler,
+        args.tc_piecewise_kernels,
+        args.compile_cache_dir,
+    )
     return CudaGraphConfig(
-        phases["decode"], phases["prefill"], tuple(parsed.warnings), tuple(notes)
+        phases["decode"], phases["prefill"], tuple(parsed.warnings), tuple(notes), options
     )

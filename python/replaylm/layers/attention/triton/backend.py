@@ -143,7 +143,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         self, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
     ) -> None:
         """At the metadata's slots: the static copy inside a `full` graph."""
-        pool = batch.kv_pool
+        pool = batch.kv.pool
         store_kv(
             pool.k_buffers[layer.layer_id],
             pool.v_buffers[layer.layer_id],
@@ -155,7 +155,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
     def kv_store_target(
         self, layer: Attention, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pool = batch.kv_pool
+        pool = batch.kv.pool
         return (
             pool.k_buffers[layer.layer_id],
             pool.v_buffers[layer.layer_id],
@@ -177,7 +177,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             self._decode(q[:d], layer, batch, out[:d], meta.decode)
             meta = meta.extend
         assert isinstance(meta, _ExtendMetadata), "metadata was prepared for a decode batch"
-        pool = batch.kv_pool
+        pool = batch.kv.pool
         return extend_attention(
             q,
             k,
@@ -185,7 +185,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             out,
             pool.k_buffers[layer.layer_id],
             pool.v_buffers[layer.layer_id],
-            batch.req_to_token_pool.req_to_token,
+            batch.kv.req_to_token.req_to_token,
             meta.req_pool_indices,
             meta.prefix_lens,
             meta.extend_seq_lens,
@@ -216,7 +216,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         out: torch.Tensor,
         meta: _DecodeMetadata,
     ) -> torch.Tensor:
-        pool = batch.kv_pool
+        pool = batch.kv.pool
         workspace = meta.workspace
         if workspace is None:
             workspace = decode_workspace(q, pool.num_kv_heads, meta.num_splits, meta.graph_arrivals)
@@ -228,7 +228,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             q,
             pool.k_buffers[layer.layer_id],
             pool.v_buffers[layer.layer_id],
-            batch.req_to_token_pool.req_to_token,
+            batch.kv.req_to_token.req_to_token,
             meta.req_pool_indices,
             meta.seq_lens,
             out,
@@ -254,7 +254,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             raise ValueError("triton attention captures decode batches only")
         if graph.arrivals is None:
             graph.arrivals = torch.zeros(
-                graph.max_bs * batch.kv_pool.num_kv_heads,
+                graph.max_bs * batch.kv.pool.num_kv_heads,
                 dtype=torch.int32,
                 device=batch.seq_lens.device,
             )
@@ -288,11 +288,11 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         """KV slices per request for `bs` decode requests of `batch`."""
         if self.deterministic:
             return DETERMINISTIC_SPLITS
-        return num_kv_splits(bs, batch.kv_pool.num_kv_heads, _sm_count(batch.seq_lens.device))
+        return num_kv_splits(bs, batch.kv.pool.num_kv_heads, _sm_count(batch.seq_lens.device))
 
     @staticmethod
     def _longest_first(bs: int, num_splits: int, batch: ForwardBatch) -> bool:
         """Whether `bs` decode requests of `batch` in `num_splits` slices start longest first."""
         return num_splits == 1 and starts_longest_first(
-            bs, batch.kv_pool.num_kv_heads, _sm_count(batch.seq_lens.device)
+            bs, batch.kv.pool.num_kv_heads, _sm_count(batch.seq_lens.device)
         )

@@ -2,7 +2,7 @@
 
 A backend never knows which phase it serves nor which runner drives it: the runner hands it a
 `CaptureContext` once, then a shape key, a ForwardBatch whose tensors are views of the runner's
-static buffers, and a `forward_fn(batch) -> logits` to capture. Call order: `from_args(...)`
+static buffers, and a `forward_fn(batch) -> logits` to capture. Call order: `from_options(...)`
 (the factory), `prepare(context)` once; inside `capture_session()`, `capture_one(...)` per shape
 (largest first, `first` true for the first); then per step `can_run(batch)` and, inside
 `runtime_session()`, `replay(shape, batch)`; `cleanup()` frees every graph. `stats()` reports
@@ -22,9 +22,9 @@ import torch
 from replaylm.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
+    from replaylm.model_executor.cuda_graph.config import GraphBackendOptions
     from replaylm.model_executor.forward_batch import ForwardBatch
     from replaylm.models.llama import LlamaForCausalLM
-    from replaylm.server_args import ServerArgs
 
 ForwardFn = Callable[["ForwardBatch"], torch.Tensor]
 _NO_SESSION = contextlib.nullcontext()
@@ -62,8 +62,10 @@ class BaseCudaGraphBackend(ABC):
         self.attn = attn_backend
 
     @classmethod
-    def from_args(cls, attn_backend: AttentionBackend, args: ServerArgs) -> BaseCudaGraphBackend:
-        """The backend for a server's `args` (the options it reads are its own)."""
+    def from_options(
+        cls, attn_backend: AttentionBackend, options: GraphBackendOptions
+    ) -> BaseCudaGraphBackend:
+        """The backend for the resolved `options` (those it reads are its own)."""
         return cls(attn_backend)
 
     @abstractmethod

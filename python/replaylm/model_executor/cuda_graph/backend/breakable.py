@@ -22,8 +22,8 @@ from replaylm.model_executor.cuda_graph.backend.base import (
 from replaylm.model_executor.cuda_graph.breakable_graph import BreakableCUDAGraph
 
 if TYPE_CHECKING:
+    from replaylm.model_executor.cuda_graph.config import GraphBackendOptions
     from replaylm.model_executor.forward_batch import ForwardBatch
-    from replaylm.server_args import ServerArgs
 
 
 class BreakableCudaGraphBackend(BaseCudaGraphBackend):
@@ -36,10 +36,10 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         self._context: CaptureContext | None = None
 
     @classmethod
-    def from_args(
-        cls, attn_backend: AttentionBackend, args: ServerArgs
+    def from_options(
+        cls, attn_backend: AttentionBackend, options: GraphBackendOptions
     ) -> BreakableCudaGraphBackend:
-        return cls(attn_backend, debug=args.debug_cuda_graph)
+        return cls(attn_backend, debug=options.debug)
 
     def prepare(self, context: CaptureContext) -> None:
         self._context = context

@@ -3,16 +3,17 @@
 Attention reads its metadata from static tensors: the graph runner replays each shape with the
 batch it captured, its tensors refreshed in place, so the attention backend points the kernels
 at that batch's own tensors at capture and a replay copies nothing. The attention backend must
-implement CudaGraphAttentionBackend.
+support it (`registry.supports_full_graph`: its registry entry).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from replaylm.layers.attention.base import AttentionBackend, CudaGraphAttentionBackend
+from replaylm.layers.attention.registry import supports_full_graph
 from replaylm.model_executor.cuda_graph.backend.base import (
     BaseCudaGraphBackend,
     CaptureContext,
@@ -29,12 +30,12 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
     attn: CudaGraphAttentionBackend
 
     def __init__(self, attn_backend: AttentionBackend) -> None:
-        if not isinstance(attn_backend, CudaGraphAttentionBackend):
+        if not supports_full_graph(attn_backend):
             raise ValueError(
                 f"the full CUDA-graph backend needs an attention backend with CUDA-graph hooks; "
                 f"'{attn_backend.name}' has none"
             )
-        super().__init__(attn_backend)
+        super().__init__(cast(CudaGraphAttentionBackend, attn_backend))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._context: CaptureContext | None = None
 

@@ -28,9 +28,9 @@ from replaylm.model_executor.cuda_graph.backend.base import CaptureContext, Forw
 from replaylm.model_executor.cuda_graph.backend.breakable import BreakableCudaGraphBackend
 
 if TYPE_CHECKING:
+    from replaylm.model_executor.cuda_graph.config import GraphBackendOptions
     from replaylm.model_executor.forward_batch import ForwardBatch
     from replaylm.models.llama import LlamaForCausalLM
-    from replaylm.server_args import ServerArgs
 
 
 class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
@@ -48,15 +48,15 @@ class TcPiecewiseCudaGraphBackend(BreakableCudaGraphBackend):
         self._layers: list[Attention] = []
 
     @classmethod
-    def from_args(
-        cls, attn_backend: AttentionBackend, args: ServerArgs
+    def from_options(
+        cls, attn_backend: AttentionBackend, options: GraphBackendOptions
     ) -> TcPiecewiseCudaGraphBackend:
         """`--tc-piecewise-compiler` and `--tc-piecewise-kernels`; `--compile-cache-dir`, where
         the compiled artifacts are kept, is set process-wide here."""
-        if args.compile_cache_dir:
-            set_compile_cache_dir(args.compile_cache_dir)
-        options = TcPiecewiseOptions(args.tc_piecewise_compiler, args.tc_piecewise_kernels)
-        return cls(attn_backend, options, debug=args.debug_cuda_graph)
+        if options.compile_cache_dir:
+            set_compile_cache_dir(options.compile_cache_dir)
+        compile_options = TcPiecewiseOptions(options.compiler, options.kernels)
+        return cls(attn_backend, compile_options, debug=options.debug)
 
     def prepare(self, context: CaptureContext) -> None:
         """Compile the forward (once per model: the other phase reuses it) on the largest

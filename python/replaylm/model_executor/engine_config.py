@@ -1,0 +1,83 @@
+"""The engine's settings resolved for the machine, once, before any model loads.
+
+`resolve_engine_config` turns the server's flags into values: the device (`auto` becomes `cuda`
+or `cpu`), the running-request cap (its default from the GPU's memory), each phase's attention
+backend and the CUDA-graph config. The HTTP front end does it before it spawns the model
+process (a bad combination is one `error:` line and exit code 2, before anything loads) and
+hands the result over; the offline Engine does it in-process. Nothing downstream resolves again.
+No torch here: the GPUs are probed through the driver (`device/gpu_probe.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from replaylm.device.gpu_probe import GpuFacts, probe_gpus
+from replaylm.layers.attention.registry import check_deterministic
+from replaylm.layers.attention.selection import PhaseAttentionBackends, resolve_phase_backends
+from replaylm.model_executor.cuda_graph.config import CudaGraphConfig, resolve_cuda_graph_config
+from replaylm.server_args import ServerArgs, default_max_running_requests
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`args` with `device` and `max_running_requests` resolved (the cap stays None only for
+    a CUDA device that this machine lacks, which only --print-cuda-graph-config asks about)."""
+
+    args: ServerArgs
+    attention: PhaseAttentionBackends
+    cuda_graphs: CudaGraphConfig
+    notes: tuple[str, ...] = ()  # how defaults were chosen
+
+    @property
+    def device_type(self) -> str:
+        return self.args.device.partition(":")[0]
+
+    def log(self) -> None:
+        """What was chosen and why, and the CUDA-graph config's warnings."""
+        for note in self.notes + self.cuda_graphs.notes:
+            logger.info("%s", note)
+        for warning in self.cuda_graphs.warnings:
+            logger.warning("%s", warning)
+        graphs = self.cuda_graphs
+        logger.info(
+            "CUDA graphs: %s (decode from %s, prefill from %s); attention: %s",
+            graphs.summary(),
+            graphs.decode.source,
+            graphs.prefill.source,
+            self.attention.describe(),
+        )
+
+
+def resolve_engine_config(args: ServerArgs, gpus: GpuFacts | None = None) -> EngineConfig:
+    """Resolve `args` for this machine (`gpus`: probed when not given). ValueError (one line,
+    naming the flag) for a combination that cannot run here."""
+    device = args.device
+    if device == "auto":
+        gpus = gpus or probe_gpus()
+        device = "cuda" if gpus is not None else "cpu"
+    elif device.startswith("cuda"):
+        gpus = gpus or probe_gpus()
+    device_type = device.partition(":")[0]
+    notes = []
+    running = args.max_running_requests
+    if running is None and (device_type != "cuda" or gpus is not None):
+        memory = gpus.memory_bytes if device_type == "cuda" and gpus is not None else None
+        running = default_max_running_requests(memory)
+        where = f"a GPU of {memory / 2**30:.0f} GiB" if memory is not None else device
+        notes.append(f"max running requests: {running} (the default for {where})")
+    if args.enable_pdl and device_type != "cuda":
+        raise ValueError(f"--enable-pdl needs a CUDA GPU of compute capability 9.0+, not {device}")
+    resolved = dataclasses.replace(args, device=device, max_running_requests=running)
+    attention = resolve_phase_backends(
+        args.attention_backend, args.prefill_attention_backend, device_type
+    )
+    if args.deterministic:
+        for backend in {attention.decode, attention.prefill}:
+            check_deterministic(backend)
+    graphs = resolve_cuda_graph_config(resolved, device_type, attention)
+    return EngineConfig(resolved, attention, graphs, tuple(notes))

@@ -1,0 +1,197 @@
+"""Everything between a resolved EngineConfig and a ModelRunner ready to serve: the device and
+its tensor-parallel group, the model loaded, the kernel choices (PDL, matmuls), the KV cache sized
+to the memory left, the attention backend, and the CUDA graphs captured. Each step is a start-up
+stage; what was chosen is logged with why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from replaylm.device.triton_key import hash_triton_in_background
+from replaylm.distributed.communication import min_over_ranks
+from replaylm.distributed.parallel_state import TPPlace, init_tensor_parallel
+from replaylm.distributed.peer_all_reduce import choose_all_reduce
+from replaylm.distributed.sharding import HeadShard, check_model_split
+from replaylm.layers.attention.layer import attention_layers
+from replaylm.layers.attention.registry import create_phase_backends
+from replaylm.layers.kernels import (
+    check_pdl,
+    choose_pdl,
+    pdl_supported,
+    set_pdl,
+    use_triton_kernels,
+)
+from replaylm.layers.linear import AUTO_SKINNY_MAX_BYTES, set_matmul
+from replaylm.mem_cache.kv_cache import KVCache, KVShape
+from replaylm.model_executor.engine_config import EngineConfig
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_loader.builtin_models import resolve_model_path
+from replaylm.model_loader.loader import load_model, load_model_config
+from replaylm.models.config import ModelConfig
+from replaylm.models.llama import LlamaForCausalLM
+from replaylm.server_args import ServerArgs
+from replaylm.startup_stages import StartupStages
+from replaylm.utils import loading_threads, resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU when --max-total-tokens is not given
+
+
+def load_model_runner(
+    config: EngineConfig, stages: StartupStages | None = None, tp_rank: int = 0
+) -> ModelRunner:
+    """Load the model of `config` on this process's device and make its runner. `stages`: the
+    start-up stages of the process it loads in, marked as it goes (default: its own).
+    `tp_rank`: this process's rank of `--tp-size` (which joins the group, at
+    `args.dist_init_addr`, before the model loads)."""
+    stages = stages or StartupStages("model runner")
+    args = config.args
+    device = _place_device(args, tp_rank)
+    check_pdl(args.enable_pdl is True, device)
+    if device.type == "cuda":  # the CUDA context, made here to be a stage of its own
+        torch.zeros(1, device=device)
+        # the Engine's, beside its model's loading (a scheduler process started it earlier)
+        hash_triton_in_background()
+    attn_backend = create_phase_backends(config.attention, args.deterministic)
+    stages.mark("device init")
+    path = resolve_model_path(args.model_path)
+    model_config = load_model_config(path)
+    dtype = resolve_dtype(args.dtype, device, model_config.torch_dtype)
+    tp = TPPlace(tp_rank, args.tp_size)
+    _join_tensor_parallel(args, model_config, tp, device, dtype)
+    stages.mark("model config")
+    with loading_threads(device):
+        model = load_model(path, model_config, args.load_format, dtype, device, args.seed, stages)
+    attn_backend.init_model(attention_layers(model), dtype)
+    kernels = _choose_kernels(args, model, device)
+    with loading_threads(device):
+        kv = _allocate_kv_cache(args, model_config, tp, device, dtype)
+    stages.mark("KV allocation")
+    logger.info(
+        "model runner ready: %s on %s%s, KV cache %d tokens (%.2f GiB), attention %s, %s%s",
+        dtype,
+        device,
+        f" (tensor-parallel rank {tp_rank} of {args.tp_size})" if args.tp_size > 1 else "",
+        kv.size,
+        kv.pool.memory_bytes() / 2**30,
+        config.attention.describe(),
+        kernels,
+        " (--deterministic: batch-invariant kernels)" if args.deterministic else "",
+    )
+    stages.mark("runner setup")
+    runner = ModelRunner(model, kv, attn_backend, config.cuda_graphs, tp)
+    logger.info("CUDA graphs: %s", config.cuda_graphs.summary())
+    runner.capture_cuda_graphs(stages)
+    return runner
+
+
+def _place_device(args: ServerArgs, tp_rank: int) -> torch.device:
+    """This process's device: one GPU per rank of a node under tensor parallelism."""
+    device = resolve_device(args.device)
+    if device.type == "cuda" and args.tp_size > 1:
+        device = torch.device("cuda", tp_rank % args.ranks_per_node)
+        torch.cuda.set_device(device)
+    return device
+
+
+def _join_tensor_parallel(
+    args: ServerArgs, cfg: ModelConfig, tp: TPPlace, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Check the model splits over `--tp-size` and join the group (nothing at size 1), with
+    the all-reduce `--tp-all-reduce` resolves to here."""
+    if args.tp_size == 1:
+        return
+    all_reduce, why = choose_all_reduce(
+        args.tp_all_reduce, device, args.tp_size, args.ranks_per_node
+    )
+    if all_reduce == "one-shot" and device.type != "cuda":
+        raise ValueError(
+            f"--tp-all-reduce one-shot needs CUDA GPUs (peer memory); on {device} "
+            "the ranks sum with gloo (--tp-all-reduce nccl)"
+        )
+    check_model_split(
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tp.size
+    )
+    assert args.dist_init_addr is not None  # the launcher picks one
+    init_tensor_parallel(
+        tp.rank,
+        args.tp_size,
+        args.dist_init_addr,
+        device,
+        one_shot_dtype=dtype if all_reduce == "one-shot" else None,
+    )
+    logger.info("tensor-parallel sums: %s (%s)", all_reduce, why)
+
+
+def _choose_kernels(args: ServerArgs, model: LlamaForCausalLM, device: torch.device) -> str:
+    """Set the matmul kernels and PDL (before any Triton kernel is launched or captured);
+    what was chosen, for the ready line."""
+    matmul = "invariant" if args.deterministic else args.small_batch_matmul
+    if args.deterministic and args.small_batch_matmul != "auto":
+        logger.warning(
+            "--deterministic overrides --small-batch-matmul %s: every matmul runs "
+            "the batch-invariant kernel",
+            args.small_batch_matmul,
+        )
+    layers = set_matmul(model, matmul)
+    # the layers' own test, on a weight: where it fails they run their torch code, whatever
+    # kernel set_matmul chose
+    triton_kernels = use_triton_kernels(next(model.parameters()))
+    if not triton_kernels:
+        logger.info("matmuls and fused ops: torch code on %s", device)
+    elif matmul == "auto":
+        logger.info(
+            "--small-batch-matmul auto: the skinny triton kernel for %d matmul layers "
+            "(the LM head and weights up to %d MiB), cuBLAS for %d (larger weights)",
+            layers["triton"],
+            AUTO_SKINNY_MAX_BYTES // 2**20,
+            layers["cublas"],
+        )
+    pdl, why = choose_pdl(args.enable_pdl, pdl_supported(device))
+    set_pdl(pdl)
+    if device.type == "cuda":  # PDL is a launch mode of CUDA kernels only
+        logger.info("programmatic dependent launch %s (%s)", "on" if pdl else "off", why)
+    return f"matmul {matmul if triton_kernels else 'torch'}" + (
+        ", programmatic dependent launch" if pdl else ""
+    )
+
+
+def _allocate_kv_cache(
+    args: ServerArgs, cfg: ModelConfig, tp: TPPlace, device: torch.device, dtype: torch.dtype
+) -> KVCache:
+    """The KV cache: what `--mem-fraction-static` leaves after the weights (1 GiB on the CPU),
+    capped by `--max-total-tokens`; the request table `--max-running-requests` rows of the
+    context length."""
+    kv_heads = HeadShard.for_rank(cfg.num_attention_heads, cfg.num_key_value_heads, tp).kv_heads
+    shape = KVShape(cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype)
+    budget = _kv_budget_tokens(shape, args.mem_fraction_static, tp, device)
+    assert args.max_running_requests is not None  # resolve_engine_config sets it for the device
+    return KVCache.allocate(
+        shape,
+        min(budget, args.max_total_tokens or budget),
+        args.max_running_requests,
+        args.context_length or cfg.max_position_embeddings,
+        device,
+    )
+
+
+def _kv_budget_tokens(
+    shape: KVShape, mem_fraction: float, tp: TPPlace, device: torch.device
+) -> int:
+    per_token = shape.bytes_per_token
+    if device.type != "cuda":
+        return CPU_KV_CACHE_BYTES // per_token
+    free, total = torch.cuda.mem_get_info(device)
+    budget = total * mem_fraction - (total - free)
+    if budget < per_token:
+        raise RuntimeError(
+            f"--mem-fraction-static {mem_fraction} leaves no room for the KV cache after the "
+            f"weights ({(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f} GiB); raise it"
+        )
+    tokens = int(budget // per_token)
+    # every rank's scheduler must see the same pool: the smallest any rank can hold
+    return tokens if tp.size == 1 else min_over_ranks(tokens)

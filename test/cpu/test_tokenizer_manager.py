@@ -1,0 +1,125 @@
+"""TokenizerManager with a real scheduler child process (tiny checkpoint: starts in seconds)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replaylm.model_executor.engine_config import resolve_engine_config
+from replaylm.runtime.errors import RequestError, ServiceUnavailableError
+from replaylm.runtime.io_struct import GenerateRequest
+from replaylm.runtime.tokenizer_manager import TokenizerManager
+from replaylm.sampling_params import SamplingParams
+from replaylm.server_args import ServerArgs
+
+from tiny_checkpoints import write_tiny_checkpoint
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture
+def manager(tmp_path):
+    write_tiny_checkpoint("qwen2", tmp_path)
+    tm = TokenizerManager(
+        resolve_engine_config(
+            ServerArgs(
+                model_path=str(tmp_path), device="cpu", max_total_tokens=256, max_running_requests=4
+            )
+        )
+    )
+    yield tm
+    tm.shutdown()
+
+
+async def _collect(tm: TokenizerManager, ids: list[int], **params) -> list:
+    req = GenerateRequest(ids, SamplingParams(**{**GREEDY, **params}), top_logprobs=3)
+    return [out async for out in tm.generate(req)]
+
+
+def test_generates_with_logprobs_and_usage(manager):
+    outs = asyncio.run(_collect(manager, [5, 6, 7], max_new_tokens=6))
+    assert [len(o.token_ids) for o in outs] == [1] * 6
+    assert outs[-1].finish_reason.type == "length"
+    assert outs[-1].completion_tokens == 6 and outs[-1].prompt_tokens == 3
+    lp = outs[0].logprobs[0]
+    assert len(lp.top) == 3 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+    assert lp.token_id == lp.top[0][0] and lp.logprob == lp.top[0][1]  # greedy = most likely
+
+
+def test_bad_input_is_rejected_before_anything_is_queued(manager):
+    with pytest.raises(RequestError, match="prompt has 300 tokens"):
+        asyncio.run(_collect(manager, [5] * 300))
+    with pytest.raises(RequestError) as err:
+        asyncio.run(_collect(manager, [5], temperature=-1.0))
+    assert err.value.param == "temperature"
+    for field, value in (("logit_bias", {320: 1.0}), ("stop_token_ids", [320])):  # vocab 320
+        with pytest.raises(RequestError, match="outside the vocabulary") as err:
+            asyncio.run(_collect(manager, [5], **{field: value}))
+        assert err.value.param == field
+
+
+def test_closing_the_stream_aborts_and_frees_kv(manager):
+    async def partial() -> None:
+        req = GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=200, **GREEDY))
+        gen = manager.generate(req)
+        async for _ in gen:
+            break
+        await gen.aclose()
+        for _ in range(50):  # the scheduler reports the freed KV in its next message
+            await asyncio.sleep(0.05)
+            if manager.metrics.kv_used._value.get() == 0:
+                return
+
+    asyncio.run(partial())
+    assert manager.metrics.kv_used._value.get() == 0
+    assert manager.metrics.requests.labels("abort")._value.get() == 1
+
+
+def test_child_death_is_reported_not_hung(manager):
+    async def killed_mid_request() -> None:
+        req = GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=100000, **GREEDY))
+        gen = manager.generate(req)
+        await gen.__anext__()
+        manager._scheduler.proc.kill()
+        with pytest.raises(ServiceUnavailableError):
+            async for _ in gen:
+                pass
+
+    asyncio.run(asyncio.wait_for(killed_mid_request(), 30))
+    assert not manager.healthy()
+    with pytest.raises(ServiceUnavailableError):
+        asyncio.run(_collect(manager, [5]))
+
+
+def test_choices_of_one_request_are_told_apart_by_index(manager):
+    """n=3: every choice streams its own tokens under one request id; greedy choices agree,
+    seeded sampled ones follow seed, seed + 1, seed + 2; the prompt logprobs come once a choice."""
+
+    async def run(n: int, **params) -> dict[int, list]:
+        req = GenerateRequest(
+            [5, 6, 7, 8], SamplingParams(**{**GREEDY, **params}), prompt_logprobs=2, n=n
+        )
+        by_choice: dict[int, list] = {}
+        async for out in manager.generate(req):
+            assert out.rid == req.rid
+            by_choice.setdefault(out.index, []).append(out)
+        return by_choice
+
+    def tokens(outs: list) -> list[int]:
+        return [t for o in outs for t in o.token_ids]
+
+    greedy = asyncio.run(run(3, max_new_tokens=5))
+    assert sorted(greedy) == [0, 1, 2]
+    assert len({tuple(tokens(outs)) for outs in greedy.values()}) == 1
+    for outs in greedy.values():
+        assert outs[-1].finish_reason.type == "length"
+        assert [o.prompt_logprobs is not None for o in outs] == [True] + [False] * 4
+        assert len(outs[0].prompt_logprobs) == 4 and outs[0].prompt_logprobs[0] is None
+    sampled = asyncio.run(run(3, max_new_tokens=8, temperature=1.0, seed=40))
+    singles = [asyncio.run(run(1, max_new_tokens=8, temperature=1.0, seed=s)) for s in (40, 41, 42)]
+    assert [tokens(sampled[i]) for i in range(3)] == [tokens(s[0]) for s in singles]
+    assert len({tuple(tokens(outs)) for outs in sampled.values()}) > 1
+    with pytest.raises(RequestError) as err:
+        asyncio.run(run(5, max_new_tokens=2))  # more choices than running slots
+    assert err.value.param == "n"
