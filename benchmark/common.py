@@ -363,9 +363,9 @@ def dummy_runner(
                 chunked_prefill_size=2048,
                 mem_fraction_static=0.85,
                 **(extra or {}),
-            ),
-            tp_rank=tp_rank,
-        )
+            )
+        ),
+        tp_rank=tp_rank,
     )
 
 
