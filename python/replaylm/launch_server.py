@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 
-from replaylm.model_executor.cuda_graph.config import check_cuda_graph_args
 from replaylm.model_executor.engine_config import EngineConfig, resolve_engine_config
 from replaylm.runtime.scheduler_process import (
     SchedulerProcess,
@@ -70,8 +69,8 @@ def _usage_error(message: str) -> NoReturn:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
-    """(server args, whether to only print the CUDA-graph config). Checks what needs no device;
-    `resolve_engine_config` resolves the rest for this machine."""
+    """(server args, whether to only print the CUDA-graph config), their values and paths
+    checked; `resolve_engine_config` resolves them for this machine."""
     parser = argparse.ArgumentParser(
         prog="python -m replaylm.launch_server",
         description=__doc__,
@@ -90,7 +89,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
         args.api_key = os.environ.get(API_KEY_ENV) or None
     try:
         args.validate()
-        check_cuda_graph_args(args)
         if not ns.print_cuda_graph_config:
             args.check_paths()
     except (ValueError, FileNotFoundError) as err:

@@ -540,7 +540,6 @@ class Scheduler:
         self.prefix_cache.release(req)
         self.num_retractions += 1
 
-    @torch.inference_mode()
     def _sample(
         self, reqs: list[Req], logits: torch.Tensor, pending: dict[int, int] | None = None
     ) -> _Sampled:
@@ -559,6 +558,7 @@ class Scheduler:
         next_ids = self.draw_tokens(self._constrain(reqs, logits), info, steps, adjust)
         return _Sampled.start(reqs, next_ids, _logprobs(reqs, logits, next_ids))
 
+    @torch.inference_mode()
     def draw_tokens(
         self,
         logits: torch.Tensor,

@@ -388,19 +388,6 @@ def _validate_mode(phase: str, mode: str, flag: str | None) -> None:
 # ---- the resolver ---------------------------------------------------------------------------
 
 
-def check_cuda_graph_args(args: GraphArgs) -> None:
-    """Raise CudaGraphConfigError for flags that are wrong on any device: malformed or
-    contradicting flags, unknown phases or modes, prefill 'full', bad shape lists. Needs no
-    device, so a launcher can reject them before it starts anything; resolving for the device
-    can still fail by a compatibility rule."""
-    parsed = _parse(args)
-    for phase in PHASES:
-        choice = _pick(phase, parsed.choices[phase], parsed)
-        if choice is not None:
-            _validate_mode(phase, choice.mode, choice.flag)
-        _shapes(args, phase, False, parsed.warnings)
-
-
 def resolve_cuda_graph_config(
     args: GraphArgs, device: str, backends: PhaseAttentionBackends
 ) -> CudaGraphConfig:
