@@ -126,17 +126,17 @@ class GraphInputs:
         path: its batches are built here; a few copies more)."""
         names = BATCH_FIELDS
         tokens, reqs = len(batch["input_ids"]), len(batch["seq_lens"])
-        live = self.views(tokens, reqs)
-        dsts = [live[PACKED_FIELDS.index(n)] for n in names]
-        torch._foreach_copy_(dsts, [batch[n] for n in names], non_blocking=True)
         sizes = self.padding_sizes(tokens)
-        if not sizes:
-            return
         rows = len(sizes)
         if reqs + rows > self.max_requests:
             raise ValueError(
                 f"graph inputs of {self.max_requests} requests cannot hold {reqs + rows}"
             )
+        live = self.views(tokens, reqs)
+        dsts = [live[PACKED_FIELDS.index(n)] for n in names]
+        torch._foreach_copy_(dsts, [batch[n] for n in names], non_blocking=True)
+        if not sizes:
+            return
         starts = [tokens + s for s in accumulate(sizes, initial=0)][:-1]
         padding = {
             "input_ids": [0] * (self.num_tokens - tokens),
