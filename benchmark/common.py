@@ -268,13 +268,26 @@ def json_path_arg(doc: str | None) -> Path | None:
     return parser.parse_args().json
 
 
+def portable_values(value: Any) -> Any:
+    """`value` (a JSON document) with every string that is a path of this machine (absolute, in
+    a folder that exists: not an HTTP route) made `_portable`: a result names no path of the
+    machine it ran on."""
+    if isinstance(value, dict):
+        return {k: portable_values(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable_values(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value) and Path(value).parent.is_dir():
+        return _portable(value)
+    return value
+
+
 def write_json(path: Path, doc: dict[str, Any], command: str | None = None) -> None:
     """Write a benchmark's result `doc` to `path` (its folders made), with the `environment` it
     was measured in where `doc` has none; `command`: the command line recorded, when not this
-    process's."""
+    process's. Absolute paths are written relative to the repository, or by their file name."""
     env = environment() | ({"command": command} if command else {})
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"environment": env, **doc}, indent=1))
+    path.write_text(json.dumps(portable_values({"environment": env, **doc}), indent=1))
 
 
 def add_environment(path: Path, command: str) -> None:

@@ -48,9 +48,17 @@ def test_a_script_imports_no_other_script_and_loads(script):
 def test_write_json_records_the_environment_beside_the_result(tmp_path):
     common = import_script("benchmark/common.py")
     out = tmp_path / "result.json"
-    common.write_json(out, {"summary": [{"name": "x", "ms": 1.5}]})
+    config = {"model_path": str(REPO / "benchmark" / "configs" / "qwen3-0.6b.json")}
+    config |= {"json": str(out), "endpoint": "/v1/completions"}
+    common.write_json(out, {"config": config, "summary": [{"name": "x", "ms": 1.5}]})
     doc = json.loads(out.read_text())
     assert doc["summary"] == [{"name": "x", "ms": 1.5}]
+    # paths of the machine: under the repository relative to it, else the file name alone
+    assert doc["config"] == {
+        "model_path": "benchmark/configs/qwen3-0.6b.json",
+        "json": "result.json",
+        "endpoint": "/v1/completions",
+    }
     env = doc["environment"]
     assert env["torch"] == torch.__version__ and env["cuda"] == torch.version.cuda
     assert (env["gpu"] is None) == (not torch.cuda.is_available())

@@ -58,12 +58,12 @@ def test_the_graph_backends_options_travel_in_the_config():
     args = ServerArgs(
         debug_cuda_graph=True,
         tc_piecewise_compiler="eager",
-        compile_cache_dir="/tmp/pieces",
+        compile_cache_dir="compile-cache",
         cuda_graph_mode='{"decode": "tc_piecewise", "prefill": "tc_piecewise"}',
     )
     options = resolve_engine_config(args, gpus=None).cuda_graphs.options
     assert (options.debug, options.compiler, options.kernels) == (True, "eager", "fused")
-    assert options.compile_cache_dir == "/tmp/pieces"
+    assert options.compile_cache_dir == "compile-cache"
 
 
 @pytest.mark.parametrize(
