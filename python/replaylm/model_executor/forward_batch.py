@@ -14,12 +14,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
-from itertools import accumulate
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
 
-from replaylm.model_executor.packed_inputs import GraphInputs, pack_host, send_packed
+from replaylm.model_executor.packed_inputs import (
+    TOKEN_FIELDS,
+    GraphInputs,
+    host_fields,
+    pack_host,
+    send_packed,
+)
 
 if TYPE_CHECKING:
     from replaylm.layers.attention.base import AttentionBackend
@@ -99,41 +105,31 @@ class ForwardBatch:
         live, live_tokens = len(new_token_ids), len(out_cache_loc)
         table = kv.req_to_token
         if into is not None:
-            sizes = into.padding_sizes(live_tokens)
-            if live + len(sizes) > into.max_requests:
-                raise ValueError(
-                    f"graph inputs of {into.max_requests} requests cannot hold "
-                    f"{live + len(sizes)} requests"
-                )
-            new_token_ids = [*new_token_ids, *([0] * n for n in sizes)]
-            prefix_lens = [*prefix_lens, *[0] * len(sizes)]
-            req_pool_indices = [*req_pool_indices, *[into.padding_row] * len(sizes)]
-            out_cache_loc = [*out_cache_loc, *[0] * (into.num_tokens - live_tokens)]
-        ext_cpu = [len(t) for t in new_token_ids]
-        seq_cpu = [p + n for p, n in zip(prefix_lens, ext_cpu, strict=True)]
-        bs, num_tokens = len(ext_cpu), sum(ext_cpu)
+            ids, prefixes, rows, slots = into.padding_requests(live_tokens, live)
+            new_token_ids = [*new_token_ids, *ids]
+            prefix_lens = [*prefix_lens, *prefixes]
+            req_pool_indices = [*req_pool_indices, *rows]
+            out_cache_loc = [*out_cache_loc, *slots]
+        host = host_fields(
+            new_token_ids, prefix_lens, req_pool_indices, out_cache_loc, table.row_width
+        )
+        seq_cpu, ext_cpu = host[5], host[7]  # PACKED_FIELDS' seq_lens, extend_seq_lens
+        bs, num_tokens = len(ext_cpu), len(host[0])
         if len(out_cache_loc) != num_tokens:
             raise ValueError(
                 f"out_cache_loc has {len(out_cache_loc)} slots for {num_tokens} tokens"
             )
         table.check_fits(max(seq_cpu, default=0))  # a longer one would spill rows
-        width = table.row_width
-        # token j of request i sits at position prefix_i + j, table entry row_i * width + that
-        token_ids = [t for ids in new_token_ids for t in ids]
-        spans = list(zip(req_pool_indices, prefix_lens, seq_cpu, strict=True))
-        positions = [j for _, p, s in spans for j in range(p, s)]
-        table_index = [r * width + j for r, p, s in spans for j in range(p, s)]
-        starts = list(accumulate(ext_cpu, initial=0))
-        starts.pop()
-        per_request = [req_pool_indices, seq_cpu, prefix_lens, ext_cpu, starts]
-        if into is not None:  # the request fields are `max_requests` long there
-            per_request = [[*f, *[0] * (into.max_requests - bs)] for f in per_request]
-        wide = token_ids + positions + list(out_cache_loc) + table_index  # PACKED_FIELDS' order
-        for f in per_request:
-            wide += f
+        if into is not None and into.max_requests > bs:  # request fields `max_requests` long
+            host[TOKEN_FIELDS:] = [
+                [*f, *[0] * (into.max_requests - bs)] for f in host[TOKEN_FIELDS:]
+            ]
+        wide = list(chain.from_iterable(host))
         if into is None:
             wide_d, narrow = send_packed(table.device, wide, out_cache_loc)
-            fields = wide_d.split_with_sizes([num_tokens] * 4 + [bs] * 5)  # one call
+            fields = wide_d.split_with_sizes(  # one call
+                [num_tokens] * TOKEN_FIELDS + [bs] * (len(host) - TOKEN_FIELDS)
+            )
         else:
             into.load(pack_host(wide, out_cache_loc))
             fields, narrow = into.fields, into.slots32

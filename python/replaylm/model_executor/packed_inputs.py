@@ -31,6 +31,36 @@ TOKEN_FIELDS = 4
 BATCH_FIELDS = tuple(n for n in PACKED_FIELDS if n != "table_index")
 
 
+def host_fields(
+    new_token_ids: list[list[int]],
+    prefix_lens: list[int],
+    rows: list[int],
+    slots: Sequence[int],
+    row_width: int,
+    first_token: int = 0,
+) -> list[list[int]]:
+    """Requests' `PACKED_FIELDS` as host lists: request i's tokens `new_token_ids[i]` at
+    positions `prefix_lens[i]..` of request-table row `rows[i]` (a row `row_width` entries long),
+    their KV slots `slots` in the same packed order, its first token at `first_token` plus the
+    tokens of the requests before it."""
+    ext = [len(t) for t in new_token_ids]
+    seq = [p + n for p, n in zip(prefix_lens, ext, strict=True)]
+    spans = list(zip(rows, prefix_lens, seq, strict=True))
+    starts = list(accumulate(ext, initial=first_token))
+    starts.pop()
+    return [
+        [t for ids in new_token_ids for t in ids],
+        [j for _, p, s in spans for j in range(p, s)],
+        list(slots),
+        [r * row_width + j for r, p, s in spans for j in range(p, s)],
+        list(rows),
+        seq,
+        list(prefix_lens),
+        ext,
+        starts,
+    ]
+
+
 def pack_host(wide: Sequence[int], narrow: Sequence[int]) -> torch.Tensor:
     """`wide` as int64 then `narrow` as int32, in one host uint8 tensor. The `array` module packs
     them (a C loop, much cheaper per element than `torch.tensor` of a list)."""
@@ -109,6 +139,21 @@ class GraphInputs:
         """Whether a batch with these `input_ids` was built here."""
         return input_ids.data_ptr() == self.fields[0].data_ptr()
 
+    def padding_requests(
+        self, live_tokens: int, live_requests: int
+    ) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+        """(token ids, prefix lengths, request rows, KV slots) of the padding requests after a
+        live batch: token 0 at positions 0.. of the padding row, KV slot 0, at most `pad_span`
+        tokens each. ValueError where the live batch and its padding do not fit."""
+        sizes = self.padding_sizes(live_tokens)
+        if live_requests + len(sizes) > self.max_requests:
+            raise ValueError(
+                f"graph inputs of {self.max_requests} requests cannot hold "
+                f"{live_requests + len(sizes)} requests"
+            )
+        n = len(sizes)
+        return [[0] * size for size in sizes], [0] * n, [self.padding_row] * n, [0] * sum(sizes)
+
     def padding_sizes(self, live_tokens: int) -> list[int]:
         """The new tokens of each padding request after `live_tokens` live ones."""
         pad = self.num_tokens - live_tokens
@@ -124,36 +169,21 @@ class GraphInputs:
     def copy_in(self, batch: Mapping[str, torch.Tensor]) -> None:
         """Copy the `BATCH_FIELDS` of a batch built elsewhere in, padded (not a scheduler's
         path: its batches are built here; a few copies more)."""
-        names = BATCH_FIELDS
         tokens, reqs = len(batch["input_ids"]), len(batch["seq_lens"])
-        sizes = self.padding_sizes(tokens)
-        rows = len(sizes)
-        if reqs + rows > self.max_requests:
-            raise ValueError(
-                f"graph inputs of {self.max_requests} requests cannot hold {reqs + rows}"
-            )
+        # the padding's table entries are the padding row's already: its table index goes unused
+        pad = host_fields(*self.padding_requests(tokens, reqs), row_width=0, first_token=tokens)
         live = self.views(tokens, reqs)
-        dsts = [live[PACKED_FIELDS.index(n)] for n in names]
-        torch._foreach_copy_(dsts, [batch[n] for n in names], non_blocking=True)
-        if not sizes:
+        dsts = [live[PACKED_FIELDS.index(n)] for n in BATCH_FIELDS]
+        torch._foreach_copy_(dsts, [batch[n] for n in BATCH_FIELDS], non_blocking=True)
+        if not pad[0]:
             return
-        starts = [tokens + s for s in accumulate(sizes, initial=0)][:-1]
-        padding = {
-            "input_ids": [0] * (self.num_tokens - tokens),
-            "positions": [j for n in sizes for j in range(n)],
-            "out_cache_loc": [0] * (self.num_tokens - tokens),
-            "req_pool_indices": [self.padding_row] * rows,
-            "seq_lens": sizes,
-            "prefix_lens": [0] * rows,
-            "extend_seq_lens": sizes,
-            "extend_start_loc": starts,
-        }
-        host = torch.tensor([v for n in names for v in padding[n]], dtype=torch.int64)
-        srcs = host.split([len(padding[n]) for n in names])
+        srcs = [pad[PACKED_FIELDS.index(n)] for n in BATCH_FIELDS]
+        host = torch.tensor([v for values in srcs for v in values], dtype=torch.int64)
         pad_dsts = [
-            self.field(n)[tokens:]
+            self.field(n)[tokens : tokens + len(values)]
             if PACKED_FIELDS.index(n) < TOKEN_FIELDS
-            else self.field(n)[reqs : reqs + rows]
-            for n in names
+            else self.field(n)[reqs : reqs + len(values)]
+            for n, values in zip(BATCH_FIELDS, srcs, strict=True)
         ]
-        torch._foreach_copy_(pad_dsts, list(srcs), non_blocking=True)
+        parts = host.split([len(values) for values in srcs])
+        torch._foreach_copy_(pad_dsts, list(parts), non_blocking=True)
