@@ -45,6 +45,11 @@ def rate(value: float | str) -> str:
     return value if isinstance(value, str) else f"{value:g}"
 
 
+def workload(row: Row) -> str:
+    """A serving row's workload, "" for the plain one."""
+    return "" if row.get("workload", "plain") == "plain" else row["workload"]
+
+
 def pct(value: float | None) -> str:
     return "" if value is None else f"{100 * value:.1f}%"
 
@@ -213,9 +218,11 @@ def serving_table(sources: list[Source]) -> Table:
 
 
 def rates_table(sources: list[Source]) -> Table:
-    """Per offered request rate: requests served, throughput, latencies."""
+    """Per offered request rate (and workload, where not plain): requests served, throughput,
+    latencies."""
     table = [
-        [rate(r["request_rate"]), f"{r['completed']} / {r['failed']}"]
+        [", ".join(filter(None, [workload(r), rate(r["request_rate"])]))]
+        + [f"{r['completed']} / {r['failed']}"]
         + [num(r["request_throughput"]), num(r["output_token_throughput"], 0)]
         + [num(r["p50_ttft_ms"]), num(r["p99_itl_ms"], 2), num(r["mean_e2e_ms"], 0)]
         for r in rows_of(sources)

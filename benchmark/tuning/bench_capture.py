@@ -13,7 +13,8 @@ before each capture, made a no-op). Each pass splits its seconds into:
 
 - kernel loads: Triton's `_do_compile` (a kernel not yet in the process: read from the disk
   cache, or compiled), and how many;
-- warm-up: the eager forward before each capture, until the GPU has run it;
+- warm-up: the eager forward before each capture, until the GPU has run it, less its kernel
+  loads;
 - graph begin: `torch.cuda.graph`'s entry (synchronize, empty_cache) and capture_begin;
 - graph end: capture_end (the graph's instantiation);
 - rest: everything else, mostly the captured forward's launches on the host.
@@ -54,12 +55,14 @@ PARTS = ("kernel loads", "warm-up", "graph begin", "graph end")
 
 class Timers:
     """Seconds and calls per (phase, part): the wrapped functions add to the phase whose capture
-    is running (none outside a capture)."""
+    is running (none outside a capture). A part timed inside another (a kernel load inside a
+    warm-up) counts for the inner one only, so the parts never overlap."""
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.phase: str | None = None
+        self.inner: list[float] = []  # per running part, the seconds of the parts inside it
 
     def wrap(self, part: str, fn: Callable[..., Any], sync: bool = False) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -67,14 +70,18 @@ class Timers:
             if phase is None:
                 return fn(*args, **kwargs)
             start = time.perf_counter()
+            self.inner.append(0.0)
             try:
                 out = fn(*args, **kwargs)
                 if sync:
                     torch.cuda.synchronize()
                 return out
             finally:
-                self.seconds[phase, part] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                self.seconds[phase, part] += elapsed - self.inner.pop()
                 self.calls[phase, part] += 1
+                if self.inner:
+                    self.inner[-1] += elapsed
 
         return timed
 

@@ -17,8 +17,10 @@ Eval data: the copy shipped with the package. The summary JSON (for
 `benchmark/plot.py --accuracy`) of the cells that ran goes to `$REPLAYLM_ACCURACY_JSON`, else
 `$OUT/accuracy.json` when `$OUT` is set, else `accuracy.json` in the temporary directory. The eager
 reference runs once per session of this module, whatever `-k` selects; servers run one at a time.
-`$REPLAYLM_ACCURACY_SERVER_ARGS` adds launch_server flags to every server (e.g.
-`--mem-fraction-static 0.2`, so that several sessions with different `-k` share one GPU).
+`$REPLAYLM_ACCURACY_SERVER_ARGS` adds launch_server flags to every server: e.g.
+`--max-total-tokens 262144` caps each server's KV cache, so that one session per decode mode
+(`-k "full-"`, each with its own `$REPLAYLM_ACCURACY_JSON`) runs side by side on one GPU
+(`--mem-fraction-static` would count the other sessions' memory as used).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -85,3 +86,17 @@ def test_configs_are_the_models_of_the_docs():
         8192,
         8,
     )
+
+
+def test_capture_timers_count_a_nested_part_once():
+    """bench_capture's parts never overlap: a kernel load inside a warm-up is the load's time."""
+    timers = import_script("benchmark/tuning/bench_capture.py").Timers()
+    load = timers.wrap("kernel loads", lambda: time.sleep(0.2))
+    warm_up = timers.wrap("warm-up", lambda: (time.sleep(0.01), load()))
+    warm_up()  # outside a capture: not timed
+    assert not timers.seconds
+    timers.phase = "decode"
+    warm_up()
+    assert timers.seconds["decode", "kernel loads"] >= 0.2
+    assert timers.seconds["decode", "warm-up"] < 0.15  # the load's 0.2 s left out
+    assert timers.calls["decode", "warm-up"] == timers.calls["decode", "kernel loads"] == 1
