@@ -35,6 +35,8 @@ def _opt(
 # torch (it starts the scheduler process first; see launch_server)
 ATTENTION_BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
 REDACTED = "<set>"
+SPECULATIVE_ALGORITHMS = ("ngram",)
+DEFAULT_SPECULATIVE_STEPS = 3
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
 
 
@@ -240,6 +242,53 @@ class ServerArgs:
             "decoding."
         ),
     )
+    speculative_algorithm: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Speculative decoding: each decode step verifies draft tokens, so a request can gain "
+            "several tokens a step, its output unchanged. ngram: drafts from the request's own "
+            "prompt and output (what followed the latest earlier occurrence of its last tokens; "
+            "no draft model). Greedy requests without penalties, logit_bias, grammar or "
+            "logprobs speculate; the others decode one token a step beside them. The overlap "
+            "schedule is off under speculation. Default: off.",
+            SPECULATIVE_ALGORITHMS,
+        ),
+    )
+    speculative_num_steps: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Draft tokens proposed per request per verify step (a chain: top-k 1). Default: "
+            f"{DEFAULT_SPECULATIVE_STEPS}, or --speculative-num-draft-tokens less one."
+        ),
+    )
+    speculative_num_draft_tokens: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Tokens a verify step computes per request: its last token and its drafts, so "
+            "--speculative-num-steps plus one (SGLang's meaning for a chain; give either)."
+        ),
+    )
+    speculative_ngram_min_match_window_size: int = field(
+        default=2,
+        metadata=_opt(
+            "For ngram, the fewest trailing tokens matched against the request's earlier tokens "
+            "(one-token matches propose almost every step and are rarely right)."
+        ),
+    )
+    speculative_ngram_max_match_window_size: int = field(
+        default=4,
+        metadata=_opt(
+            "For ngram, the most trailing tokens matched; longer matches are tried first."
+        ),
+    )
+    speculative_max_bs: int | None = field(
+        default=None,
+        metadata=_opt(
+            "The most running requests that speculate: a larger batch decodes plainly (its "
+            "decode step is compute-bound enough that verifying drafts costs more than it "
+            "saves). Default: no limit."
+        ),
+    )
     disable_radix_cache: bool = field(
         default=False,
         metadata=_opt(
@@ -439,6 +488,7 @@ class ServerArgs:
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         self._validate_tensor_parallel()
+        self._validate_speculative()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -457,6 +507,47 @@ class ServerArgs:
                 "--deterministic needs --tc-piecewise-kernels fused (with native, "
                 "compiled pieces would run the compiler's matmuls and fusions)"
             )
+
+    def _validate_speculative(self) -> None:
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        for flag, value in (
+            ("--speculative-num-steps", steps),
+            ("--speculative-num-draft-tokens", tokens and tokens - 1),
+            ("--speculative-max-bs", self.speculative_max_bs),
+            (
+                "--speculative-ngram-min-match-window-size",
+                self.speculative_ngram_min_match_window_size,
+            ),
+        ):
+            if value is not None and value < 1:
+                minimum = 2 if flag == "--speculative-num-draft-tokens" else 1
+                raise ValueError(f"{flag} must be >= {minimum}")
+        if steps is not None and tokens is not None and tokens != steps + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {tokens} must be --speculative-num-steps + 1 "
+                f"({steps + 1}) for a chain of drafts; give one of them"
+            )
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        if high < low:
+            raise ValueError(
+                f"--speculative-ngram-max-match-window-size {high} is below "
+                f"--speculative-ngram-min-match-window-size {low}"
+            )
+        if self.speculative_algorithm is None and (steps or tokens or self.speculative_max_bs):
+            raise ValueError(
+                "--speculative-num-steps, --speculative-num-draft-tokens and "
+                "--speculative-max-bs need --speculative-algorithm"
+            )
+
+    @property
+    def speculative_steps(self) -> int:
+        """Draft tokens per request per verify step, from either flag (or the default)."""
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return DEFAULT_SPECULATIVE_STEPS
 
     def _validate_tensor_parallel(self) -> None:
         for name in ("tp_size", "nnodes"):

@@ -31,6 +31,7 @@ from replaylm.runtime.scheduler_process import (
 )
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
+from replaylm.speculative.drafter import spec_meta_info
 from replaylm.startup_stages import StartupStages
 
 if TYPE_CHECKING:
@@ -276,6 +277,7 @@ class Engine:
                 "completion_tokens": len(req.output_ids),
                 "cached_tokens": req.cached_tokens,
                 "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+                **spec_meta_info(req.spec_verify_ct, req.spec_accepted),
             },
         }
 

@@ -19,6 +19,7 @@ from replaylm.entrypoints.openai_protocol import NativeGenerateRequest
 from replaylm.entrypoints.serving_common import ServingContext
 from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest, TokenLogprob
 from replaylm.sampling_params import SamplingParams
+from replaylm.speculative.drafter import spec_meta_info
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -70,6 +71,7 @@ def _meta(rid: str, out: GenerateOutput, logprobs: list[TokenLogprob] | None) ->
         "completion_tokens": out.completion_tokens,
         "cached_tokens": out.cached_tokens,
         "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
+        **spec_meta_info(out.spec_verify_ct, out.spec_accepted),
     }
     if logprobs is not None:
         meta["output_token_logprobs"] = [dataclasses.asdict(lp) for lp in logprobs]

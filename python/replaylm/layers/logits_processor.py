@@ -21,9 +21,10 @@ class LMHead(VocabRows):
 
 
 class LogitsProcessor(MatmulLayer):
-    """`hidden [T, H] -> logits [B, V]` (float32): the last new token of every request; written
-    into `out` (contiguous `[B, V]` float32) when given, e.g. a buffer that every decode graph
-    shares (no copy after the matmul)."""
+    """`hidden [T, H] -> logits [B, V]` (float32): the last new token of every request (every
+    token, `[T, V]`, in a verify batch, which checks each draft token); written into `out`
+    (contiguous, that shape, float32) when given, e.g. a buffer that every decode graph shares
+    (no copy after the matmul)."""
 
     def forward(
         self,
@@ -32,7 +33,8 @@ class LogitsProcessor(MatmulLayer):
         batch: ForwardBatch,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if not batch.forward_mode.is_decode():
+        mode = batch.forward_mode
+        if not mode.is_decode() and not mode.is_verify():
             last = batch.extend_start_loc + batch.extend_seq_lens - 1
             hidden = hidden[last]
         return self.project(hidden, lm_head_weight, out)

@@ -34,14 +34,20 @@ if TYPE_CHECKING:
 
 class ForwardMode(Enum):
     """EXTEND: prefill or chunked prefill (new tokens after a cached prefix, possibly empty).
-    DECODE: one new token per request. IDLE: no tokens (keeps the step loop uniform)."""
+    DECODE: one new token per request. TARGET_VERIFY: speculative decoding's check of each
+    request's draft tokens: its last token and drafts after its cached prefix, attention causal
+    as in EXTEND, with logits at every token. IDLE: no tokens (keeps the step loop uniform)."""
 
     EXTEND = auto()
     DECODE = auto()
+    TARGET_VERIFY = auto()
     IDLE = auto()
 
     def is_extend(self) -> bool:
         return self is ForwardMode.EXTEND
+
+    def is_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE

@@ -15,7 +15,11 @@ class PhaseCounts:
 @dataclass
 class ForwardStats:
     phases: dict[str, PhaseCounts] = field(
-        default_factory=lambda: {"decode": PhaseCounts(), "prefill": PhaseCounts()}
+        default_factory=lambda: {
+            "decode": PhaseCounts(),
+            "prefill": PhaseCounts(),
+            "verify": PhaseCounts(),
+        }
     )
 
     def record(self, phase: str, graph: bool, padding_tokens: int) -> None:

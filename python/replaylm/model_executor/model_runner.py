@@ -36,6 +36,8 @@ GRAPH_RUNNERS: dict[str, type[BaseCudaGraphRunner]] = {
 
 
 def phase_of(mode: ForwardMode) -> str:
+    if mode.is_verify():
+        return "verify"
     return "decode" if mode.is_decode() else "prefill"
 
 
@@ -128,8 +130,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Next-token logits `[B, V]` (float32) for every request of the batch: replayed from
-        the phase's CUDA graph when it can run the batch, else eager."""
+        """Next-token logits `[B, V]` (float32) for every request of the batch (`[T, V]`, every
+        token's, for a verify batch): replayed from the phase's CUDA graph when it can run the
+        batch, else eager."""
         phase = phase_of(batch.forward_mode)
         runner = self.graph_runners.get(phase)
         if runner is not None and runner.can_run(batch):

@@ -83,6 +83,33 @@ def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
     )
 
 
+def prepare_verify(reqs: list[Req], drafts: list[list[int]], runner: ModelRunner) -> ForwardBatch:
+    """A TARGET_VERIFY batch: each request's last token then its draft tokens (perhaps none),
+    after its cached prefix. Every token gets a KV slot; `truncate_kv` gives back the slots of
+    the drafts the target rejects."""
+    table = runner.kv.req_to_token
+    new_ids = [[r.last_id, *d] for r, d in zip(reqs, drafts, strict=True)]
+    for req, ids in zip(reqs, new_ids, strict=True):
+        table.check_fits(req.kv_len + len(ids))
+    slots = runner.kv.allocator.alloc(sum(len(ids) for ids in new_ids))
+    prefix_lens = [r.kv_len for r in reqs]
+    start = 0
+    for req, ids in zip(reqs, new_ids, strict=True):
+        req.kv_slots += slots[start : start + len(ids)]
+        start += len(ids)
+    return _create(ForwardMode.TARGET_VERIFY, reqs, new_ids, prefix_lens, slots, runner)
+
+
+def truncate_kv(req: Req, length: int, kv: KVCache) -> None:
+    """Keep the request's first `length` KV slots and free the rest (its own: the prefix
+    cache's are never past its computed tokens). The request-table entries past `length` stay
+    as they are: nothing reads past a request's length."""
+    if req.kv_len > length:
+        assert length >= req.shared_len
+        kv.allocator.free(req.kv_slots[length:])
+        del req.kv_slots[length:]
+
+
 def fork(parent: Req, children: list[Req], kv: KVCache, share: bool = False) -> None:
     """Give each child its own request-table row holding the parent's cached prompt, so the
     children decode on from the parent's prefill without computing it again: the parent's own

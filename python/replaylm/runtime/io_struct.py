@@ -16,6 +16,7 @@ from typing import Any
 from replaylm.model_executor.forward_stats import ForwardStats
 from replaylm.runtime.request import FinishReason
 from replaylm.sampling_params import SamplingParams
+from replaylm.speculative.drafter import SpeculationStats
 
 MAX_TOP_LOGPROBS = 20
 
@@ -65,6 +66,8 @@ class GenerateOutput:
     # the choice's first increment, when asked: one entry per prompt token, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
+    spec_verify_ct: int = 0  # speculative decoding: verify steps of the choice so far
+    spec_accepted: int = 0  # and the draft tokens accepted in them
 
 
 # ---- main process -> scheduler process ----------------------------------------------------
@@ -139,6 +142,7 @@ class SchedulerStats:
     prefix_prompt_tokens: int = 0  # prompt tokens admitted so far (first admissions)
     prefix_cached_tokens: int = 0  # of them, found in the prefix cache
     prefix_cache_tokens: int = 0  # KV slots the prefix cache holds now
+    speculation: SpeculationStats | None = None  # None: speculative decoding is off
 
 
 @dataclass
@@ -155,6 +159,8 @@ class ReqTokenOut:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0
     admitted_at: float | None = None
+    spec_verify_ct: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass

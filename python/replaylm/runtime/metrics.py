@@ -21,6 +21,7 @@ from prometheus_client import (
 )
 
 from replaylm.runtime.io_struct import SchedulerStats
+from replaylm.speculative.drafter import SpeculationStats
 
 # no `*_created` twin of every counter and histogram: Prometheus detects counter resets itself
 disable_created_metrics()
@@ -90,6 +91,32 @@ class ServerMetrics:
         )
         self.prefix_cache_tokens = self._gauge(
             "prefix_cache_tokens", "KV slots the prefix cache holds"
+        )
+        self.spec_verify_steps = self._gauge(
+            "spec_verify_steps", "speculative decoding: verify steps so far"
+        )
+        self.spec_draft_tokens = self._gauge(
+            "spec_draft_tokens", "speculative decoding: draft tokens proposed so far"
+        )
+        self.spec_accepted_tokens = self._gauge(
+            "spec_accepted_tokens", "speculative decoding: of them, accepted by the target"
+        )
+        self.spec_accept_length = self._gauge(
+            "spec_accept_length",
+            "speculative decoding: request verifications (with drafts) so far, by tokens gained "
+            "(drafts accepted plus the target's own)",
+            "tokens",
+        )
+        self.spec_position_acceptance = self._gauge(
+            "spec_position_acceptance_ratio",
+            "speculative decoding: drafts accepted / proposed at each position of a chain",
+            "position",
+        )
+        self.spec_draft_seconds = self._gauge(
+            "spec_draft_seconds", "speculative decoding: time spent drafting, so far"
+        )
+        self.spec_verify_seconds = self._gauge(
+            "spec_verify_seconds", "speculative decoding: time spent in verify steps, so far"
         )
         self.ttft = self._seconds("time_to_first_token_seconds", "time to first token")
         self.itl = self._seconds("inter_token_latency_seconds", "time between tokens")
@@ -164,10 +191,25 @@ class ServerMetrics:
         self.prefix_hit_tokens.set(stats.prefix_cached_tokens)
         self.prefix_hit_ratio.set(stats.prefix_cached_tokens / max(stats.prefix_prompt_tokens, 1))
         self.prefix_cache_tokens.set(stats.prefix_cache_tokens)
+        if stats.speculation is not None:
+            self._set_speculation(stats.speculation)
         for phase, counts in stats.forward_stats.phases.items():
             self.forward_batches.labels(phase, "graph").set(counts.graph)
             self.forward_batches.labels(phase, "eager").set(counts.eager)
             self.padding_tokens.labels(phase).set(counts.padding_tokens)
+
+    def _set_speculation(self, spec: SpeculationStats) -> None:
+        self.spec_verify_steps.set(spec.verify_steps)
+        self.spec_draft_tokens.set(spec.drafted)
+        self.spec_accepted_tokens.set(spec.accepted)
+        for accepted, count in enumerate(spec.accept_lengths):
+            self.spec_accept_length.labels(str(accepted + 1)).set(count)
+        for position, (proposed, accepted) in enumerate(
+            zip(spec.proposed_at, spec.accepted_at + [0] * len(spec.proposed_at), strict=False)
+        ):
+            self.spec_position_acceptance.labels(str(position + 1)).set(accepted / proposed)
+        self.spec_draft_seconds.set(spec.draft_seconds)
+        self.spec_verify_seconds.set(spec.verify_seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

@@ -53,6 +53,9 @@ class Req:
     prefix_node: TreeNode | None = None  # the prefix cache's node its shared slots end at
     shared_len: int = 0
     cached_tokens: int = 0  # prompt tokens its first prefill found cached (usage reports them)
+    draft_state: object | None = None  # speculative decoding: its drafter's own state
+    spec_verify_ct: int = 0  # verify steps it took part in
+    spec_accepted: int = 0  # draft tokens of its accepted in them
 
     @property
     def prompt_logprobs_done(self) -> int:

@@ -46,11 +46,18 @@ from replaylm.layers.logit_adjust import LogitAdjuster, LogitAdjustments
 from replaylm.layers.sampler import RankZeroSampler, Sampler, SamplingBatchInfo
 from replaylm.mem_cache.errors import OutOfKVCacheError, OutOfRequestSlotsError
 from replaylm.model_executor.model_runner import ModelRunner
-from replaylm.runtime.batch_ops import prepare_decode, prepare_extend
+from replaylm.runtime.batch_ops import (
+    prepare_decode,
+    prepare_extend,
+    prepare_verify,
+    truncate_kv,
+)
 from replaylm.runtime.io_struct import SchedulerStats, TokenLogprob
 from replaylm.runtime.prefix_cache import PrefixCache
 from replaylm.runtime.prompt_logprobs import PromptLogprobPlan, prompt_token_logprobs
 from replaylm.runtime.request import FinishReason, Req
+from replaylm.speculative.drafter import Speculation, accept_greedy, speculates
+from replaylm.speculative.setup import speculation_from_args
 
 if TYPE_CHECKING:
     from replaylm.server_args import ServerArgs
@@ -148,12 +155,15 @@ class Scheduler:
         overlap: bool = True,
         prefix_cache: bool = True,
         mixed_chunk: bool = False,
+        speculation: Speculation | None = None,
     ) -> None:
         """`max_prefill_tokens` None: a prefill batch holds at most `chunked_prefill_size`.
         `overlap`: launch each decode step before reading the one before back. `prefix_cache`:
         keep computed tokens in a radix tree and start prompts from their cached prefixes.
         `mixed_chunk`: decode the running requests in prefill steps too, their tokens counted in
-        the step's `max_prefill_tokens`."""
+        the step's `max_prefill_tokens`. `speculation`: decode steps become verify steps of its
+        drafter's tokens (the overlap schedule is then off: each step's drafts follow the
+        tokens the step before accepted)."""
         self.runner = runner
         self.eos_ids = eos_ids
         self.decode_text = decode_text
@@ -173,7 +183,8 @@ class Scheduler:
         self.num_retractions = 0
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO
-        self.overlap = overlap
+        self.speculation = speculation
+        self.overlap = overlap and speculation is None
         self.mixed_chunk = mixed_chunk
         self._in_flight: _Sampled | None = None  # a decode step not read back yet
         self._grammar_mask: GrammarMask | None = None  # made for the first constrained batch
@@ -182,6 +193,8 @@ class Scheduler:
         logger.info(
             "overlap schedule: %s",
             "on (each decode step is launched before the one before it is read back)"
+            if self.overlap
+            else "off (speculative decoding: each step's drafts follow the step before)"
             if overlap
             else "off (--disable-overlap-schedule)",
         )
@@ -210,6 +223,7 @@ class Scheduler:
             overlap=not args.disable_overlap_schedule,
             prefix_cache=not args.disable_radix_cache,
             mixed_chunk=args.enable_mixed_chunk,
+            speculation=speculation_from_args(args),
         )
 
     # ---- requests in and out ------------------------------------------------------------
@@ -262,6 +276,7 @@ class Scheduler:
             prefix_cache_tokens=self.prefix_cache.tree.total_size
             if self.prefix_cache.tree is not None
             else 0,
+            speculation=self.speculation.stats if self.speculation is not None else None,
         )
 
     def run_to_completion(self) -> None:
@@ -284,6 +299,8 @@ class Scheduler:
             return outputs + self._read_back()
         self._decay_new_token_ratio()
         self._retract_for_decode()
+        if self._speculating():
+            return outputs + self._read_back() + self._verify_step()
         launched = self._launch_decode()
         outputs += self._read_back()
         self._in_flight = launched
@@ -606,31 +623,106 @@ class Scheduler:
         """Append the sampled tokens (skipping requests that finished or were aborted since the
         step was launched), release finished requests."""
         tokens, logprobs = sampled.results()
+        return self._append(sampled.reqs, [[t] for t in tokens], logprobs)
+
+    def _append(
+        self,
+        reqs: list[Req],
+        tokens: list[list[int]],
+        logprobs: list[list[TokenLogprob] | None] | None,
+    ) -> list[StepOutput]:
+        """Append each request's tokens in order, up to the one that finishes it (the rest are
+        dropped); release finished requests."""
         outputs = []
-        for i, (req, token) in enumerate(zip(sampled.reqs, tokens, strict=True)):
+        for i, (req, new) in enumerate(zip(reqs, tokens, strict=True)):
             if req.finished:
                 continue
-            if req.grammar is not None and not self._feed_grammar(req, token):
-                outputs.append(StepOutput(req, [], None))
-                self.running.remove(req)
-                self.prefix_cache.release(req)
-                continue
-            text = None
-            if req.sampling_params.stop and self.decode_text is not None:
-                text = self.decode_text([*req.output_ids, token])
-            req.append_token(token, self.eos_ids, text)
-            if not req.finished and req.grammar is not None and req.grammar.terminated:
-                req.finish_reason = FinishReason("stop", token)  # a stop token under ignore_eos
+            appended = []
+            for token in new:
+                if req.grammar is not None and not self._feed_grammar(req, token):
+                    break
+                text = None
+                if req.sampling_params.stop and self.decode_text is not None:
+                    text = self.decode_text([*req.output_ids, token])
+                req.append_token(token, self.eos_ids, text)
+                appended.append(token)
+                if not req.finished and req.grammar is not None and req.grammar.terminated:
+                    req.finish_reason = FinishReason("stop", token)  # a stop token, ignore_eos
+                if req.finished:
+                    break
             prompt_logprobs = None
-            if req.prompt_logprobs is not None and len(req.output_ids) == 1:
+            if req.prompt_logprobs is not None and len(req.output_ids) == len(appended) > 0:
                 prompt_logprobs = prompt_token_logprobs(req)
-            outputs.append(
-                StepOutput(req, [token], logprobs[i] if logprobs else None, prompt_logprobs)
-            )
+            token_logprobs = logprobs[i] if logprobs and appended else None
+            outputs.append(StepOutput(req, appended, token_logprobs, prompt_logprobs))
             if req.finished:
                 self.running.remove(req)
                 self.prefix_cache.release(req)
         return outputs
+
+    # ---- speculative decoding -----------------------------------------------------------
+
+    def _speculating(self) -> bool:
+        spec = self.speculation
+        return spec is not None and (spec.max_bs is None or len(self.running) <= spec.max_bs)
+
+    def _drafts(self, reqs: list[Req]) -> list[list[int]]:
+        """Each request's draft tokens: none for those that do not speculate, at most what its
+        token budget and context leave after the target's own next token, and no more in all
+        than the free KV beyond one slot per request."""
+        assert self.speculation is not None
+        k, context = self.speculation.num_steps, self.kv.req_to_token.row_width
+        limits = [
+            min(k, r.max_new_tokens - len(r.output_ids) - 1, context - r.kv_len - 2)
+            if speculates(r)
+            else 0
+            for r in reqs
+        ]
+        drafts = self.speculation.drafter.propose(reqs, limits)
+        room = self.prefix_cache.available - len(reqs)
+        for i, d in enumerate(drafts):
+            drafts[i] = d[: max(0, min(len(d), limits[i], room))]
+            room -= len(drafts[i])
+        return drafts
+
+    def _verify_step(self) -> list[StepOutput]:
+        """One verify step of every running request: its last token and drafts through the
+        target at once; the drafts the target agrees with and the target's next token are
+        appended, the rejected drafts' KV given back. Requests without drafts get one token, as
+        in a decode step."""
+        assert self.speculation is not None
+        stats = self.speculation.stats
+        reqs = list(self.running)
+        start = time.perf_counter()
+        drafts = self._drafts(reqs)
+        drafted = time.perf_counter()
+        self.prefix_cache.make_room(len(reqs) + sum(len(d) for d in drafts))
+        batch = prepare_verify(reqs, drafts, self.runner)
+        logits = self.runner.forward(batch)  # [T, V]: every token's next-token logits
+        starts = [0]
+        for d in drafts[:-1]:
+            starts.append(starts[-1] + len(d) + 1)
+        first = torch.tensor(starts).to(logits.device, non_blocking=True)
+        sampled = self._sample(reqs, logits.index_select(0, first))
+        targets = logits.argmax(-1).tolist() if any(drafts) else []
+        tokens, logprobs = sampled.results()
+        new_tokens = []
+        for i, (req, d) in enumerate(zip(reqs, drafts, strict=True)):
+            req.spec_verify_ct += 1
+            if not d:
+                new_tokens.append([tokens[i]])
+                continue
+            chosen = targets[starts[i] : starts[i] + len(d) + 1]
+            accepted = accept_greedy(d, chosen)
+            truncate_kv(req, req.kv_len - len(d) + accepted, self.kv)
+            stats.record(len(d), accepted)
+            req.spec_accepted += accepted
+            new_tokens.append(chosen[: accepted + 1])
+        self.speculation.drafter.accepted(reqs, [len(t) - 1 for t in new_tokens])
+        stats.verify_steps += 1
+        stats.draft_seconds += drafted - start
+        stats.verify_seconds += time.perf_counter() - drafted
+        return self._append(reqs, new_tokens, logprobs)
 
     def _feed_grammar(self, req: Req, token: int) -> bool:
         """Feed the request's next token to its grammar (unless the overlap schedule did);

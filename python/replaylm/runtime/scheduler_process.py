@@ -360,6 +360,8 @@ def _loop(scheduler: Scheduler, conn: Connection | None, grammars: GrammarLoader
                     len(o.req.input_ids),
                     prompt_logprobs=o.prompt_logprobs,
                     cached_tokens=o.req.cached_tokens,
+                    spec_verify_ct=o.req.spec_verify_ct,
+                    spec_accepted=o.req.spec_accepted,
                     admitted_at=o.req.admitted_at,
                 )
                 for o in scheduler.step()

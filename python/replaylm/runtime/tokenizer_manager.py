@@ -506,4 +506,6 @@ class TokenizerManager:
             index=state.index,
             prompt_logprobs=out.prompt_logprobs,
             cached_tokens=out.cached_tokens,
+            spec_verify_ct=out.spec_verify_ct,
+            spec_accepted=out.spec_accepted,
         )
