@@ -17,8 +17,9 @@ from replaylm.entrypoints.engine import Engine
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
-from replaylm.speculative.drafter import SpeculationStats, accept_greedy, speculates
+from replaylm.speculative.drafter import accept_greedy
 from replaylm.speculative.ngram import NgramDrafter
+from replaylm.speculative.stats import SpeculationStats
 
 from http_helpers import HTTP_SERVER_FLAGS, TIMEOUT_S
 
@@ -67,14 +68,14 @@ def test_accept_greedy_takes_the_longest_agreeing_prefix():
 
 
 def test_only_plain_greedy_requests_speculate():
-    assert speculates(_req([1], **GREEDY))
-    assert not speculates(_req([1], temperature=0.7))
-    assert not speculates(_req([1], frequency_penalty=0.5, **GREEDY))
-    assert not speculates(_req([1], logit_bias={3: 1.0}, **GREEDY))
-    assert not speculates(_req([1], min_tokens=4, **GREEDY))
+    assert _req([1], **GREEDY).can_speculate
+    assert not _req([1], temperature=0.7).can_speculate
+    assert not _req([1], frequency_penalty=0.5, **GREEDY).can_speculate
+    assert not _req([1], logit_bias={3: 1.0}, **GREEDY).can_speculate
+    assert not _req([1], min_tokens=4, **GREEDY).can_speculate
     logprobs = _req([1], **GREEDY)
     logprobs.top_logprobs = 2
-    assert not speculates(logprobs)
+    assert not logprobs.can_speculate
 
 
 def test_stats_count_positions_and_accept_lengths():

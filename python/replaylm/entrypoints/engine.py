@@ -31,7 +31,7 @@ from replaylm.runtime.scheduler_process import (
 )
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
-from replaylm.speculative.drafter import spec_meta_info
+from replaylm.speculative.stats import spec_meta_info
 from replaylm.startup_stages import StartupStages
 
 if TYPE_CHECKING:

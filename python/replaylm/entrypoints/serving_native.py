@@ -19,7 +19,7 @@ from replaylm.entrypoints.openai_protocol import NativeGenerateRequest
 from replaylm.entrypoints.serving_common import ServingContext
 from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest, TokenLogprob
 from replaylm.sampling_params import SamplingParams
-from replaylm.speculative.drafter import spec_meta_info
+from replaylm.speculative.stats import spec_meta_info
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 

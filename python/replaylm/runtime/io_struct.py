@@ -16,7 +16,7 @@ from typing import Any
 from replaylm.model_executor.forward_stats import ForwardStats
 from replaylm.runtime.request import FinishReason
 from replaylm.sampling_params import SamplingParams
-from replaylm.speculative.drafter import SpeculationStats
+from replaylm.speculative.stats import SpeculationStats
 
 MAX_TOP_LOGPROBS = 20
 

@@ -21,7 +21,7 @@ from prometheus_client import (
 )
 
 from replaylm.runtime.io_struct import SchedulerStats
-from replaylm.speculative.drafter import SpeculationStats
+from replaylm.speculative.stats import SpeculationStats
 
 # no `*_created` twin of every counter and histogram: Prometheus detects counter resets itself
 disable_created_metrics()

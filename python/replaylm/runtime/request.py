@@ -106,6 +106,21 @@ class Req:
         return self.output_ids[-1] if self.output_ids else self.input_ids[-1]
 
     @property
+    def can_speculate(self) -> bool:
+        """Whether its draft tokens can be checked by comparing tokens: greedy, with no logit
+        adjustments (penalties, logit_bias, min_tokens still holding EOS back), no grammar and
+        no logprobs. The others decode one token a step inside a verify batch."""
+        params = self.sampling_params
+        return (
+            params.is_greedy
+            and self.grammar is None
+            and self.top_logprobs is None
+            and not params.logit_bias
+            and not params.has_penalties
+            and len(self.output_ids) >= params.min_tokens
+        )
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -56,7 +56,7 @@ from replaylm.runtime.io_struct import SchedulerStats, TokenLogprob
 from replaylm.runtime.prefix_cache import PrefixCache
 from replaylm.runtime.prompt_logprobs import PromptLogprobPlan, prompt_token_logprobs
 from replaylm.runtime.request import FinishReason, Req
-from replaylm.speculative.drafter import Speculation, accept_greedy, speculates
+from replaylm.speculative.drafter import Speculation, accept_greedy
 from replaylm.speculative.setup import speculation_from_args
 
 if TYPE_CHECKING:
@@ -674,7 +674,7 @@ class Scheduler:
         k, context = self.speculation.num_steps, self.kv.req_to_token.row_width
         limits = [
             min(k, r.max_new_tokens - len(r.output_ids) - 1, context - r.kv_len - 2)
-            if speculates(r)
+            if r.can_speculate
             else 0
             for r in reqs
         ]

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from replaylm.speculative.drafter import Drafter
-
-if TYPE_CHECKING:
-    from replaylm.runtime.request import Req
+from replaylm.speculative.drafter import Drafter, DraftTarget
 
 
 @dataclass
@@ -42,13 +38,13 @@ class NgramDrafter(Drafter):
             )
         self.sizes = range(min_window, max_window + 1)
 
-    def propose(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[list[int]]:
+    def propose(self, reqs: Sequence[DraftTarget], limits: Sequence[int]) -> list[list[int]]:
         return [
             self._propose(req, limit) if limit > 0 else []
             for req, limit in zip(reqs, limits, strict=True)
         ]
 
-    def _propose(self, req: Req, limit: int) -> list[int]:
+    def _propose(self, req: DraftTarget, limit: int) -> list[int]:
         if not isinstance(req.draft_state, NgramIndex):
             req.draft_state = NgramIndex()
         index: NgramIndex = req.draft_state
