@@ -17,7 +17,7 @@ from replaylm.entrypoints.engine import Engine
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
-from replaylm.speculative.drafter import accept_greedy
+from replaylm.speculative.drafter import accept_matching
 from replaylm.speculative.ngram import NgramDrafter
 from replaylm.speculative.stats import SpeculationStats
 
@@ -60,16 +60,16 @@ def test_ngram_without_a_match_proposes_nothing():
         NgramDrafter(3, 2)
 
 
-def test_accept_greedy_takes_the_longest_agreeing_prefix():
-    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == 3
-    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == 1
-    assert accept_greedy([5, 6, 7], [4, 6, 7, 8]) == 0
-    assert accept_greedy([], [4]) == 0
+def test_accept_matching_takes_the_longest_agreeing_prefix():
+    assert accept_matching([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accept_matching([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accept_matching([5, 6, 7], [4, 6, 7, 8]) == 0
+    assert accept_matching([], [4]) == 0
 
 
-def test_only_plain_greedy_requests_speculate():
+def test_requests_with_per_token_state_do_not_speculate():
     assert _req([1], **GREEDY).can_speculate
-    assert not _req([1], temperature=0.7).can_speculate
+    assert _req([1], temperature=0.7, top_p=0.9).can_speculate
     assert not _req([1], frequency_penalty=0.5, **GREEDY).can_speculate
     assert not _req([1], logit_bias={3: 1.0}, **GREEDY).can_speculate
     assert not _req([1], min_tokens=4, **GREEDY).can_speculate
@@ -161,6 +161,25 @@ def test_smollm2_repeating_a_passage_equals_plain_and_accepts_most_drafts(
     verify = smollm2_ngram.runner.forward_stats.phases["verify"]
     assert verify.eager < len(spec["output_ids"]) * 0.7  # several tokens a step
     assert smollm2_ngram.runner.forward_stats.phases["decode"].eager == 0
+    assert_kv_released(smollm2_ngram)
+
+
+def test_smollm2_sampled_requests_equal_plain_sampling_with_their_seeds(
+    smollm2_plain, smollm2_ngram
+):
+    """A verify step keeps a draft when it is the token the request's seeded draw at that
+    output index picks: the output is plain sampling's, token for token, for every seed."""
+    ids = smollm2_plain.encode_chat(
+        [{"role": "user", "content": f"Repeat this passage word for word:\n\n{PASSAGE}"}]
+    )
+    accepted = 0
+    for seed in range(4):
+        params = {"max_new_tokens": 32, "temperature": 0.7, "top_p": 0.95, "seed": seed}
+        plain = smollm2_plain.generate(input_ids=ids, sampling_params=params)
+        spec = smollm2_ngram.generate(input_ids=ids, sampling_params=params)
+        assert spec["output_ids"] == plain["output_ids"], seed
+        accepted += spec["meta_info"]["spec_accepted_drafts"]
+    assert accepted > 0
     assert_kv_released(smollm2_ngram)
 
 

@@ -56,7 +56,7 @@ from replaylm.runtime.io_struct import SchedulerStats, TokenLogprob
 from replaylm.runtime.prefix_cache import PrefixCache
 from replaylm.runtime.prompt_logprobs import PromptLogprobPlan, prompt_token_logprobs
 from replaylm.runtime.request import FinishReason, Req
-from replaylm.speculative.drafter import Speculation, accept_greedy
+from replaylm.speculative.drafter import Speculation, accept_matching
 from replaylm.speculative.setup import speculation_from_args
 
 if TYPE_CHECKING:
@@ -558,10 +558,16 @@ class Scheduler:
         self.num_retractions += 1
 
     def _sample(
-        self, reqs: list[Req], logits: torch.Tensor, pending: dict[int, int] | None = None
+        self,
+        reqs: list[Req],
+        logits: torch.Tensor,
+        pending: dict[int, int] | None = None,
+        ahead: list[int] | None = None,
     ) -> _Sampled:
-        """Sample each request's next token on the device. `pending`: requests (by id) with a
-        token in flight, which counts as generated (each sampling step has its own noise)."""
+        """Sample each row's next token on the device (row i: request `reqs[i]`). `pending`:
+        requests (by id) with a token in flight, which counts as generated (each sampling step
+        has its own noise); `ahead[i]`: tokens row i is past the request's output (a verify
+        step's rows after the first, each sampled with its own step's noise)."""
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
             [r.seed for r in reqs],
@@ -570,6 +576,8 @@ class Scheduler:
         )
         pending = pending or {}
         num_out = [len(r.output_ids) + (id(r) in pending) for r in reqs]
+        if ahead is not None:
+            num_out = [n + a for n, a in zip(num_out, ahead, strict=True)]
         steps = torch.tensor(num_out).to(logits.device, non_blocking=True)
         adjust = self.logit_adjuster.adjustments(reqs, num_out, self.eos_ids)
         next_ids = self.draw_tokens(self._constrain(reqs, logits), info, steps, adjust)
@@ -689,7 +697,13 @@ class Scheduler:
         """One verify step of every running request: its last token and drafts through the
         target at once; the drafts the target agrees with and the target's next token are
         appended, the rejected drafts' KV given back. Requests without drafts get one token, as
-        in a decode step."""
+        in a decode step.
+
+        Agreeing means: the draft is the token the request's own sampling (greedy, or its
+        seeded draw at that output index) picks from the target's logits there. Each kept token
+        is then the one plain decoding would have produced, so the output is plain decoding's,
+        sampled requests' included; for a drafter proposing single tokens this is rejection
+        sampling (a draft is kept with the target's probability of it)."""
         assert self.speculation is not None
         stats = self.speculation.stats
         reqs = list(self.running)
@@ -699,25 +713,26 @@ class Scheduler:
         self.prefix_cache.make_room(len(reqs) + sum(len(d) for d in drafts))
         batch = prepare_verify(reqs, drafts, self.runner)
         logits = self.runner.forward(batch)  # [T, V]: every token's next-token logits
-        starts = [0]
-        for d in drafts[:-1]:
-            starts.append(starts[-1] + len(d) + 1)
-        first = torch.tensor(starts).to(logits.device, non_blocking=True)
-        sampled = self._sample(reqs, logits.index_select(0, first))
-        targets = logits.argmax(-1).tolist() if any(drafts) else []
-        tokens, logprobs = sampled.results()
+        # every row sampled as plain decoding would sample it at that output index (the same
+        # seeded noise): a draft is kept when it is the token drawn there
+        rows = [r for r, d in zip(reqs, drafts, strict=True) for _ in range(len(d) + 1)]
+        ahead = [i for d in drafts for i in range(len(d) + 1)]
+        tokens, logprobs = self._sample(rows, logits, ahead=ahead).results()
         new_tokens = []
-        for i, (req, d) in enumerate(zip(reqs, drafts, strict=True)):
+        start = 0
+        for req, d in zip(reqs, drafts, strict=True):
             req.spec_verify_ct += 1
-            if not d:
-                new_tokens.append([tokens[i]])
-                continue
-            chosen = targets[starts[i] : starts[i] + len(d) + 1]
-            accepted = accept_greedy(d, chosen)
-            truncate_kv(req, req.kv_len - len(d) + accepted, self.kv)
-            stats.record(len(d), accepted)
-            req.spec_accepted += accepted
+            chosen = tokens[start : start + len(d) + 1]
+            accepted = accept_matching(d, chosen)
+            if d:
+                truncate_kv(req, req.kv_len - len(d) + accepted, self.kv)
+                stats.record(len(d), accepted)
+                req.spec_accepted += accepted
             new_tokens.append(chosen[: accepted + 1])
+            start += len(d) + 1
+        if logprobs is not None:  # only requests without drafts ask: one row each
+            firsts = [i for i, a in enumerate(ahead) if a == 0]
+            logprobs = [logprobs[i] for i in firsts]
         self.speculation.drafter.accepted(reqs, [len(t) - 1 for t in new_tokens])
         stats.verify_steps += 1
         stats.draft_seconds += drafted - start

@@ -35,7 +35,7 @@ class Drafter(ABC):
         cache of its own gives back the rest here); nothing by default."""
 
 
-def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> int:
+def accept_matching(drafts: Sequence[int], targets: Sequence[int]) -> int:
     """How many leading drafts equal the target's choices: `targets[i]` is the target's token
     after the request's tokens and `drafts[:i]` (so `targets` has one more entry)."""
     accepted = 0
