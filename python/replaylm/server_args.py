@@ -248,9 +248,9 @@ class ServerArgs:
             "Speculative decoding: each decode step verifies draft tokens, so a request can gain "
             "several tokens a step, its output unchanged. ngram: drafts from the request's own "
             "prompt and output (what followed the latest earlier occurrence of its last tokens; "
-            "no draft model). Greedy requests without penalties, logit_bias, grammar or "
-            "logprobs speculate; the others decode one token a step beside them. The overlap "
-            "schedule is off under speculation. Default: off.",
+            "no draft model). Requests with penalties, logit_bias, min_tokens, a grammar or "
+            "logprobs decode one token a step beside the others. The overlap schedule is off "
+            "under speculation. Default: off.",
             SPECULATIVE_ALGORITHMS,
         ),
     )
