@@ -35,7 +35,7 @@ def _opt(
 # torch (it starts the scheduler process first; see launch_server)
 ATTENTION_BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
 REDACTED = "<set>"
-SPECULATIVE_ALGORITHMS = ("ngram",)
+SPECULATIVE_ALGORITHMS = ("ngram", "draft_model")
 DEFAULT_SPECULATIVE_STEPS = 3
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
 
@@ -248,10 +248,19 @@ class ServerArgs:
             "Speculative decoding: each decode step verifies draft tokens, so a request can gain "
             "several tokens a step, its output unchanged. ngram: drafts from the request's own "
             "prompt and output (what followed the latest earlier occurrence of its last tokens; "
-            "no draft model). Requests with penalties, logit_bias, min_tokens, a grammar or "
+            "no draft model). draft_model: a smaller model of the same vocabulary "
+            "(--speculative-draft-model-path) proposes greedily, one decode step a token. "
+            "Requests with penalties, logit_bias, min_tokens, a grammar or "
             "logprobs decode one token a step beside the others. The overlap schedule is off "
             "under speculation. Default: off.",
             SPECULATIVE_ALGORITHMS,
+        ),
+    )
+    speculative_draft_model_path: str | None = field(
+        default=None,
+        metadata=_opt(
+            "For draft_model, the draft model (any model replaylm loads, its vocabulary the "
+            "target's; loaded with the target's --load-format and --dtype)."
         ),
     )
     speculative_num_steps: int | None = field(
@@ -534,6 +543,11 @@ class ServerArgs:
                 f"--speculative-ngram-max-match-window-size {high} is below "
                 f"--speculative-ngram-min-match-window-size {low}"
             )
+        draft_path = self.speculative_draft_model_path
+        if (self.speculative_algorithm == "draft_model") != (draft_path is not None):
+            raise ValueError(
+                "--speculative-algorithm draft_model and --speculative-draft-model-path go together"
+            )
         if self.speculative_algorithm is None and (steps or tokens or self.speculative_max_bs):
             raise ValueError(
                 "--speculative-num-steps, --speculative-num-draft-tokens and "
@@ -582,6 +596,7 @@ class ServerArgs:
         for flag, value in (
             ("--model-path", self.model_path),
             ("--tokenizer-path", self.tokenizer_path),
+            ("--speculative-draft-model-path", self.speculative_draft_model_path),
         ):
             if value is not None and not os.path.exists(resolve_model_path(value)):
                 raise FileNotFoundError(f"{flag} '{value}' does not exist")

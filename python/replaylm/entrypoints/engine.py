@@ -73,8 +73,8 @@ class Engine:
         self.server_args = self.config.args  # with the defaults resolved for the device
         # the other ranks load alongside this one, and follow its scheduler
         self._followers = spawn_followers(self.config, range(1, args.tp_size))
-        self.runner, self.tokenizer, self.eos_token_ids = load_runner_and_tokenizer(
-            self.config, self.startup
+        self.runner, self.draft_runner, self.tokenizer, self.eos_token_ids = (
+            load_runner_and_tokenizer(self.config, self.startup)
         )
         if self._followers:
             from replaylm.distributed.communication import broadcast_objects
@@ -86,7 +86,7 @@ class Engine:
         self._grammar: GrammarCompiler | None = None  # made for the first constrained request
         self._rank_grammars: _RankGrammars | None = None  # with other ranks, likewise
         self.scheduler = Scheduler.from_args(
-            self.runner, self.eos_token_ids, self._decode, self.server_args
+            self.runner, self.eos_token_ids, self._decode, self.server_args, self.draft_runner
         )
         self.startup.mark("scheduler")
         self.startup.log_summary()

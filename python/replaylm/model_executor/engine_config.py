@@ -32,6 +32,7 @@ class EngineConfig:
     attention: PhaseAttentionBackends
     cuda_graphs: CudaGraphConfig
     notes: tuple[str, ...] = ()  # how defaults were chosen
+    draft: EngineConfig | None = None  # draft-model speculation: the draft model's, at TP 1
 
     @property
     def device_type(self) -> str:
@@ -80,4 +81,28 @@ def resolve_engine_config(args: ServerArgs, gpus: GpuFacts | None = None) -> Eng
         for backend in {attention.decode, attention.prefill}:
             check_deterministic(backend)
     graphs = resolve_cuda_graph_config(resolved, device_type, attention)
-    return EngineConfig(resolved, attention, graphs, tuple(notes))
+    draft = None
+    if args.speculative_algorithm == "draft_model":
+        assert args.speculative_draft_model_path is not None  # ServerArgs.validate checks it
+        draft = resolve_engine_config(draft_model_args(resolved), gpus)
+    return EngineConfig(resolved, attention, graphs, tuple(notes), draft)
+
+
+def draft_model_args(args: ServerArgs) -> ServerArgs:
+    """The draft model's settings: the target's, for the draft's path, at tensor-parallel
+    size 1 and with no speculation of its own."""
+    assert args.speculative_draft_model_path is not None
+    return dataclasses.replace(
+        args,
+        model_path=args.speculative_draft_model_path,
+        tokenizer_path=None,
+        tp_size=1,
+        nnodes=1,
+        node_rank=0,
+        dist_init_addr=None,
+        speculative_algorithm=None,
+        speculative_draft_model_path=None,
+        speculative_num_steps=None,
+        speculative_num_draft_tokens=None,
+        speculative_max_bs=None,
+    )

@@ -7,6 +7,7 @@ stage; what was chosen is logged with why.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +16,7 @@ from replaylm.distributed.communication import min_over_ranks
 from replaylm.distributed.parallel_state import TPPlace, init_tensor_parallel
 from replaylm.distributed.peer_all_reduce import choose_all_reduce
 from replaylm.distributed.sharding import HeadShard, check_model_split
+from replaylm.layers.attention.base import AttentionBackend
 from replaylm.layers.attention.layer import attention_layers
 from replaylm.layers.attention.registry import create_phase_backends
 from replaylm.layers.kernels import (
@@ -44,47 +46,124 @@ CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU when --max-total-tokens
 def load_model_runner(
     config: EngineConfig, stages: StartupStages | None = None, tp_rank: int = 0
 ) -> ModelRunner:
-    """Load the model of `config` on this process's device and make its runner. `stages`: the
-    start-up stages of the process it loads in, marked as it goes (default: its own).
-    `tp_rank`: this process's rank of `--tp-size` (which joins the group, at
-    `args.dist_init_addr`, before the model loads)."""
+    """Load the model of `config` on this process's device and make its runner (a draft model
+    of `config.draft`, if any, is loaded and left out: see `load_model_runners`)."""
+    return load_model_runners(config, stages, tp_rank)[0]
+
+
+def load_model_runners(
+    config: EngineConfig, stages: StartupStages | None = None, tp_rank: int = 0
+) -> tuple[ModelRunner, ModelRunner | None]:
+    """The runner of the model of `config` and, for draft-model speculation (`config.draft`),
+    the draft model's, on the same device at tensor-parallel size 1 (every rank drafts alike).
+    Both are loaded before the KV budget is sized, so the budget covers both caches, which hold
+    the same number of tokens. `stages`: the start-up stages of the process it loads in, marked
+    as it goes (default: its own). `tp_rank`: this process's rank of `--tp-size` (which joins
+    the group, at `args.dist_init_addr`, before the model loads)."""
     stages = stages or StartupStages("model runner")
+    target = _load(config, stages, tp_rank)
+    draft = None
+    if config.draft is not None:
+        draft = _load(config.draft, stages, 0, target.device, "draft ")
+        _check_draft_vocabulary(target, draft)
+    loaded = [target] if draft is None else [target, draft]
+    tokens = _kv_budget_tokens(config.args, [m.kv_shape for m in loaded], target.tp, target.device)
+    runners = [_make_runner(m, tokens, stages) for m in loaded]
+    return runners[0], runners[1] if draft is not None else None
+
+
+@dataclass
+class _Loaded:
+    """A model on its device, its runner not made yet (the KV budget waits for every model)."""
+
+    config: EngineConfig
+    model: LlamaForCausalLM
+    attn_backend: AttentionBackend
+    device: torch.device
+    dtype: torch.dtype
+    tp: TPPlace
+    kernels: str
+    label: str  # "" for the served model, "draft " for a draft model (in stage names and logs)
+
+    @property
+    def kv_shape(self) -> KVShape:
+        cfg = self.model.config
+        shard = HeadShard.for_rank(cfg.num_attention_heads, cfg.num_key_value_heads, self.tp)
+        return KVShape(cfg.num_hidden_layers, shard.kv_heads, cfg.head_dim, self.dtype)
+
+
+def _load(
+    config: EngineConfig,
+    stages: StartupStages,
+    tp_rank: int,
+    device: torch.device | None = None,
+    label: str = "",
+) -> _Loaded:
+    """Load `config`'s model: on this rank's device, joining the tensor-parallel group first,
+    or (a draft model) on `device`."""
     args = config.args
-    device = _place_device(args, tp_rank)
-    check_pdl(args.enable_pdl is True, device)
-    if device.type == "cuda":  # the CUDA context, made here to be a stage of its own
-        torch.zeros(1, device=device)
-        # the Engine's, beside its model's loading (a scheduler process started it earlier)
-        hash_triton_in_background()
+    if device is None:
+        device = _place_device(args, tp_rank)
+        check_pdl(args.enable_pdl is True, device)
+        if device.type == "cuda":  # the CUDA context, made here to be a stage of its own
+            torch.zeros(1, device=device)
+            # the Engine's, beside its model's loading (a scheduler process started it earlier)
+            hash_triton_in_background()
     attn_backend = create_phase_backends(config.attention, args.deterministic)
-    stages.mark("device init")
+    stages.mark(f"{label}device init")
     path = resolve_model_path(args.model_path)
     model_config = load_model_config(path)
     dtype = resolve_dtype(args.dtype, device, model_config.torch_dtype)
     tp = TPPlace(tp_rank, args.tp_size)
     _join_tensor_parallel(args, model_config, tp, device, dtype)
-    stages.mark("model config")
+    stages.mark(f"{label}model config")
     with loading_threads(device):
         model = load_model(path, model_config, args.load_format, dtype, device, args.seed, stages)
     attn_backend.init_model(attention_layers(model), dtype)
     kernels = _choose_kernels(args, model, device)
+    return _Loaded(config, model, attn_backend, device, dtype, tp, kernels, label)
+
+
+def _check_draft_vocabulary(target: _Loaded, draft: _Loaded) -> None:
+    """A draft model proposes token ids the target checks: their vocabularies must agree."""
+    ours, theirs = target.model.config.vocab_size, draft.model.config.vocab_size
+    if ours != theirs:
+        raise ValueError(
+            f"--speculative-draft-model-path {draft.config.args.model_path} has a vocabulary of "
+            f"{theirs} tokens, the target {ours}: a draft model must share the target's "
+            "vocabulary"
+        )
+
+
+def _make_runner(loaded: _Loaded, kv_tokens: int, stages: StartupStages) -> ModelRunner:
+    """The KV cache of `kv_tokens` tokens, the runner, its CUDA graphs captured."""
+    config, args, device, label = loaded.config, loaded.config.args, loaded.device, loaded.label
+    cfg = loaded.model.config
+    assert args.max_running_requests is not None  # resolve_engine_config sets it for the device
     with loading_threads(device):
-        kv = _allocate_kv_cache(args, model_config, tp, device, dtype)
-    stages.mark("KV allocation")
+        kv = KVCache.allocate(
+            loaded.kv_shape,
+            kv_tokens,
+            args.max_running_requests,
+            args.context_length or cfg.max_position_embeddings,
+            device,
+        )
+    stages.mark(f"{label}KV allocation")
     logger.info(
-        "model runner ready: %s on %s%s, KV cache %d tokens (%.2f GiB), attention %s, %s%s",
-        dtype,
+        "%smodel runner ready: %s on %s%s, KV cache %d tokens (%.2f GiB), attention %s, %s%s",
+        label,
+        loaded.dtype,
         device,
-        f" (tensor-parallel rank {tp_rank} of {args.tp_size})" if args.tp_size > 1 else "",
+        f" (tensor-parallel rank {loaded.tp.rank} of {args.tp_size})" if args.tp_size > 1 else "",
         kv.size,
         kv.pool.memory_bytes() / 2**30,
         config.attention.describe(),
-        kernels,
+        loaded.kernels,
         " (--deterministic: batch-invariant kernels)" if args.deterministic else "",
     )
-    stages.mark("runner setup")
-    runner = ModelRunner(model, kv, attn_backend, config.cuda_graphs, tp)
-    logger.info("CUDA graphs: %s", config.cuda_graphs.summary())
+    stages.mark(f"{label}runner setup")
+    runner = ModelRunner(loaded.model, kv, loaded.attn_backend, config.cuda_graphs, loaded.tp)
+    logger.info("%sCUDA graphs: %s", label, config.cuda_graphs.summary())
     runner.capture_cuda_graphs(stages)
     return runner
 
@@ -160,38 +239,26 @@ def _choose_kernels(args: ServerArgs, model: LlamaForCausalLM, device: torch.dev
     )
 
 
-def _allocate_kv_cache(
-    args: ServerArgs, cfg: ModelConfig, tp: TPPlace, device: torch.device, dtype: torch.dtype
-) -> KVCache:
-    """The KV cache: what `--mem-fraction-static` leaves after the weights (1 GiB on the CPU),
-    capped by `--max-total-tokens`; the request table `--max-running-requests` rows of the
-    context length."""
-    kv_heads = HeadShard.for_rank(cfg.num_attention_heads, cfg.num_key_value_heads, tp).kv_heads
-    shape = KVShape(cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype)
-    budget = _kv_budget_tokens(shape, args.mem_fraction_static, tp, device)
-    assert args.max_running_requests is not None  # resolve_engine_config sets it for the device
-    return KVCache.allocate(
-        shape,
-        min(budget, args.max_total_tokens or budget),
-        args.max_running_requests,
-        args.context_length or cfg.max_position_embeddings,
-        device,
-    )
-
-
 def _kv_budget_tokens(
-    shape: KVShape, mem_fraction: float, tp: TPPlace, device: torch.device
+    args: ServerArgs, shapes: list[KVShape], tp: TPPlace, device: torch.device
 ) -> int:
-    per_token = shape.bytes_per_token
+    """Tokens every model's KV cache holds: what `--mem-fraction-static` leaves after the
+    weights (1 GiB on the CPU) over their bytes per token together, capped by
+    `--max-total-tokens`."""
+    per_token = sum(shape.bytes_per_token for shape in shapes)
+    mem_fraction = args.mem_fraction_static
     if device.type != "cuda":
-        return CPU_KV_CACHE_BYTES // per_token
-    free, total = torch.cuda.mem_get_info(device)
-    budget = total * mem_fraction - (total - free)
-    if budget < per_token:
-        raise RuntimeError(
-            f"--mem-fraction-static {mem_fraction} leaves no room for the KV cache after the "
-            f"weights ({(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f} GiB); raise it"
-        )
-    tokens = int(budget // per_token)
-    # every rank's scheduler must see the same pool: the smallest any rank can hold
-    return tokens if tp.size == 1 else min_over_ranks(tokens)
+        tokens = CPU_KV_CACHE_BYTES // per_token
+    else:
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * mem_fraction - (total - free)
+        if budget < per_token:
+            raise RuntimeError(
+                f"--mem-fraction-static {mem_fraction} leaves no room for the KV cache after "
+                f"the weights ({(total - free) / 2**30:.1f} GiB used of "
+                f"{total / 2**30:.1f} GiB); raise it"
+            )
+        tokens = int(budget // per_token)
+        # every rank's scheduler must see the same pool: the smallest any rank can hold
+        tokens = tokens if tp.size == 1 else min_over_ranks(tokens)
+    return min(tokens, args.max_total_tokens or tokens)

@@ -6,7 +6,7 @@ from typing import Any
 
 from replaylm.model_executor.engine_config import EngineConfig
 from replaylm.model_executor.model_runner import ModelRunner
-from replaylm.model_executor.runner_setup import load_model_runner
+from replaylm.model_executor.runner_setup import load_model_runners
 from replaylm.model_loader.tokenizer import load_tokenizer
 from replaylm.startup_stages import StartupStages
 
@@ -21,12 +21,12 @@ def eos_token_ids(runner: ModelRunner, tokenizer_eos: int | None) -> frozenset[i
 
 def load_runner_and_tokenizer(
     config: EngineConfig, stages: StartupStages
-) -> tuple[ModelRunner, Any, frozenset[int]]:
-    """The ModelRunner, the tokenizer (None for a weights-only folder) and the EOS token ids;
-    `stages` marked as they load."""
+) -> tuple[ModelRunner, ModelRunner | None, Any, frozenset[int]]:
+    """The ModelRunner, the draft model's (draft-model speculation; else None), the tokenizer
+    (None for a weights-only folder) and the EOS token ids; `stages` marked as they load."""
     args = config.args
-    runner = load_model_runner(config, stages)
+    runner, draft = load_model_runners(config, stages)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
     stages.mark("tokenizer")
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
-    return runner, tokenizer, eos_token_ids(runner, tokenizer_eos)
+    return runner, draft, tokenizer, eos_token_ids(runner, tokenizer_eos)

@@ -212,8 +212,10 @@ class Scheduler:
         eos_ids: frozenset[int],
         decode_text: Callable[[list[int]], str] | None,
         args: ServerArgs,
+        draft: ModelRunner | None = None,
     ) -> Scheduler:
-        """The scheduler the server's flags describe."""
+        """The scheduler the server's flags describe (`draft`: the draft model's runner, for
+        draft-model speculation)."""
         return cls(
             runner,
             eos_ids,
@@ -223,7 +225,7 @@ class Scheduler:
             overlap=not args.disable_overlap_schedule,
             prefix_cache=not args.disable_radix_cache,
             mixed_chunk=args.enable_mixed_chunk,
-            speculation=speculation_from_args(args),
+            speculation=speculation_from_args(args, draft),
         )
 
     # ---- requests in and out ------------------------------------------------------------
@@ -250,7 +252,7 @@ class Scheduler:
                         return child
                 if req.rid == rid:
                     queue.remove(req)
-                    self.prefix_cache.release(req)
+                    self._release(req)
                     req.finish_reason = FinishReason("abort", "aborted by the client")
                     self.waiting.extendleft(reversed(self._unforked(req)))
                     return req
@@ -554,7 +556,7 @@ class Scheduler:
             req.rid,
             req.kv_len,
         )
-        self.prefix_cache.release(req)
+        self._release(req)
         self.num_retractions += 1
 
     def _sample(
@@ -665,8 +667,15 @@ class Scheduler:
             outputs.append(StepOutput(req, appended, token_logprobs, prompt_logprobs))
             if req.finished:
                 self.running.remove(req)
-                self.prefix_cache.release(req)
+                self._release(req)
         return outputs
+
+    def _release(self, req: Req) -> None:
+        """Give back what a request leaving the running set holds: its KV (the prefix cache
+        keeps its tokens) and the drafter's state for it."""
+        self.prefix_cache.release(req)
+        if self.speculation is not None:
+            self.speculation.drafter.release(req)
 
     # ---- speculative decoding -----------------------------------------------------------
 
@@ -707,7 +716,7 @@ class Scheduler:
         assert self.speculation is not None
         stats = self.speculation.stats
         reqs = list(self.running)
-        start = time.perf_counter()
+        began = time.perf_counter()
         drafts = self._drafts(reqs)
         drafted = time.perf_counter()
         self.prefix_cache.make_room(len(reqs) + sum(len(d) for d in drafts))
@@ -735,7 +744,7 @@ class Scheduler:
             logprobs = [logprobs[i] for i in firsts]
         self.speculation.drafter.accepted(reqs, [len(t) - 1 for t in new_tokens])
         stats.verify_steps += 1
-        stats.draft_seconds += drafted - start
+        stats.draft_seconds += drafted - began
         stats.verify_seconds += time.perf_counter() - drafted
         return self._append(reqs, new_tokens, logprobs)
 

@@ -271,13 +271,13 @@ def _build_scheduler(
     """Load the model, then take the manager's TokenizerInfo (a follower rank: rank 0's
     broadcast of it); the scheduler and the loader of structured-output grammars (which the
     first grammar brings the vocabulary to), or None if the manager sent ShutdownReq."""
-    from replaylm.model_executor.runner_setup import load_model_runner
+    from replaylm.model_executor.runner_setup import load_model_runners
     from replaylm.runtime.model_setup import eos_token_ids
     from replaylm.runtime.scheduler import Scheduler
 
     stages.mark("imports")
     args = config.args
-    runner = load_model_runner(config, stages, tp_rank)
+    runner, draft = load_model_runners(config, stages, tp_rank)
     info = _first_message(conn, args.tp_size)
     if isinstance(info, ShutdownReq):
         return None
@@ -286,7 +286,7 @@ def _build_scheduler(
     stages.mark("wait for the tokenizer")
     decode = scheduler_decoder(info, args.tokenizer_path or args.model_path)
     eos = eos_token_ids(runner, info.eos_token_id)
-    scheduler = Scheduler.from_args(runner, eos, decode, args)
+    scheduler = Scheduler.from_args(runner, eos, decode, args, draft)
     stages.mark("scheduler")
     return scheduler, GrammarLoader(runner.config.vocab_size, eos)
 

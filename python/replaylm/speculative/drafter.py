@@ -34,6 +34,10 @@ class Drafter(ABC):
         """How many of each request's last proposal the target accepted (a drafter with a KV
         cache of its own gives back the rest here); nothing by default."""
 
+    def release(self, req: DraftTarget) -> None:  # noqa: B027
+        """Forget a request that left the running set (finished, aborted or retracted): free
+        what the drafter holds for it; nothing by default."""
+
 
 def accept_matching(drafts: Sequence[int], targets: Sequence[int]) -> int:
     """How many leading drafts equal the target's choices: `targets[i]` is the target's token

@@ -5,29 +5,38 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from replaylm.speculative.drafter import Speculation
+from replaylm.speculative.draft_model import DraftModelDrafter
+from replaylm.speculative.drafter import Drafter, Speculation
 from replaylm.speculative.ngram import NgramDrafter
 
 if TYPE_CHECKING:
+    from replaylm.model_executor.model_runner import ModelRunner
     from replaylm.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-def speculation_from_args(args: ServerArgs) -> Speculation | None:
-    """None when `--speculative-algorithm` is not set; logs what was chosen."""
+def speculation_from_args(args: ServerArgs, draft: ModelRunner | None) -> Speculation | None:
+    """None when `--speculative-algorithm` is not set; logs what was chosen. `draft`: the draft
+    model's runner (draft_model)."""
     if args.speculative_algorithm is None:
         logger.info("speculative decoding: off")
         return None
-    low = args.speculative_ngram_min_match_window_size
-    high = args.speculative_ngram_max_match_window_size
-    drafter = NgramDrafter(low, high)
+    drafter: Drafter
+    if args.speculative_algorithm == "draft_model":
+        assert draft is not None  # load_model_runners loads it for this algorithm
+        drafter = DraftModelDrafter(draft)
+        what = f"draft model {args.speculative_draft_model_path}, proposing greedily"
+    else:
+        low = args.speculative_ngram_min_match_window_size
+        high = args.speculative_ngram_max_match_window_size
+        drafter = NgramDrafter(low, high)
+        what = f"n-gram windows {low}-{high}"
     logger.info(
-        "speculative decoding: %s (n-gram windows %d-%d), %d draft tokens per request per verify "
-        "step, %s; verify steps run eagerly",
+        "speculative decoding: %s (%s), %d draft tokens per request per verify step, %s; "
+        "verify steps run eagerly",
         drafter.name,
-        low,
-        high,
+        what,
         args.speculative_steps,
         f"batches up to {args.speculative_max_bs}"
         if args.speculative_max_bs is not None
