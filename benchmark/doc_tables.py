@@ -180,6 +180,42 @@ def offline_table(sources: list[Source]) -> Table:
     )
 
 
+# ---- bench_speculative ---------------------------------------------------------------------------
+
+
+def speculative_table(sources: list[Source]) -> Table:
+    """Per drafter run (model, drafter, batch size): plain and speculative output tok/s, the
+    speed-up, tokens per verify step, drafts accepted, whether the outputs equal plain ones; the
+    verify steps' cost against a decode step in the note."""
+    rows = rows_of(sources)
+    table = []
+    for r in rows:
+        if r["part"] == "step":
+            continue
+        drafter = "ngram" if r["part"] == "ngram" else f"replay, {pct(r['corrupt'])} corrupted"
+        table.append(
+            [r["model"], drafter, str(r["bs"]), str(r["steps"])]
+            + [num(r["plain_output_tok_s"], 0), num(r["output_tok_s"], 0), ratio(r["speedup"])]
+            + [num(r["tokens_per_verify"], 2), pct(r.get("draft_acceptance"))]
+            + ["yes" if r["identical"] else "no"]
+        )
+    steps: dict[tuple[str, int], list[str]] = {}
+    for r in rows:
+        if r["part"] == "step" and r["tokens_per_request"] > 1:
+            key = (r["model"], r["bs"])
+            steps.setdefault(key, []).append(f"{r['tokens_per_request']}: {ratio(r['vs_decode'])}")
+    note = "Verify step / decode step, by tokens per request: " + "; ".join(
+        f"{model} bs {bs}: {', '.join(parts)}" for (model, bs), parts in steps.items()
+    )
+    return Table(
+        ["model", "drafter", "bs", "drafts", "plain tok/s", "speculative tok/s", "speed-up"]
+        + ["tokens / verify", "drafts accepted", "equals plain"],
+        table,
+        labels=2,
+        note=note + "." if steps else "",
+    )
+
+
 # ---- bench_serving -------------------------------------------------------------------------------
 
 

@@ -42,6 +42,7 @@ from doc_tables import (
     sampling_table,
     serving_name,
     serving_table,
+    speculative_table,
     startup_table,
     tp_table,
 )
@@ -150,6 +151,16 @@ SECTIONS = (
         "turn's prompt the last one, its answer and a new message.",
         rates_table,
         Plot("--serving-rates", "serving_rates.png", ("serving_rates_defaults",)),
+    ),
+    Section(
+        "Speculative decoding (`bench_speculative.py`)",
+        ("speculative",),
+        "Greedy requests through the Scheduler, plain and speculating: a replay drafter (the "
+        "tokens plain decoding produced, a share of them corrupted: a set acceptance) on dummy "
+        "models, and the n-gram drafter on the built-in SmolLM2 asked to repeat gsm8k questions "
+        "word for word. Output tok/s over the whole run; *tokens / verify*: tokens a request "
+        "gains per verify step.",
+        speculative_table,
     ),
     Section(
         "Prefix cache (`bench_prefix.py`)",

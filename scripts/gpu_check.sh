@@ -43,6 +43,8 @@
 #   serving_rates_TAG.json and serving_multi_turn_TAG.json, TAG the flags (defaults,
 #   enable-mixed-chunk, ...); img/serving_rates.png plots the sweeps (ITL p99, TTFT p50, output
 #   tok/s per rate, a line per server) when matplotlib imports.
+#   speculative: bench_speculative.py's verify-step costs and replay runs (Llama-3.1-8B and
+#   Qwen3-0.6B, dummy weights) and the n-gram drafter on the built-in SmolLM2.
 #   decode_host_scale: decode_host's host time per step at 256, 512 and 1024 running requests
 #   (Qwen3-0.6B, dummy weights, 256-token prompts: 1024 of 512 would not fit the KV cache).
 #   Multi-GPU (tensor parallelism, not in the default list; test/gpu/test_tensor_parallel_cuda.py
@@ -207,6 +209,9 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
             one_batch_native) run_bench bench_one_batch_native benchmark/bench_one_batch.py \
                 --models qwen3-0.6b --kernels fused native ;;
             offline) run_bench bench_offline benchmark/bench_offline.py --overlap on off ;;
+            speculative) gguf=$(smollm2_gguf) || { bench_rc=1; continue; }
+                run_bench bench_speculative benchmark/bench_speculative.py \
+                --ngram-model-path "$gguf" ;;
             offline_bs1) run_bench bench_offline_bs1 benchmark/bench_offline.py --modes full \
                 --overlap on off --num-seqs 1 --min-len 512 --max-len 512 ;;
             *) script=benchmark/bench_$bench.py  # else a tuning tool, benchmark/tuning/

@@ -1,0 +1,298 @@
+"""Speculative decoding: what a verify step costs, and output tokens per second end to end.
+
+    python benchmark/bench_speculative.py [--models llama-3.1-8b qwen3-0.6b] [--bs 1 8 32 64]
+        [--verify-tokens 2 4 8] [--steps 3] [--corrupt 0 0.25] [--output-len 128]
+        [--context 512] [--ngram-model-path GGUF] [--device cuda] [--json out.json]
+
+Per model (a `benchmark/configs/` config, dummy weights, default CUDA-graph modes):
+
+- *step*: one decode step of `bs` requests over `--context` cached tokens against one verify
+  step of k+1 = each `--verify-tokens` tokens per request (ForwardMode.TARGET_VERIFY), the
+  forward alone, milliseconds by CUDA events;
+- *replay*: `bs` requests of `--context` random prompt tokens, greedy, `--output-len` tokens
+  each, through the Scheduler: plain decoding, then speculation with a replay drafter, which
+  proposes the tokens plain decoding produced for the request at that position (acceptance as
+  high as the target allows: the machinery's upper bound), each proposed token replaced by
+  another with probability `--corrupt` (a set acceptance). Output tokens per second over the
+  whole run (prefill included), the speed-up over plain, tokens per verify step, and whether
+  the outputs equal plain decoding's.
+
+`--ngram-model-path`: also the n-gram drafter end to end on that model (the built-in SmolLM2's
+GGUF) with a quoting workload (chat prompts asking to repeat a gsm8k question word for word),
+greedy, `--output-len` tokens at most, plain and with `--speculative-algorithm ngram`, through
+the Engine. `--models` with no name skips the dummy models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replaylm.entrypoints.engine import Engine
+from replaylm.eval.data import default_data_dir, read_jsonl
+from replaylm.model_executor.forward_batch import ForwardBatch
+from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.runtime.batch_ops import prepare_verify, truncate_kv
+from replaylm.runtime.request import Req
+from replaylm.runtime.scheduler import Scheduler
+from replaylm.sampling_params import SamplingParams
+from replaylm.speculative.drafter import Drafter, DraftTarget, Speculation
+
+from common import (
+    PREFILL_CHUNK,
+    build_runner,
+    config_path,
+    cuda_time_ms,
+    decode_batch,
+    release_memory,
+    write_json,
+)
+
+
+class ReplayDrafter(Drafter):
+    """Proposes what plain decoding produced for each request (`reference`, by rid) at its
+    current output position, each token replaced by another with probability `corrupt`."""
+
+    name = "replay"
+
+    def __init__(self, reference: dict[str, list[int]], vocab: int, corrupt: float) -> None:
+        self.reference, self.vocab, self.corrupt = reference, vocab, corrupt
+        self.rng = random.Random(0)
+
+    def propose(self, reqs: Sequence[DraftTarget], limits: Sequence[int]) -> list[list[int]]:
+        drafts = []
+        for req, limit in zip(reqs, limits, strict=True):
+            assert isinstance(req, Req)
+            done = len(req.output_ids)
+            drafts.append([self._maybe_corrupt(t) for t in self.reference[req.rid][done:][:limit]])
+        return drafts
+
+    def _maybe_corrupt(self, token: int) -> int:
+        if self.rng.random() >= self.corrupt:
+            return token
+        return (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _forward_ms(runner: ModelRunner, batch: ForwardBatch) -> float:
+    """Milliseconds per forward of `batch`: CUDA events on a GPU, else wall time."""
+    if runner.device.type == "cuda":
+        return cuda_time_ms(lambda: runner.forward(batch), calls=10)
+    start = time.perf_counter()
+    for _ in range(3):
+        runner.forward(batch)
+    return (time.perf_counter() - start) / 3 * 1e3
+
+
+def step_rows(
+    runner: ModelRunner, model: str, bs_list: list[int], verify_tokens: list[int], context: int
+) -> list[dict[str, Any]]:
+    """A decode step against verify steps of each size, per batch size (forward only)."""
+    rows = []
+    for bs in bs_list:
+        reqs, batch = decode_batch(runner, bs, context)
+        decode_ms = _forward_ms(runner, batch)
+        rows.append(_step_row(model, bs, 1, decode_ms, decode_ms))
+        for req in reqs:
+            truncate_kv(req, req.kv_len - 1, runner.kv)  # the decode token's slot
+        for tokens in verify_tokens:
+            drafts = [[7] * (tokens - 1) for _ in reqs]
+            verify = prepare_verify(reqs, drafts, runner)
+            ms = _forward_ms(runner, verify)
+            rows.append(_step_row(model, bs, tokens, ms, decode_ms))
+            for req in reqs:
+                truncate_kv(req, req.kv_len - tokens, runner.kv)
+        for req in reqs:
+            truncate_kv(req, 0, runner.kv)
+            runner.kv.req_to_token.free(req.req_pool_idx)
+    return rows
+
+
+def _step_row(model: str, bs: int, tokens: int, ms: float, decode_ms: float) -> dict[str, Any]:
+    return {
+        "part": "step",
+        "model": model,
+        "bs": bs,
+        "tokens_per_request": tokens,
+        "ms": round(ms, 4),
+        "vs_decode": round(ms / decode_ms, 3),
+    }
+
+
+def _run(sched: Scheduler, reqs: list[Req]) -> float:
+    """Seconds until every request of `reqs` has finished."""
+    device = sched.runner.device
+    _sync(device)
+    start = time.perf_counter()
+    for req in reqs:
+        sched.add(req)
+    sched.run_to_completion()
+    _sync(device)
+    sched.prefix_cache.flush()
+    return time.perf_counter() - start
+
+
+def _replay_requests(bs: int, context: int, output_len: int, vocab: int, tag: str) -> list[Req]:
+    rng = random.Random(bs)
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    return [
+        Req(f"{tag}{i}", [rng.randrange(vocab) for _ in range(context)], params, i, output_len)
+        for i in range(bs)
+    ]
+
+
+def replay_rows(
+    runner: ModelRunner,
+    model: str,
+    bs_list: list[int],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """Plain decoding, then the replay drafter at each corruption rate, per batch size."""
+    vocab = runner.config.vocab_size
+    rows = []
+    for bs in bs_list:
+        plain_sched = Scheduler(runner, frozenset(), None, PREFILL_CHUNK, None, prefix_cache=False)
+        plain = _replay_requests(bs, args.context, args.output_len, vocab, "p")
+        _run(plain_sched, _replay_requests(1, args.context, 4, vocab, "warm"))
+        seconds = _run(plain_sched, plain)
+        plain_tok_s = bs * args.output_len / seconds
+        for corrupt in args.corrupt:
+            reference = {f"s{i}": r.output_ids for i, r in enumerate(plain)}
+            drafter = ReplayDrafter(reference, vocab, corrupt)
+            spec = Speculation(drafter, args.steps)
+            sched = Scheduler(
+                runner,
+                frozenset(),
+                None,
+                PREFILL_CHUNK,
+                None,
+                prefix_cache=False,
+                speculation=spec,
+            )
+            reqs = _replay_requests(bs, args.context, args.output_len, vocab, "s")
+            seconds = _run(sched, reqs)
+            tok_s = bs * args.output_len / seconds
+            stats = spec.stats
+            rows.append(
+                {
+                    "part": "replay",
+                    "model": model,
+                    "bs": bs,
+                    "steps": args.steps,
+                    "corrupt": corrupt,
+                    "output_tok_s": round(tok_s, 1),
+                    "plain_output_tok_s": round(plain_tok_s, 1),
+                    "speedup": round(tok_s / plain_tok_s, 3),
+                    "tokens_per_verify": round(1 + stats.mean_accepted, 3),
+                    "draft_acceptance": round(stats.accepted / max(stats.drafted, 1), 3),
+                    "identical": [r.output_ids for r in reqs] == [r.output_ids for r in plain],
+                }
+            )
+            print(rows[-1])
+    return rows
+
+
+QUOTE_PROMPT = "Repeat the following text exactly, word for word.\n\n{question}"
+
+
+def ngram_rows(model_path: str, bs_list: list[int], args: argparse.Namespace) -> list[dict]:
+    """Plain against `--speculative-algorithm ngram` on the quoting workload, per batch size."""
+    questions = [r["question"] for r in read_jsonl(str(default_data_dir() / "gsm8k/test.jsonl"))]
+    common = {
+        "device": args.device,
+        "max_running_requests": max(bs_list),
+        "max_total_tokens": max(bs_list) * (args.output_len + 512),
+    }
+    params = {"max_new_tokens": args.output_len, "temperature": 0.0}
+    outputs: dict[str, dict[int, tuple[float, list[list[int]], float]]] = {}
+    for name, extra in (
+        ("plain", {}),
+        ("ngram", {"speculative_algorithm": "ngram", "speculative_num_steps": args.steps}),
+    ):
+        engine = Engine(model_path, **common, **extra)
+        chats = [
+            engine.encode_chat([{"role": "user", "content": QUOTE_PROMPT.format(question=q)}])
+            for q in questions[: max(bs_list)]
+        ]
+        engine.generate(input_ids=chats[0], sampling_params={**params, "max_new_tokens": 4})
+        outputs[name] = {}
+        for bs in bs_list:
+            _sync(engine.runner.device)
+            start = time.perf_counter()
+            out = engine.generate(input_ids=chats[:bs], sampling_params=params)
+            _sync(engine.runner.device)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o["output_ids"]) for o in out)
+            verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in out)
+            accepted = sum(o["meta_info"].get("spec_accepted_drafts", 0) for o in out)
+            per_verify = (verify + accepted) / verify if verify else 1.0
+            outputs[name][bs] = (tokens / seconds, [o["output_ids"] for o in out], per_verify)
+        engine.shutdown()
+        release_memory()
+    rows = []
+    for bs in bs_list:
+        plain_tok_s, plain_ids, _ = outputs["plain"][bs]
+        tok_s, ids, per_verify = outputs["ngram"][bs]
+        rows.append(
+            {
+                "part": "ngram",
+                "model": Path(model_path).stem,
+                "bs": bs,
+                "steps": args.steps,
+                "output_tok_s": round(tok_s, 1),
+                "plain_output_tok_s": round(plain_tok_s, 1),
+                "speedup": round(tok_s / plain_tok_s, 3),
+                "tokens_per_verify": round(per_verify, 3),
+                "identical": ids == plain_ids,
+            }
+        )
+        print(rows[-1])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="*", default=["llama-3.1-8b", "qwen3-0.6b"])
+    parser.add_argument("--bs", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--verify-tokens", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--steps", type=int, default=3, help="draft tokens per verify step")
+    parser.add_argument("--corrupt", nargs="+", type=float, default=[0.0, 0.25])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--ngram-model-path", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    tokens_per_req = args.context + args.output_len + max(args.verify_tokens) + args.steps + 8
+    for model in args.models:
+        path = model if Path(model).exists() else str(config_path(model))
+        name = Path(model).stem
+        runner = build_runner(path, args.device, max(args.bs), tokens_per_req)
+        rows += step_rows(runner, name, args.bs, args.verify_tokens, args.context)
+        rows += replay_rows(runner, name, args.bs, args)
+        runner.free_cuda_graphs()
+        del runner
+        release_memory()
+    if args.ngram_model_path:
+        rows += ngram_rows(args.ngram_model_path, args.bs, args)
+    for row in rows:
+        print(" ".join(f"{k}={v}" for k, v in row.items()))
+    if args.json:
+        write_json(args.json, {"summary": rows})
+
+
+if __name__ == "__main__":
+    main()

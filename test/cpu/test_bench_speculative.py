@@ -1,0 +1,52 @@
+"""benchmark/bench_speculative.py in-process on the CPU with a tiny checkpoint: step rows for
+decode and each verify size, replay rows whose uncorrupted drafts are all accepted and whose
+outputs equal plain decoding's, a corrupted replay accepting fewer, and every KV slot back."""
+
+from __future__ import annotations
+
+import json
+
+from script_import import import_script
+from tiny_checkpoints import write_tiny_checkpoint
+
+
+def test_speculative_bench_times_steps_and_replays(tmp_path):
+    bench = import_script("benchmark/bench_speculative.py")
+    write_tiny_checkpoint("llama3", tmp_path / "ckpt")
+    out = tmp_path / "speculative.json"
+    bench.main(
+        [
+            "--models",
+            str(tmp_path / "ckpt"),
+            "--device",
+            "cpu",
+            "--bs",
+            "1",
+            "3",
+            "--verify-tokens",
+            "2",
+            "4",
+            "--corrupt",
+            "0",
+            "0.5",
+            "--output-len",
+            "12",
+            "--context",
+            "16",
+            "--json",
+            str(out),
+        ]
+    )
+    rows = json.loads(out.read_text())["summary"]
+    steps = [(r["bs"], r["tokens_per_request"]) for r in rows if r["part"] == "step"]
+    assert steps == [(1, 1), (1, 2), (1, 4), (3, 1), (3, 2), (3, 4)]
+    assert all(r["ms"] > 0 for r in rows if r["part"] == "step")
+    replay = {(r["bs"], r["corrupt"]): r for r in rows if r["part"] == "replay"}
+    assert set(replay) == {(1, 0.0), (1, 0.5), (3, 0.0), (3, 0.5)}
+    for bs in (1, 3):
+        assert replay[bs, 0.0]["identical"] and replay[bs, 0.5]["identical"]
+        assert replay[bs, 0.0]["draft_acceptance"] == 1.0
+        assert replay[bs, 0.0]["tokens_per_verify"] > 3.5  # k = 3: up to 4, less near the end
+        assert replay[bs, 0.5]["draft_acceptance"] < 0.8
+        assert replay[bs, 0.5]["tokens_per_verify"] < replay[bs, 0.0]["tokens_per_verify"]
+        assert replay[bs, 0.0]["output_tok_s"] > 0 and replay[bs, 0.0]["speedup"] > 0
