@@ -189,6 +189,34 @@ def test_smollm2_sampled_requests_equal_plain_sampling_with_their_seeds(
     assert_kv_released(smollm2_ngram)
 
 
+def test_constrained_and_penalised_requests_decode_plainly_beside_speculating_ones(
+    smollm2_plain, smollm2_ngram
+):
+    """A request with a grammar or a penalty takes no drafts (its mask or penalty changes with
+    every token): one token a step inside the verify batches, its output plain decoding's."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    repeat = f"Repeat this passage word for word:\n\n{PASSAGE}"
+    chats = [
+        smollm2_plain.encode_chat([{"role": "user", "content": text}])
+        for text in ("Describe a person as JSON.", repeat, repeat)
+    ]
+    params = [
+        {"max_new_tokens": 32, **GREEDY, "json_schema": json.dumps(schema)},
+        {"max_new_tokens": 32, **GREEDY, "frequency_penalty": 0.5},
+        {"max_new_tokens": 32, **GREEDY},
+    ]
+    plain = smollm2_plain.generate(input_ids=chats, sampling_params=params)
+    spec = smollm2_ngram.generate(input_ids=chats, sampling_params=params)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert [o["meta_info"]["spec_accepted_drafts"] for o in spec[:2]] == [0, 0]
+    assert spec[2]["meta_info"]["spec_accepted_drafts"] > 0
+    _assert_all_released(smollm2_ngram)
+
+
 def test_smollm2_as_its_own_draft_model_is_always_right(smollm2_plain):
     engine = Engine(
         device="cpu",

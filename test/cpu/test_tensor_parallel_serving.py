@@ -82,6 +82,18 @@ def test_engine_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank, 
     assert outputs == one_rank
 
 
+@pytest.mark.parametrize("algorithm", ["ngram", "draft_model"])
+def test_speculating_on_two_ranks_generates_what_one_rank_does(checkpoint, one_rank, algorithm):
+    """Every rank verifies the same drafts (a draft model's are rank 0's) and keeps the same
+    tokens, so speculation changes nothing, retraction included."""
+    draft = {"speculative_draft_model_path": checkpoint} if algorithm == "draft_model" else {}
+    outputs, retractions = _engine_outputs(
+        checkpoint, tp_size=2, speculative_algorithm=algorithm, **draft
+    )
+    assert retractions > 0
+    assert outputs == one_rank
+
+
 def test_a_model_without_a_tokenizer_generates_on_two_ranks(tmp_path):
     """Dummy weights from a bare config (no tokenizer, so no grammar engine): plain requests
     need neither."""

@@ -695,7 +695,12 @@ class Scheduler:
             else 0
             for r in reqs
         ]
-        drafts = self.speculation.drafter.propose(reqs, limits)
+        drafter = self.speculation.drafter
+        drafts = drafter.propose(reqs, limits)
+        if self.runner.tp.size > 1 and not drafter.same_on_every_rank:
+            from replaylm.distributed.communication import broadcast_objects
+
+            drafts = broadcast_objects([drafts] if self.runner.tp.rank == 0 else None)[0]
         room = self.prefix_cache.available - len(reqs)
         for i, d in enumerate(drafts):
             drafts[i] = d[: max(0, min(len(d), limits[i], room))]

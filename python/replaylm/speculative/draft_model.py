@@ -41,6 +41,7 @@ class DraftKV:
 
 class DraftModelDrafter(Drafter):
     name = "draft_model"
+    same_on_every_rank = False
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner

@@ -24,6 +24,9 @@ class Drafter(ABC):
     """Proposes draft tokens for running requests; the target model verifies them."""
 
     name: str
+    # whether every tensor-parallel rank proposes the same tokens (decided on the host from the
+    # requests' tokens); a model's argmax may differ in the last bit, so ranks take rank 0's
+    same_on_every_rank = True
 
     @abstractmethod
     def propose(self, reqs: Sequence[DraftTarget], limits: Sequence[int]) -> list[list[int]]:
