@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PHASES = ("decode", "prefill")
+# verify: speculative decoding's TARGET_VERIFY steps (captured only when a drafter is set)
+PHASES = ("decode", "prefill", "verify")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ MODE_TRAITS: dict[str, ModeTraits] = {
 }
 DISABLED = "disabled"
 MODES = (*MODE_TRAITS, DISABLED)
-DEFAULTS_CUDA = {"decode": "full", "prefill": "breakable"}
+DEFAULTS_CUDA = {"decode": "full", "prefill": "breakable"}  # verify: the decode phase's mode
 
 
 def debug_eager_modes() -> tuple[str, ...]:

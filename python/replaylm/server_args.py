@@ -346,11 +346,22 @@ class ServerArgs:
         default=None,
         metadata=_opt(f"CUDA-graph mode of the prefill phase: {modes_help('prefill')}."),
     )
+    verify_cuda_graph_mode: str | None = field(
+        default=None,
+        metadata=_opt(
+            "CUDA-graph mode of speculative decoding's verify steps: "
+            f"{modes_help('verify')}. Default: the decode phase's mode where it can serve "
+            "verify steps, else breakable (off without --speculative-algorithm)."
+        ),
+    )
     decode_disable_cuda_graph: bool = field(
         default=False, metadata=_opt("Run decode eagerly (no CUDA graph).")
     )
     prefill_disable_cuda_graph: bool = field(
         default=False, metadata=_opt("Run prefill eagerly (no CUDA graph).")
+    )
+    verify_disable_cuda_graph: bool = field(
+        default=False, metadata=_opt("Run speculative decoding's verify steps eagerly.")
     )
     disable_cuda_graph: bool = field(
         default=False,

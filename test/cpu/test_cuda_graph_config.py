@@ -416,9 +416,9 @@ def test_the_attention_hooks_a_mode_needs_come_from_its_row(monkeypatch):
         ({"cuda_graph_mode": '{"decode": "full"'}, JSON, "malformed JSON"),
         ({"cuda_graph_mode": '["full"]'}, JSON, "expected a JSON object"),
         (
-            {"cuda_graph_mode": '{"verify": "full"}'},
+            {"cuda_graph_mode": '{"mixed": "full"}'},
             JSON,
-            "unknown phase 'verify'; valid phases: decode, prefill",
+            "unknown phase 'mixed'; valid phases: decode, prefill, verify",
         ),
         (
             {"cuda_graph_mode": '{"decode": "fast"}'},
@@ -556,3 +556,43 @@ def test_launch_server_prints_the_config_for_another_device_without_loading():
 def test_every_mode_cell_resolves_on_cuda(decode, prefill):
     cfg = resolve(cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}))
     assert modes(cfg) == (decode, prefill) and not cfg.warnings
+
+
+# ---- the verify phase (speculative decoding) ------------------------------------------------
+
+
+def test_verify_is_off_without_speculation_and_says_so_when_set():
+    cfg = resolve()
+    assert cfg.verify.mode == "disabled" and cfg.verify.source == "no speculative decoding"
+    assert "verify" not in cfg.summary()
+    cfg = resolve(cuda_graph_mode=json.dumps({"verify": "breakable"}))
+    assert cfg.verify.mode == "disabled"
+    assert any("only speculative decoding runs" in w for w in cfg.warnings)
+
+
+def test_verify_follows_decode_where_it_can_else_breakable():
+    cfg = resolve(speculative_algorithm="ngram")  # decode full: cannot serve verify yet
+    assert cfg.verify.mode == "breakable" and cfg.verify.source == "default"
+    assert any("verify CUDA graph: breakable" in n for n in cfg.notes)
+    # token buckets: each decode batch size times the 3 drafts plus the request's last token
+    assert cfg.verify.shapes == tuple(4 * bs for bs in default_decode_batch_sizes(512))
+    cfg = resolve(
+        speculative_algorithm="ngram",
+        speculative_num_steps=5,
+        speculative_max_bs=16,
+        cuda_graph_mode=json.dumps({"decode": "tc_piecewise", "prefill": "breakable"}),
+    )
+    assert cfg.verify.mode == "tc_piecewise"
+    assert cfg.verify.shapes == (6, 12, 24, 48, 96)
+    assert json.loads(cfg.summary())["verify"] == "tc_piecewise"
+    cfg = resolve(speculative_algorithm="ngram", decode_disable_cuda_graph=True)
+    assert cfg.verify.mode == "disabled"
+    cfg = resolve("cpu", speculative_algorithm="ngram")
+    assert cfg.verify.mode == "disabled"
+
+
+def test_verify_modes_it_cannot_take_are_refused_by_name():
+    with pytest.raises(CudaGraphConfigError, match="verify mode 'full' is not supported yet"):
+        resolve(speculative_algorithm="ngram", verify_cuda_graph_mode="full")
+    cfg = resolve(speculative_algorithm="ngram", verify_disable_cuda_graph=True)
+    assert cfg.verify.mode == "disabled" and cfg.verify.source == "--verify-disable-cuda-graph"

@@ -63,3 +63,29 @@ def test_debug_graph_path_generates_what_eager_generates(checkpoint, mode):
         assert graph_stats[phase]["mode"] == mode and graph_stats[phase]["shapes"] == shapes
         # what the backend reports through stats(): tc_piecewise's compile time, else None
         assert (graph_stats[phase]["compile_s"] is not None) == (mode == "tc_piecewise")
+
+
+@pytest.mark.parametrize("mode", debug_eager_modes())
+def test_verify_graph_path_generates_what_eager_generates(checkpoint, mode):
+    """Speculative decoding's verify steps through the verify phase's graph runner (token
+    buckets of batch size x 4 tokens): the same tokens as plain eager decoding; the prefill
+    runner never takes a verify batch, nor the verify runner an EXTEND one."""
+    want, _ = _generate(checkpoint)
+    got, engine = _generate(
+        checkpoint,
+        debug_cuda_graph=True,
+        tc_piecewise_compiler="eager",
+        cuda_graph_mode=json.dumps({"decode": mode, "prefill": mode, "verify": mode}),
+        speculative_algorithm="draft_model",
+        speculative_draft_model_path=checkpoint,
+        speculative_max_bs=8,
+    )
+    assert got == want
+    stats = engine.runner.forward_stats.phases
+    assert stats["verify"].graph > 0 and stats["verify"].eager == 0
+    assert engine.scheduler.speculation.stats.accepted > 0
+    verify, prefill = (engine.runner.graph_runners[p] for p in ("verify", "prefill"))
+    assert verify.shapes == (4, 8, 16, 32)  # 1, 2, 4, 8 requests x (3 drafts + 1)
+    assert verify.inputs_for(ForwardMode.TARGET_VERIFY, 6, 21) is verify.inputs[32]
+    assert verify.inputs_for(ForwardMode.EXTEND, 6, 21) is None
+    assert prefill.inputs_for(ForwardMode.TARGET_VERIFY, 6, 21) is None

@@ -17,6 +17,7 @@ from replaylm.model_executor.cuda_graph.backend.factory import create_graph_back
 from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner, RunnerContext
 from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
+from replaylm.model_executor.cuda_graph.runner.verify import VerifyCudaGraphRunner
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 from replaylm.model_executor.forward_stats import ForwardStats
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 GRAPH_RUNNERS: dict[str, type[BaseCudaGraphRunner]] = {
     "decode": DecodeCudaGraphRunner,
     "prefill": PrefillCudaGraphRunner,
+    "verify": VerifyCudaGraphRunner,
 }
 
 

@@ -33,8 +33,7 @@ def speculation_from_args(args: ServerArgs, draft: ModelRunner | None) -> Specul
         drafter = NgramDrafter(low, high)
         what = f"n-gram windows {low}-{high}"
     logger.info(
-        "speculative decoding: %s (%s), %d draft tokens per request per verify step, %s; "
-        "verify steps run eagerly",
+        "speculative decoding: %s (%s), %d draft tokens per request per verify step, %s",
         drafter.name,
         what,
         args.speculative_steps,

@@ -1,4 +1,5 @@
-"""The CUDA-graph resolver: server flags -> `{"decode": mode, "prefill": mode}` plus shapes.
+"""The CUDA-graph resolver: server flags -> `{"decode": mode, "prefill": mode, "verify": mode}`
+plus shapes.
 
 Pure Python (no torch: the launcher resolves before it spawns the model's process), four stages:
 
@@ -58,8 +59,10 @@ class GraphArgs(Protocol):
     cuda_graph_mode: str | None
     decode_cuda_graph_mode: str | None
     prefill_cuda_graph_mode: str | None
+    verify_cuda_graph_mode: str | None
     decode_disable_cuda_graph: bool
     prefill_disable_cuda_graph: bool
+    verify_disable_cuda_graph: bool
     disable_cuda_graph: bool
     disable_piecewise_cuda_graph: bool
     enable_breakable_cuda_graph: bool
@@ -73,6 +76,11 @@ class GraphArgs(Protocol):
     tc_piecewise_compiler: str
     tc_piecewise_kernels: str
     compile_cache_dir: str | None
+    speculative_algorithm: str | None  # None: no verify steps, the verify phase is off
+    speculative_max_bs: int | None
+
+    @property
+    def speculative_steps(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,8 @@ class GraphBackendOptions:
 @dataclass(frozen=True)
 class PhaseConfig:
     """One phase's resolved mode, the flag (or `default`, or `rule <name>`) that decided it, and
-    the shapes to capture (batch sizes for decode, token counts for prefill; empty if off)."""
+    the shapes to capture (batch sizes for decode, token counts for prefill and verify; empty
+    if off)."""
 
     mode: str
     source: str
@@ -105,6 +114,7 @@ class PhaseConfig:
 class CudaGraphConfig:
     decode: PhaseConfig
     prefill: PhaseConfig
+    verify: PhaseConfig = PhaseConfig("disabled", "default")
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # informational: defaults on CPU, rules that turned a phase off
     options: GraphBackendOptions = GraphBackendOptions()
@@ -115,12 +125,14 @@ class CudaGraphConfig:
     def to_dict(self) -> dict[str, Any]:
         return {
             p: {"mode": c.mode, "source": c.source, "shapes": list(c.shapes)}
-            for p, c in (("decode", self.decode), ("prefill", self.prefill))
+            for p, c in ((p, self.phase(p)) for p in PHASES)
         }
 
     def summary(self) -> str:
-        """`{"decode": "full", "prefill": "disabled"}` as one line."""
-        return json.dumps({p: self.phase(p).mode for p in PHASES})
+        """`{"decode": "full", "prefill": "disabled"}` as one line (verify too when on)."""
+        return json.dumps(
+            {p: self.phase(p).mode for p in PHASES if p != "verify" or self.verify.enabled}
+        )
 
 
 @dataclass(frozen=True)
@@ -240,8 +252,19 @@ def _pick(phase: str, choices: list[_Choice], parsed: _Parsed) -> _Choice | None
     return winner
 
 
-def _default(phase: str, device: str) -> str:
-    return DEFAULTS_CUDA[phase] if device in GRAPH_DEVICES else "disabled"
+def _default(phase: str, device: str, decode_mode: str) -> tuple[str, str | None]:
+    """The phase's mode when no flag sets it, and a note on why where it is not plain. Verify
+    follows decode where decode's mode can serve it, else runs breakable graphs."""
+    if device not in GRAPH_DEVICES:
+        return "disabled", None
+    if phase != "verify":
+        return DEFAULTS_CUDA[phase], None
+    if decode_mode == "disabled" or "verify" in MODE_TRAITS[decode_mode].phases:
+        return decode_mode, None
+    return "breakable", (
+        f"verify CUDA graph: breakable (decode's {decode_mode} graphs cannot serve verify "
+        "steps yet)"
+    )
 
 
 # ---- stage 3: compatibility rules ----------------------------------------------------------
@@ -345,6 +368,8 @@ def _check_max(value: int | None, flag: str) -> int | None:
 
 def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> tuple[int, ...]:
     """The phase's capture shapes (validated even when the phase is off; empty then)."""
+    if phase == "verify":
+        return _verify_shapes(args) if enabled else ()
     if phase == "decode":
         list_flag, max_flag = "--decode-cuda-graph-bs", "--decode-cuda-graph-max-bs"
         given = _check_shapes(args.decode_cuda_graph_bs, list_flag)
@@ -379,6 +404,18 @@ def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> 
     return make_default(min(max_given or default_max, limit))
 
 
+def _verify_shapes(args: GraphArgs) -> tuple[int, ...]:
+    """Token buckets of verify steps: each decode batch size (up to `--speculative-max-bs`)
+    times the tokens a request verifies (its last token and its drafts)."""
+    limit = min(
+        args.decode_cuda_graph_max_bs or DEFAULT_DECODE_MAX_BS,
+        args.max_running_requests or DEFAULT_DECODE_MAX_BS,
+        args.speculative_max_bs or DEFAULT_DECODE_MAX_BS,
+    )
+    per_request = args.speculative_steps + 1
+    return tuple(bs * per_request for bs in default_decode_batch_sizes(limit))
+
+
 def _validate_mode(phase: str, mode: str, flag: str | None) -> None:
     why = unsupported_reason(phase, mode)
     if why is not None:
@@ -398,11 +435,22 @@ def resolve_cuda_graph_config(
     phases: dict[str, PhaseConfig] = {}
     notes: list[str] = []
     if device not in GRAPH_DEVICES:
-        notes.append(f"CUDA graphs are off by default on {device}: both phases run eagerly")
+        notes.append(f"CUDA graphs are off by default on {device}: every phase runs eagerly")
     for phase in PHASES:
         choice = _pick(phase, parsed.choices[phase], parsed)
-        mode = choice.mode if choice else _default(phase, device)
+        if phase == "verify" and args.speculative_algorithm is None:
+            if choice is not None and choice.mode != "disabled":
+                parsed.warnings.append(
+                    f"{choice.flag} sets verify to {choice.mode!r}, which only speculative "
+                    "decoding runs (--speculative-algorithm): no verify graphs"
+                )
+            phases[phase] = PhaseConfig("disabled", "no speculative decoding")
+            continue
+        default, why = _default(phase, device, phases["decode"].mode if phases else "disabled")
+        mode = choice.mode if choice else default
         source = choice.flag if choice else "default"
+        if choice is None and why is not None:
+            notes.append(why)
         explicit = choice.flag if choice and choice.mode != "disabled" else None
         _validate_mode(phase, mode, explicit)
         flag, backend = backends.of_phase(phase)
@@ -420,5 +468,10 @@ def resolve_cuda_graph_config(
         args.compile_cache_dir,
     )
     return CudaGraphConfig(
-        phases["decode"], phases["prefill"], tuple(parsed.warnings), tuple(notes), options
+        phases["decode"],
+        phases["prefill"],
+        phases["verify"],
+        warnings=tuple(parsed.warnings),
+        notes=tuple(notes),
+        options=options,
     )
