@@ -408,7 +408,7 @@ def test_http_stream_and_not_equal_plain_server_and_metrics_count(
     spec = server_factory(*HTTP_SERVER_FLAGS, *flags)
     body = {
         "messages": [{"role": "user", "content": f"Repeat word for word: {PASSAGE}"}],
-        "max_tokens": 24,
+        "max_tokens": 20,
         "temperature": 0,
     }
     with httpx.Client(timeout=TIMEOUT_S) as c:
@@ -420,20 +420,21 @@ def test_http_stream_and_not_equal_plain_server_and_metrics_count(
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     chunks.append(json.loads(line[6:]))
-        # n > 1, sampled with a seed: each choice is the plain server's, choice for choice
-        several = {**body, "n": 2, "temperature": 0.8, "seed": 7}
-        forked = [
-            c.post(base + url, json=several).json()
-            for base in (http_server.base_url, spec.base_url)
-        ]
-        native = c.post(
-            spec.base_url + "/generate",
-            json={"text": PASSAGE, "sampling_params": {"max_new_tokens": 16, "temperature": 0}},
-        ).json()
+        if flags[1] == "ngram":  # the front end's other paths, once
+            # n > 1, sampled with a seed: each choice is the plain server's, choice for choice
+            several = {**body, "n": 2, "temperature": 0.8, "seed": 7, "max_tokens": 12}
+            forked = [
+                c.post(base + url, json=several).json()
+                for base in (http_server.base_url, spec.base_url)
+            ]
+            choices = [[ch["message"]["content"] for ch in f["choices"]] for f in forked]
+            assert choices[1] == choices[0] and len(choices[0]) == 2
+            native = c.post(
+                spec.base_url + "/generate",
+                json={"text": PASSAGE, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+            ).json()
+            assert native["meta_info"]["spec_verify_ct"] >= 1
         metrics = c.get(spec.base_url + "/metrics").text
-    assert native["meta_info"]["spec_verify_ct"] >= 1
-    choices = [[ch["message"]["content"] for ch in f["choices"]] for f in forked]
-    assert choices[1] == choices[0] and len(choices[0]) == 2
     text = plain["choices"][0]["message"]["content"]
     assert whole["choices"][0]["message"]["content"] == text
     for count in ("prompt_tokens", "completion_tokens"):  # the cache hits may differ
@@ -451,6 +452,6 @@ def test_http_stream_and_not_equal_plain_server_and_metrics_count(
         if line.startswith("replaylm_spec_") and " " in line
     }
     assert values["replaylm_spec_accepted_tokens"] > 0
-    assert 0 < values["replaylm_spec_verify_steps"]
+    assert values["replaylm_spec_verify_steps"] > 0
     assert values["replaylm_spec_draft_tokens"] >= values["replaylm_spec_accepted_tokens"]
     assert values['replaylm_spec_position_acceptance_ratio{position="1"}'] > 0
