@@ -113,6 +113,10 @@ def test_stats_count_positions_and_accept_lengths():
         ),
         ({"speculative_algorithm": "eagle9"}, "--speculative-algorithm must be one of"),
         ({"speculative_algorithm": "draft_model"}, "go together"),
+        (
+            {"speculative_algorithm": "ngram", "deterministic": True},
+            "--deterministic does not cover --speculative-algorithm yet",
+        ),
         ({"speculative_draft_model_path": "x"}, "go together"),
     ],
 )
@@ -330,6 +334,17 @@ def test_tiny_model_batches_equal_plain_decoding(tiny_llama3, plain_run, flags):
         for i in (0, 1, 6, 7):
             assert reqs[i].spec_verify_ct < len(reqs[i].output_ids) / 2, i
     assert 0 < stats.draft_seconds < 60 and 0 < stats.verify_seconds < 60
+    _assert_all_released(engine)
+
+
+def test_batches_above_speculative_max_bs_decode_plainly(tiny_llama3, plain_run):
+    engine = _engine(tiny_llama3, speculative_algorithm="ngram", speculative_max_bs=2)
+    reqs = _run(engine, abort=4)
+    for i, (req, plain) in enumerate(zip(reqs, plain_run, strict=True)):
+        if i != 4:
+            assert req.output_ids == plain.output_ids, i
+    phases = engine.runner.forward_stats.phases
+    assert phases["decode"].eager > 0 and phases["verify"].eager > 0  # above 2 running, below
     _assert_all_released(engine)
 
 

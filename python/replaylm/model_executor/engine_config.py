@@ -45,11 +45,13 @@ class EngineConfig:
         for warning in self.cuda_graphs.warnings:
             logger.warning("%s", warning)
         graphs = self.cuda_graphs
+        verify = f", verify from {graphs.verify.source}" if graphs.verify.enabled else ""
         logger.info(
-            "CUDA graphs: %s (decode from %s, prefill from %s); attention: %s",
+            "CUDA graphs: %s (decode from %s, prefill from %s%s); attention: %s",
             graphs.summary(),
             graphs.decode.source,
             graphs.prefill.source,
+            verify,
             self.attention.describe(),
         )
 
