@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# verify: speculative decoding's TARGET_VERIFY steps (captured only when a drafter is set)
-PHASES = ("decode", "prefill", "verify")
+# verify: speculative decoding's TARGET_VERIFY steps (captured only when a drafter is set);
+# draft: a draft model's decode steps (its own runner's decode graphs)
+PHASES = ("decode", "prefill", "verify", "draft")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class ModeTraits:
 
 MODE_TRAITS: dict[str, ModeTraits] = {
     "full": ModeTraits(
-        ("decode",),
+        ("decode", "draft"),
         needs_attention_graph_hooks=True,
         debug_eager=False,
         summary="the whole step in one graph",
@@ -48,7 +49,8 @@ MODE_TRAITS: dict[str, ModeTraits] = {
 }
 DISABLED = "disabled"
 MODES = (*MODE_TRAITS, DISABLED)
-DEFAULTS_CUDA = {"decode": "full", "prefill": "breakable"}  # verify: the decode phase's mode
+# verify and draft: the decode phase's mode where it serves them
+DEFAULTS_CUDA = {"decode": "full", "prefill": "breakable"}
 
 
 def debug_eager_modes() -> tuple[str, ...]:

@@ -354,6 +354,13 @@ class ServerArgs:
             "verify steps, else breakable (off without --speculative-algorithm)."
         ),
     )
+    draft_cuda_graph_mode: str | None = field(
+        default=None,
+        metadata=_opt(
+            "CUDA-graph mode of a draft model's decode steps (draft_model speculation): "
+            f"{modes_help('draft')}. Default: the decode phase's mode."
+        ),
+    )
     decode_disable_cuda_graph: bool = field(
         default=False, metadata=_opt("Run decode eagerly (no CUDA graph).")
     )
@@ -362,6 +369,9 @@ class ServerArgs:
     )
     verify_disable_cuda_graph: bool = field(
         default=False, metadata=_opt("Run speculative decoding's verify steps eagerly.")
+    )
+    draft_disable_cuda_graph: bool = field(
+        default=False, metadata=_opt("Run a draft model's decode steps eagerly.")
     )
     disable_cuda_graph: bool = field(
         default=False,

@@ -336,7 +336,7 @@ def test_the_flags_help_comes_from_the_traits_table():
         "breakable (a chain of graphs with attention run eagerly between them), tc_piecewise "
         "(torch.compile pieces split at attention, each captured), disabled (eager)"
     )
-    assert modes_help().startswith("full (decode only: the whole step in one graph), breakable")
+    assert modes_help().startswith("full (decode/draft only: the whole step in one graph), break")
     flags = {f.name: f.metadata["help"] for f in dataclasses.fields(ServerArgs)}
     assert modes_help("decode") in flags["decode_cuda_graph_mode"]
     assert modes_help("prefill") in flags["prefill_cuda_graph_mode"]
@@ -418,7 +418,7 @@ def test_the_attention_hooks_a_mode_needs_come_from_its_row(monkeypatch):
         (
             {"cuda_graph_mode": '{"mixed": "full"}'},
             JSON,
-            "unknown phase 'mixed'; valid phases: decode, prefill, verify",
+            "unknown phase 'mixed'; valid phases: decode, prefill, verify, draft",
         ),
         (
             {"cuda_graph_mode": '{"decode": "fast"}'},
@@ -596,3 +596,17 @@ def test_verify_modes_it_cannot_take_are_refused_by_name():
         resolve(speculative_algorithm="ngram", verify_cuda_graph_mode="full")
     cfg = resolve(speculative_algorithm="ngram", verify_disable_cuda_graph=True)
     assert cfg.verify.mode == "disabled" and cfg.verify.source == "--verify-disable-cuda-graph"
+
+
+def test_draft_follows_decode_for_a_draft_model_only():
+    cfg = resolve(speculative_algorithm="ngram")
+    assert cfg.draft.mode == "disabled" and cfg.draft.source == "no draft-model speculation"
+    cfg = resolve(speculative_algorithm="draft_model", speculative_draft_model_path="d")
+    assert (cfg.draft.mode, cfg.draft.source) == ("full", "default")
+    assert cfg.draft.shapes == cfg.decode.shapes
+    cfg = resolve(
+        speculative_algorithm="draft_model",
+        speculative_draft_model_path="d",
+        cuda_graph_mode=json.dumps({"decode": "full", "draft": "breakable"}),
+    )
+    assert cfg.draft.mode == "breakable" and json.loads(cfg.summary())["draft"] == "breakable"

@@ -68,14 +68,17 @@ def test_debug_graph_path_generates_what_eager_generates(checkpoint, mode):
 @pytest.mark.parametrize("mode", debug_eager_modes())
 def test_verify_graph_path_generates_what_eager_generates(checkpoint, mode):
     """Speculative decoding's verify steps through the verify phase's graph runner (token
-    buckets of batch size x 4 tokens): the same tokens as plain eager decoding; the prefill
-    runner never takes a verify batch, nor the verify runner an EXTEND one."""
+    buckets of batch size x 4 tokens) and the draft model's steps through its decode graphs:
+    the same tokens as plain eager decoding; the prefill runner never takes a verify batch, nor
+    the verify runner an EXTEND one."""
     want, _ = _generate(checkpoint)
     got, engine = _generate(
         checkpoint,
         debug_cuda_graph=True,
         tc_piecewise_compiler="eager",
-        cuda_graph_mode=json.dumps({"decode": mode, "prefill": mode, "verify": mode}),
+        cuda_graph_mode=json.dumps(
+            {"decode": mode, "prefill": mode, "verify": mode, "draft": mode}
+        ),
         speculative_algorithm="draft_model",
         speculative_draft_model_path=checkpoint,
         speculative_max_bs=8,
@@ -89,3 +92,7 @@ def test_verify_graph_path_generates_what_eager_generates(checkpoint, mode):
     assert verify.inputs_for(ForwardMode.TARGET_VERIFY, 6, 21) is verify.inputs[32]
     assert verify.inputs_for(ForwardMode.EXTEND, 6, 21) is None
     assert prefill.inputs_for(ForwardMode.TARGET_VERIFY, 6, 21) is None
+    # the draft model's decode steps: its own runner's graphs, in the draft phase's mode
+    draft = engine.draft_runner
+    assert draft.cuda_graph_stats()["decode"]["mode"] == mode
+    assert draft.forward_stats.phases["decode"].graph > 0

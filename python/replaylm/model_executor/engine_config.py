@@ -11,6 +11,7 @@ No torch here: the GPUs are probed through the driver (`device/gpu_probe.py`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 
@@ -86,16 +87,19 @@ def resolve_engine_config(args: ServerArgs, gpus: GpuFacts | None = None) -> Eng
     draft = None
     if args.speculative_algorithm == "draft_model":
         assert args.speculative_draft_model_path is not None  # ServerArgs.validate checks it
-        draft = resolve_engine_config(draft_model_args(resolved), gpus)
+        draft = resolve_engine_config(draft_model_args(resolved, graphs), gpus)
     return EngineConfig(resolved, attention, graphs, tuple(notes), draft)
 
 
-def draft_model_args(args: ServerArgs) -> ServerArgs:
+def draft_model_args(args: ServerArgs, graphs: CudaGraphConfig) -> ServerArgs:
     """The draft model's settings: the target's, for the draft's path, at tensor-parallel
-    size 1 and with no speculation of its own."""
+    size 1, with no speculation of its own; its decode steps in the target's draft phase's
+    CUDA-graph mode, its catch-up prefills in the prefill phase's."""
     assert args.speculative_draft_model_path is not None
+    modes = {"decode": graphs.draft.mode, "prefill": graphs.prefill.mode}
     return dataclasses.replace(
         args,
+        cuda_graph_mode=json.dumps(modes),
         model_path=args.speculative_draft_model_path,
         tokenizer_path=None,
         tp_size=1,

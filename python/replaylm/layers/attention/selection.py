@@ -17,9 +17,9 @@ class PhaseAttentionBackends:
     prefill_flag: str = "--attention-backend"  # the flag that chose prefill's
 
     def of_phase(self, phase: str) -> tuple[str, str]:
-        """(the flag that chose the phase's backend, the backend); verify steps run the
-        prefill backend's extend attention."""
-        if phase == "decode":
+        """(the flag that chose the phase's backend, the backend): a draft model's decode steps
+        run the decode backend, verify steps the prefill backend's extend attention."""
+        if phase in ("decode", "draft"):
             return "--attention-backend", self.decode
         return self.prefill_flag, self.prefill
 

@@ -60,9 +60,11 @@ class GraphArgs(Protocol):
     decode_cuda_graph_mode: str | None
     prefill_cuda_graph_mode: str | None
     verify_cuda_graph_mode: str | None
+    draft_cuda_graph_mode: str | None
     decode_disable_cuda_graph: bool
     prefill_disable_cuda_graph: bool
     verify_disable_cuda_graph: bool
+    draft_disable_cuda_graph: bool
     disable_cuda_graph: bool
     disable_piecewise_cuda_graph: bool
     enable_breakable_cuda_graph: bool
@@ -115,6 +117,7 @@ class CudaGraphConfig:
     decode: PhaseConfig
     prefill: PhaseConfig
     verify: PhaseConfig = PhaseConfig("disabled", "default")
+    draft: PhaseConfig = PhaseConfig("disabled", "default")  # the draft model's decode phase
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # informational: defaults on CPU, rules that turned a phase off
     options: GraphBackendOptions = GraphBackendOptions()
@@ -129,9 +132,14 @@ class CudaGraphConfig:
         }
 
     def summary(self) -> str:
-        """`{"decode": "full", "prefill": "disabled"}` as one line (verify too when on)."""
+        """`{"decode": "full", "prefill": "disabled"}` as one line (verify and draft too when
+        on)."""
         return json.dumps(
-            {p: self.phase(p).mode for p in PHASES if p != "verify" or self.verify.enabled}
+            {
+                p: self.phase(p).mode
+                for p in PHASES
+                if p in ("decode", "prefill") or self.phase(p).enabled
+            }
         )
 
 
@@ -254,15 +262,15 @@ def _pick(phase: str, choices: list[_Choice], parsed: _Parsed) -> _Choice | None
 
 def _default(phase: str, device: str, decode_mode: str) -> tuple[str, str | None]:
     """The phase's mode when no flag sets it, and a note on why where it is not plain. Verify
-    follows decode where decode's mode can serve it, else runs breakable graphs."""
+    and draft follow decode where decode's mode can serve them, else run breakable graphs."""
     if device not in GRAPH_DEVICES:
         return "disabled", None
-    if phase != "verify":
+    if phase in DEFAULTS_CUDA:
         return DEFAULTS_CUDA[phase], None
-    if decode_mode == "disabled" or "verify" in MODE_TRAITS[decode_mode].phases:
+    if decode_mode == "disabled" or phase in MODE_TRAITS[decode_mode].phases:
         return decode_mode, None
     return "breakable", (
-        f"verify CUDA graph: breakable (decode's {decode_mode} graphs cannot serve verify "
+        f"{phase} CUDA graph: breakable (decode's {decode_mode} graphs cannot serve {phase} "
         "steps yet)"
     )
 
@@ -370,6 +378,8 @@ def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> 
     """The phase's capture shapes (validated even when the phase is off; empty then)."""
     if phase == "verify":
         return _verify_shapes(args) if enabled else ()
+    if phase == "draft":  # the draft model's decode batch sizes, as the target's
+        phase = "decode"
     if phase == "decode":
         list_flag, max_flag = "--decode-cuda-graph-bs", "--decode-cuda-graph-max-bs"
         given = _check_shapes(args.decode_cuda_graph_bs, list_flag)
@@ -402,6 +412,15 @@ def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> 
             )
         return kept
     return make_default(min(max_given or default_max, limit))
+
+
+def _unused_phase(phase: str, args: GraphArgs) -> str | None:
+    """What a speculative phase needs that the server's flags leave out (None: it runs)."""
+    if phase == "verify" and args.speculative_algorithm is None:
+        return "speculative decoding"
+    if phase == "draft" and args.speculative_algorithm != "draft_model":
+        return "draft-model speculation"
+    return None
 
 
 def _verify_shapes(args: GraphArgs) -> tuple[int, ...]:
@@ -438,13 +457,14 @@ def resolve_cuda_graph_config(
         notes.append(f"CUDA graphs are off by default on {device}: every phase runs eagerly")
     for phase in PHASES:
         choice = _pick(phase, parsed.choices[phase], parsed)
-        if phase == "verify" and args.speculative_algorithm is None:
+        unused = _unused_phase(phase, args)
+        if unused is not None:
             if choice is not None and choice.mode != "disabled":
                 parsed.warnings.append(
-                    f"{choice.flag} sets verify to {choice.mode!r}, which only speculative "
-                    "decoding runs (--speculative-algorithm): no verify graphs"
+                    f"{choice.flag} sets {phase} to {choice.mode!r}, which only {unused} runs: "
+                    f"no {phase} graphs"
                 )
-            phases[phase] = PhaseConfig("disabled", "no speculative decoding")
+            phases[phase] = PhaseConfig("disabled", f"no {unused}")
             continue
         default, why = _default(phase, device, phases["decode"].mode if phases else "disabled")
         mode = choice.mode if choice else default
@@ -471,6 +491,7 @@ def resolve_cuda_graph_config(
         phases["decode"],
         phases["prefill"],
         phases["verify"],
+        phases["draft"],
         warnings=tuple(parsed.warnings),
         notes=tuple(notes),
         options=options,
