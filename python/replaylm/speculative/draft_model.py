@@ -31,11 +31,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class DraftKV:
     """A request's place in the draft model's KV cache: its request-table row and the slots of
-    its first tokens (`all_ids`, then the drafts fed back), in order."""
+    its first tokens (prompt and output, then the drafts fed back), in order."""
 
     row: int
     slots: list[int] = field(default_factory=list)
-    proposed_from: int = 0  # len(all_ids) when the last proposal was made
+    proposed_from: int = 0  # the request's token count when the last proposal was made
     fed_drafts: int = 0  # of that proposal's drafts, those fed through the draft model
 
 
@@ -54,14 +54,14 @@ class DraftModelDrafter(Drafter):
             return drafts
         try:
             states = [self._state(reqs[i]) for i in active]
-            ids = [reqs[i].all_ids for i in active]
-            tokens = self._catch_up(states, ids)
+            totals = [reqs[i].num_ids for i in active]
+            tokens = self._catch_up([reqs[i] for i in active], states)
         except (OutOfKVCacheError, OutOfRequestSlotsError) as err:
             logger.info("draft model: %s; no drafts this step", err)
             return drafts
-        for i, state, n, token in zip(active, states, ids, tokens, strict=True):
+        for i, state, total, token in zip(active, states, totals, tokens, strict=True):
             drafts[i].append(token)
-            state.proposed_from, state.fed_drafts = len(n), 0
+            state.proposed_from, state.fed_drafts = total, 0
         step = 1
         while True:
             going = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i]]
@@ -105,12 +105,13 @@ class DraftModelDrafter(Drafter):
             del state.slots[length:]
 
     @torch.inference_mode()
-    def _catch_up(self, states: list[DraftKV], ids: list[list[int]]) -> list[int]:
+    def _catch_up(self, reqs: list[DraftTarget], states: list[DraftKV]) -> list[int]:
         """Feed each request's unseen tokens (at least its last one); its next token."""
         new = []
-        for state, all_ids in zip(states, ids, strict=True):
-            self._truncate(state, len(all_ids) - 1)  # its last token is always fed again
-            new.append(all_ids[len(state.slots) :])
+        for req, state in zip(reqs, states, strict=True):
+            total = req.num_ids
+            self._truncate(state, total - 1)  # its last token is always fed again
+            new.append(req.id_slice(len(state.slots), total))
         return self._forward(ForwardMode.EXTEND, states, new)
 
     @torch.inference_mode()

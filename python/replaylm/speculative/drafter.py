@@ -11,13 +11,16 @@ from replaylm.speculative.stats import SpeculationStats
 
 
 class DraftTarget(Protocol):
-    """What a drafter reads of a request (the scheduler's `Req`): its tokens so far, and a slot
-    for the drafter's own state."""
+    """What a drafter reads of a request (the scheduler's `Req`): its tokens so far (prompt
+    and output, read in slices: a whole copy per step would cost the context's length), and a
+    slot for the drafter's own state."""
 
     draft_state: object | None
 
     @property
-    def all_ids(self) -> list[int]: ...
+    def num_ids(self) -> int: ...
+
+    def id_slice(self, start: int, end: int) -> list[int]: ...
 
 
 class Drafter(ABC):
@@ -30,7 +33,7 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, reqs: Sequence[DraftTarget], limits: Sequence[int]) -> list[list[int]]:
-        """Up to `limits[i]` tokens continuing request i's tokens (`all_ids`); fewer, or
+        """Up to `limits[i]` tokens continuing request i's tokens; fewer, or
         none, where it has no guess."""
 
     def accepted(self, reqs: Sequence[DraftTarget], counts: Sequence[int]) -> None:  # noqa: B027

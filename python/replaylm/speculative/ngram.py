@@ -17,12 +17,20 @@ class NgramIndex:
     indexed: int = 0  # n-grams ending before this index are in `ends`
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
 
-    def update(self, ids: Sequence[int], sizes: range) -> None:
-        for end in range(max(self.indexed, 1), len(ids)):
+    def update(self, req: DraftTarget, sizes: range) -> None:
+        """Index the n-grams ending at the request's tokens not indexed yet (reading only those
+        and the `sizes.stop - 1` before them)."""
+        total = req.num_ids
+        first = max(self.indexed, 1)
+        if first >= total:
+            return
+        offset = max(first - (sizes.stop - 1), 0)
+        ids = req.id_slice(offset, total)
+        for end in range(first, total):
             for n in sizes:
                 if n <= end:
-                    self.ends[tuple(ids[end - n : end])] = end
-        self.indexed = max(self.indexed, len(ids))
+                    self.ends[tuple(ids[end - n - offset : end - offset])] = end
+        self.indexed = total
 
 
 class NgramDrafter(Drafter):
@@ -48,12 +56,13 @@ class NgramDrafter(Drafter):
         if not isinstance(req.draft_state, NgramIndex):
             req.draft_state = NgramIndex()
         index: NgramIndex = req.draft_state
-        ids = req.all_ids
-        index.update(ids, self.sizes)
+        index.update(req, self.sizes)
+        total = req.num_ids
+        tail = req.id_slice(max(total - self.sizes.stop + 1, 0), total)
         for n in reversed(self.sizes):
-            if n > len(ids):
+            if n > len(tail):
                 continue
-            end = index.ends.get(tuple(ids[len(ids) - n :]))
+            end = index.ends.get(tuple(tail[len(tail) - n :]))
             if end is not None:
-                return ids[end : end + limit]
+                return req.id_slice(end, min(end + limit, total))
         return []
