@@ -62,7 +62,8 @@ hit rate (cached over the prompt tokens of the requests that report it; None whe
 and the server's tensor-parallel size where its `/get_server_info` reports one (replaylm's and
 SGLang's do). At the end, one line per run: TP, rate, concurrency, req/s, output tok/s, TTFT p50
 / p99, ITL p50 / p99 and TPOT p50. `--json` writes `{"config", "summary": [one flat dict per
-run], "requests": [...]}`; the config holds every flag, the length distribution's included.
+run]}`; the config holds every flag, the length distribution's included. `--json-requests`
+adds `"requests"`: one record per request (timings, lengths, errors).
 """
 
 from __future__ import annotations
@@ -701,6 +702,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--json-requests",
+        action="store_true",
+        help="with --json: add one record per request (a large file)",
+    )
     args = parser.parse_args(argv)
     args.random_max_input_len = args.random_max_input_len or 8 * args.random_input_len
     args.random_max_output_len = args.random_max_output_len or 8 * args.random_output_len
@@ -760,7 +766,10 @@ def main(argv: list[str] | None = None) -> None:
             "json_schema": schema,
             "request_rate": [str(r) for r in args.request_rate],
         }
-        write_json(args.json, {"config": config, "summary": summary, "requests": requests})
+        record = {"config": config, "summary": summary}
+        if args.json_requests:
+            record["requests"] = requests
+        write_json(args.json, record)
 
 
 if __name__ == "__main__":

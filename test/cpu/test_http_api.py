@@ -326,6 +326,7 @@ def test_bench_serving_runs_against_the_server(http_server, tmp_path):
         "--max-concurrency",
         "1",
         "3",
+        "--json-requests",
     )
     assert [row["max_concurrency"] for row in doc["summary"]] == [1, 3]
     for row in doc["summary"]:
@@ -346,9 +347,11 @@ def test_bench_serving_prefix_workloads(http_server, tmp_path):
     each answer (its ids streamed by /generate) and a new user message, turn by turn."""
     sizes = ["--random-output-len", "3", "--prefix-len", "12", "--suffix-len", "3"]
     sizes += ["--turns", "3", "--user-len", "4", "--num-prompts", "2"]
-    shared = run_bench_serving(
+    shared_doc = run_bench_serving(
         http_server.base_url, tmp_path / "shared.json", *sizes, "--workload", "shared_prefix"
-    )["summary"][0]
+    )
+    assert "requests" not in shared_doc  # per-request records only with --json-requests
+    shared = shared_doc["summary"][0]
     assert shared["workload"] == "shared_prefix" and shared["completed"] == 2
     assert shared["total_input_tokens"] == 2 * (12 + 3) and shared["total_output_tokens"] == 6
     assert 0 <= shared["total_cached_tokens"] <= shared["total_input_tokens"]
@@ -361,6 +364,7 @@ def test_bench_serving_prefix_workloads(http_server, tmp_path):
         "multi_turn",
         "--endpoint",
         "generate",
+        "--json-requests",
     )
     (row,) = doc["summary"]
     assert row["completed"] == row["num_prompts"] == 2 * 3 and row["failed"] == 0
