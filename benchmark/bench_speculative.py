@@ -279,8 +279,14 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_req = args.context + args.output_len + max(args.verify_tokens) + args.steps + 8
     for model in args.models:
         path = model if Path(model).exists() else str(config_path(model))
-        name = Path(model).stem
-        runner = build_runner(path, args.device, max(args.bs), tokens_per_req)
+        name = model.removesuffix(".json") if Path(model).exists() else model
+        # the verify phase's graphs: rows up to the largest batch x the most tokens verified
+        spec = {
+            "speculative_algorithm": "ngram",
+            "speculative_num_steps": max(args.verify_tokens + [args.steps + 1]) - 1,
+            "speculative_max_bs": max(args.bs),
+        }
+        runner = build_runner(path, args.device, max(args.bs), tokens_per_req, spec)
         rows += step_rows(runner, name, args.bs, args.verify_tokens, args.context)
         rows += replay_rows(runner, name, args.bs, args)
         runner.free_cuda_graphs()

@@ -29,7 +29,7 @@ class ModeTraits:
 
 MODE_TRAITS: dict[str, ModeTraits] = {
     "full": ModeTraits(
-        ("decode", "draft"),
+        ("decode", "verify", "draft"),
         needs_attention_graph_hooks=True,
         debug_eager=False,
         summary="the whole step in one graph",

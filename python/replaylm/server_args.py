@@ -569,12 +569,6 @@ class ServerArgs:
             raise ValueError(
                 "--speculative-algorithm draft_model and --speculative-draft-model-path go together"
             )
-        if self.deterministic and self.speculative_algorithm is not None:
-            raise ValueError(
-                "--deterministic does not cover --speculative-algorithm yet: a verify step sums "
-                "attention as prefill does, not as decode does, so outputs would depend on which "
-                "drafts were accepted"
-            )
         if self.speculative_algorithm is None and (steps or tokens or self.speculative_max_bs):
             raise ValueError(
                 "--speculative-num-steps, --speculative-num-draft-tokens and "

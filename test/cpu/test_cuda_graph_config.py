@@ -336,7 +336,9 @@ def test_the_flags_help_comes_from_the_traits_table():
         "breakable (a chain of graphs with attention run eagerly between them), tc_piecewise "
         "(torch.compile pieces split at attention, each captured), disabled (eager)"
     )
-    assert modes_help().startswith("full (decode/draft only: the whole step in one graph), break")
+    assert modes_help().startswith(
+        "full (decode/verify/draft only: the whole step in one graph), breakable"
+    )
     flags = {f.name: f.metadata["help"] for f in dataclasses.fields(ServerArgs)}
     assert modes_help("decode") in flags["decode_cuda_graph_mode"]
     assert modes_help("prefill") in flags["prefill_cuda_graph_mode"]
@@ -570,12 +572,11 @@ def test_verify_is_off_without_speculation_and_says_so_when_set():
     assert any("only speculative decoding runs" in w for w in cfg.warnings)
 
 
-def test_verify_follows_decode_where_it_can_else_breakable():
-    cfg = resolve(speculative_algorithm="ngram")  # decode full: cannot serve verify yet
-    assert cfg.verify.mode == "breakable" and cfg.verify.source == "default"
-    assert any("verify CUDA graph: breakable" in n for n in cfg.notes)
-    # token buckets: each decode batch size times the 3 drafts plus the request's last token
-    assert cfg.verify.shapes == tuple(4 * bs for bs in default_decode_batch_sizes(512))
+def test_verify_follows_decode():
+    cfg = resolve(speculative_algorithm="ngram")
+    assert cfg.verify.mode == "full" and cfg.verify.source == "default"
+    # row buckets spaced as decode batch sizes, at most as many rows as the largest decode graph
+    assert cfg.verify.shapes == default_decode_batch_sizes(512)
     cfg = resolve(
         speculative_algorithm="ngram",
         speculative_num_steps=5,
@@ -583,7 +584,7 @@ def test_verify_follows_decode_where_it_can_else_breakable():
         cuda_graph_mode=json.dumps({"decode": "tc_piecewise", "prefill": "breakable"}),
     )
     assert cfg.verify.mode == "tc_piecewise"
-    assert cfg.verify.shapes == (6, 12, 24, 48, 96)
+    assert cfg.verify.shapes == default_decode_batch_sizes(96)  # 16 requests x (5 + 1) rows
     assert json.loads(cfg.summary())["verify"] == "tc_piecewise"
     cfg = resolve(speculative_algorithm="ngram", decode_disable_cuda_graph=True)
     assert cfg.verify.mode == "disabled"
@@ -591,9 +592,13 @@ def test_verify_follows_decode_where_it_can_else_breakable():
     assert cfg.verify.mode == "disabled"
 
 
-def test_verify_modes_it_cannot_take_are_refused_by_name():
-    with pytest.raises(CudaGraphConfigError, match="verify mode 'full' is not supported yet"):
-        resolve(speculative_algorithm="ngram", verify_cuda_graph_mode="full")
+def test_verify_takes_any_mode_and_its_own_flags():
+    cfg = resolve(
+        speculative_algorithm="ngram",
+        verify_cuda_graph_mode="full",
+        cuda_graph_mode=json.dumps({"decode": "breakable", "prefill": "breakable"}),
+    )
+    assert (cfg.verify.mode, cfg.verify.source) == ("full", "--verify-cuda-graph-mode")
     cfg = resolve(speculative_algorithm="ngram", verify_disable_cuda_graph=True)
     assert cfg.verify.mode == "disabled" and cfg.verify.source == "--verify-disable-cuda-graph"
 

@@ -67,10 +67,10 @@ def test_debug_graph_path_generates_what_eager_generates(checkpoint, mode):
 
 @pytest.mark.parametrize("mode", debug_eager_modes())
 def test_verify_graph_path_generates_what_eager_generates(checkpoint, mode):
-    """Speculative decoding's verify steps through the verify phase's graph runner (token
-    buckets of batch size x 4 tokens) and the draft model's steps through its decode graphs:
-    the same tokens as plain eager decoding; the prefill runner never takes a verify batch, nor
-    the verify runner an EXTEND one."""
+    """Speculative decoding's verify steps through the verify phase's graph runner (decode rows,
+    up to 8 requests x 4 tokens) and the draft model's steps through its decode graphs: the
+    same tokens as plain eager decoding; the decode and prefill runners never take a verify
+    batch, nor the verify runner a DECODE or EXTEND one."""
     want, _ = _generate(checkpoint)
     got, engine = _generate(
         checkpoint,
@@ -87,11 +87,15 @@ def test_verify_graph_path_generates_what_eager_generates(checkpoint, mode):
     stats = engine.runner.forward_stats.phases
     assert stats["verify"].graph > 0 and stats["verify"].eager == 0
     assert engine.scheduler.speculation.stats.accepted > 0
-    verify, prefill = (engine.runner.graph_runners[p] for p in ("verify", "prefill"))
-    assert verify.shapes == (4, 8, 16, 32)  # 1, 2, 4, 8 requests x (3 drafts + 1)
-    assert verify.inputs_for(ForwardMode.TARGET_VERIFY, 6, 21) is verify.inputs[32]
-    assert verify.inputs_for(ForwardMode.EXTEND, 6, 21) is None
-    assert prefill.inputs_for(ForwardMode.TARGET_VERIFY, 6, 21) is None
+    verify, decode, prefill = (
+        engine.runner.graph_runners[p] for p in ("verify", "decode", "prefill")
+    )
+    assert verify.shapes == (1, 2, 4, 8, 16, 24, 32)  # rows: 8 requests x (3 drafts + 1)
+    assert verify.inputs_for(ForwardMode.TARGET_VERIFY, 21, 21) is verify.inputs[24]
+    for other in (ForwardMode.EXTEND, ForwardMode.DECODE):
+        assert verify.inputs_for(other, 21, 21) is None
+    assert decode.inputs_for(ForwardMode.TARGET_VERIFY, 21, 21) is None
+    assert prefill.inputs_for(ForwardMode.TARGET_VERIFY, 21, 21) is None
     # the draft model's decode steps: its own runner's graphs, in the draft phase's mode
     draft = engine.draft_runner
     assert draft.cuda_graph_stats()["decode"]["mode"] == mode

@@ -113,10 +113,6 @@ def test_stats_count_positions_and_accept_lengths():
         ),
         ({"speculative_algorithm": "eagle9"}, "--speculative-algorithm must be one of"),
         ({"speculative_algorithm": "draft_model"}, "go together"),
-        (
-            {"speculative_algorithm": "ngram", "deterministic": True},
-            "--deterministic does not cover --speculative-algorithm yet",
-        ),
         ({"speculative_draft_model_path": "x"}, "go together"),
     ],
 )

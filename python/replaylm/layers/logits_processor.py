@@ -34,7 +34,7 @@ class LogitsProcessor(MatmulLayer):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         mode = batch.forward_mode
-        if not mode.is_decode() and not mode.is_verify():
+        if not mode.is_decode_shaped():
             last = batch.extend_start_loc + batch.extend_seq_lens - 1
             hidden = hidden[last]
         return self.project(hidden, lm_head_weight, out)

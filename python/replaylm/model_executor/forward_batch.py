@@ -35,8 +35,11 @@ if TYPE_CHECKING:
 class ForwardMode(Enum):
     """EXTEND: prefill or chunked prefill (new tokens after a cached prefix, possibly empty).
     DECODE: one new token per request. TARGET_VERIFY: speculative decoding's check of each
-    request's draft tokens: its last token and drafts after its cached prefix, attention causal
-    as in EXTEND, with logits at every token. IDLE: no tokens (keeps the step loop uniform)."""
+    request's draft tokens (its last token and drafts after its cached prefix), laid out as
+    decode rows: one row per token over its request's table row, its KV length ending at that
+    token, so each row attends causally over prefix and earlier drafts through the decode
+    kernels, and the decode graphs of every mode replay it. IDLE: no tokens (keeps the step
+    loop uniform)."""
 
     EXTEND = auto()
     DECODE = auto()
@@ -51,6 +54,10 @@ class ForwardMode(Enum):
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
+
+    def is_decode_shaped(self) -> bool:
+        """One new token per row, attended by the decode kernels (DECODE and TARGET_VERIFY)."""
+        return self is ForwardMode.DECODE or self is ForwardMode.TARGET_VERIFY
 
 
 @dataclass

@@ -85,19 +85,26 @@ def prepare_decode(reqs: list[Req], runner: ModelRunner) -> ForwardBatch:
 
 def prepare_verify(reqs: list[Req], drafts: list[list[int]], runner: ModelRunner) -> ForwardBatch:
     """A TARGET_VERIFY batch: each request's last token then its draft tokens (perhaps none),
-    after its cached prefix. Every token gets a KV slot; `truncate_kv` gives back the slots of
-    the drafts the target rejects."""
+    after its cached prefix, one decode row per token (ForwardMode.TARGET_VERIFY): the row of
+    the request's i-th token has the request's table row and a prefix of its KV length plus i.
+    Every token gets a KV slot; `truncate_kv` gives back the slots of the drafts the target
+    rejects."""
     table = runner.kv.req_to_token
     new_ids = [[r.last_id, *d] for r, d in zip(reqs, drafts, strict=True)]
     for req, ids in zip(reqs, new_ids, strict=True):
         table.check_fits(req.kv_len + len(ids))
     slots = runner.kv.allocator.alloc(sum(len(ids) for ids in new_ids))
-    prefix_lens = [r.kv_len for r in reqs]
+    rows: list[int] = []
+    prefix_lens: list[int] = []
     start = 0
     for req, ids in zip(reqs, new_ids, strict=True):
+        assert req.req_pool_idx is not None  # a running request has its row
+        rows += [req.req_pool_idx] * len(ids)
+        prefix_lens += range(req.kv_len, req.kv_len + len(ids))
         req.kv_slots += slots[start : start + len(ids)]
         start += len(ids)
-    return _create(ForwardMode.TARGET_VERIFY, reqs, new_ids, prefix_lens, slots, runner)
+    token_rows = [[token] for ids in new_ids for token in ids]
+    return runner.build_batch(ForwardMode.TARGET_VERIFY, token_rows, prefix_lens, rows, slots)
 
 
 def truncate_kv(req: Req, length: int, kv: KVCache) -> None:

@@ -70,7 +70,7 @@ class AttentionBackend(ABC):
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Attend (K/V already stored by `store_kv`): writes `out` `[T, H, D]`, returns it."""
-        if batch.forward_mode.is_decode():
+        if batch.forward_mode.is_decode_shaped():
             return self.forward_decode(q, k, v, layer, batch, out)
         return self.forward_extend(q, k, v, layer, batch, out)
 

@@ -115,7 +115,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
     # ---- eager ------------------------------------------------------------------------------
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.forward_mode.is_decode():
+        if batch.forward_mode.is_decode_shaped():
             wrapper = self._eager_wrapper("decode", batch)
             indptr, indices = self._page_table(batch, batch.batch_size)
             self._plan_decode(wrapper, indptr, indices)
@@ -194,7 +194,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
         """Decode batches only: a wrapper for this batch size over the static buffers, planned
         with the capture batch's lengths."""
-        if not batch.forward_mode.is_decode():
+        if not batch.forward_mode.is_decode_shaped():
             raise ValueError("flashinfer attention captures decode batches only")
         graph = self._graph_buffers(batch)
         bs = batch.batch_size

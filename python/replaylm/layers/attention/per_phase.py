@@ -36,7 +36,7 @@ class PerPhaseAttnBackend(CudaGraphAttentionBackend):
         return self.decode
 
     def _for(self, batch: ForwardBatch) -> AttentionBackend:
-        return self.decode if batch.forward_mode.is_decode() else self.prefill
+        return self.decode if batch.forward_mode.is_decode_shaped() else self.prefill
 
     def init_model(self, layers: Sequence[Attention], dtype: torch.dtype) -> None:
         self.decode.init_model(layers, dtype)

@@ -18,8 +18,8 @@ class PhaseAttentionBackends:
 
     def of_phase(self, phase: str) -> tuple[str, str]:
         """(the flag that chose the phase's backend, the backend): a draft model's decode steps
-        run the decode backend, verify steps the prefill backend's extend attention."""
-        if phase in ("decode", "draft"):
+        and verify steps (decode rows) run the decode backend."""
+        if phase in ("decode", "verify", "draft"):
             return "--attention-backend", self.decode
         return self.prefill_flag, self.prefill
 

@@ -260,19 +260,12 @@ def _pick(phase: str, choices: list[_Choice], parsed: _Parsed) -> _Choice | None
     return winner
 
 
-def _default(phase: str, device: str, decode_mode: str) -> tuple[str, str | None]:
-    """The phase's mode when no flag sets it, and a note on why where it is not plain. Verify
-    and draft follow decode where decode's mode can serve them, else run breakable graphs."""
+def _default(phase: str, device: str, decode_mode: str) -> str:
+    """The phase's mode when no flag sets it. Verify and draft follow decode (every mode that
+    serves decode serves them)."""
     if device not in GRAPH_DEVICES:
-        return "disabled", None
-    if phase in DEFAULTS_CUDA:
-        return DEFAULTS_CUDA[phase], None
-    if decode_mode == "disabled" or phase in MODE_TRAITS[decode_mode].phases:
-        return decode_mode, None
-    return "breakable", (
-        f"{phase} CUDA graph: breakable (decode's {decode_mode} graphs cannot serve {phase} "
-        "steps yet)"
-    )
+        return "disabled"
+    return DEFAULTS_CUDA.get(phase, decode_mode)
 
 
 # ---- stage 3: compatibility rules ----------------------------------------------------------
@@ -424,15 +417,19 @@ def _unused_phase(phase: str, args: GraphArgs) -> str | None:
 
 
 def _verify_shapes(args: GraphArgs) -> tuple[int, ...]:
-    """Token buckets of verify steps: each decode batch size (up to `--speculative-max-bs`)
-    times the tokens a request verifies (its last token and its drafts)."""
+    """Row counts of verify steps (a row per verified token), spaced as decode batch sizes: a
+    request verifies its last token and up to k drafts, and many propose fewer. Up to the
+    largest batch that speculates times k + 1 (`--speculative-max-bs`; without it, at most as
+    many rows as the largest decode graph has)."""
     limit = min(
         args.decode_cuda_graph_max_bs or DEFAULT_DECODE_MAX_BS,
         args.max_running_requests or DEFAULT_DECODE_MAX_BS,
         args.speculative_max_bs or DEFAULT_DECODE_MAX_BS,
     )
-    per_request = args.speculative_steps + 1
-    return tuple(bs * per_request for bs in default_decode_batch_sizes(limit))
+    rows = limit * (args.speculative_steps + 1)
+    if args.speculative_max_bs is None:
+        rows = min(rows, DEFAULT_DECODE_MAX_BS)
+    return default_decode_batch_sizes(rows)
 
 
 def _validate_mode(phase: str, mode: str, flag: str | None) -> None:
@@ -466,11 +463,9 @@ def resolve_cuda_graph_config(
                 )
             phases[phase] = PhaseConfig("disabled", f"no {unused}")
             continue
-        default, why = _default(phase, device, phases["decode"].mode if phases else "disabled")
+        default = _default(phase, device, phases["decode"].mode if phases else "disabled")
         mode = choice.mode if choice else default
         source = choice.flag if choice else "default"
-        if choice is None and why is not None:
-            notes.append(why)
         explicit = choice.flag if choice and choice.mode != "disabled" else None
         _validate_mode(phase, mode, explicit)
         flag, backend = backends.of_phase(phase)

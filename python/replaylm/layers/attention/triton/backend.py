@@ -110,7 +110,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
     # ---- eager ------------------------------------------------------------------------------
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.forward_mode.is_decode():
+        if batch.forward_mode.is_decode_shaped():
             self._meta = self._decode_metadata(batch, batch.batch_size)
             return
         d = batch.num_decode
@@ -250,7 +250,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
         """Decode batches only: point the kernels at the batch's own tensors, with the number of
         KV splits fixed for this batch size."""
         graph = self._graph_state()
-        if not batch.forward_mode.is_decode():
+        if not batch.forward_mode.is_decode_shaped():
             raise ValueError("triton attention captures decode batches only")
         if graph.arrivals is None:
             graph.arrivals = torch.zeros(
