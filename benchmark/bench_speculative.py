@@ -1,26 +1,38 @@
-"""Speculative decoding: what a verify step costs, and output tokens per second end to end.
+"""Speculative decoding: what verify and draft steps cost, and output tokens per second end
+to end.
 
-    python benchmark/bench_speculative.py [--models llama-3.1-8b qwen3-0.6b] [--bs 1 8 32 64]
-        [--verify-tokens 2 4 8] [--steps 3] [--corrupt 0 0.25] [--output-len 128]
-        [--context 512] [--ngram-model-path GGUF] [--device cuda] [--json out.json]
+    python benchmark/bench_speculative.py [--models llama-3.1-8b qwen3-0.6b] [--bs 1 8 16 32 64]
+        [--verify-tokens 2 4 8] [--steps 3] [--corrupt 0 0.2 0.5] [--output-len 128]
+        [--context 512] [--draft-model llama-3.2-1b] [--ngram-model-path GGUF]
+        [--ngram-steps 3 5 7] [--device cuda] [--json out.json]
 
 Per model (a `benchmark/configs/` config, dummy weights, default CUDA-graph modes):
 
 - *step*: one decode step of `bs` requests over `--context` cached tokens against one verify
-  step of k+1 = each `--verify-tokens` tokens per request (ForwardMode.TARGET_VERIFY), the
-  forward alone, milliseconds by CUDA events;
+  step of each `--verify-tokens` tokens per request (ForwardMode.TARGET_VERIFY), the forward
+  alone, milliseconds by CUDA events;
 - *replay*: `bs` requests of `--context` random prompt tokens, greedy, `--output-len` tokens
   each, through the Scheduler: plain decoding, then speculation with a replay drafter, which
-  proposes the tokens plain decoding produced for the request at that position (acceptance as
-  high as the target allows: the machinery's upper bound), each proposed token replaced by
-  another with probability `--corrupt` (a set acceptance). Output tokens per second over the
+  proposes the tokens plain decoding produced for the request at that position, each replaced
+  by another with probability `--corrupt` (a set acceptance). The dummy model is made a copying
+  model first (`make_copying`): random weights leave the top logits of a step near-tied, so any
+  rounding difference between a decode and a verify step would change the text, while a
+  copying model's next token wins by a wide margin and the replayed tokens are always the
+  target's: acceptance is as high as the machinery allows. Output tokens per second over the
   whole run (prefill included), the speed-up over plain, tokens per verify step, and whether
   the outputs equal plain decoding's.
 
+With `--draft-model` (a config, dummy weights) and the first of `--models` as its target:
+
+- *draft_step*: the draft model's decode step against the target's, per batch size;
+- *draft_model*: `--speculative-algorithm draft_model` end to end through the Engine, both
+  models copying ones (the draft proposes the target's own tokens), against the plain Engine.
+
 `--ngram-model-path`: also the n-gram drafter end to end on that model (the built-in SmolLM2's
 GGUF) with a quoting workload (chat prompts asking to repeat a gsm8k question word for word),
-greedy, `--output-len` tokens at most, plain and with `--speculative-algorithm ngram`, through
-the Engine. `--models` with no name skips the dummy models.
+greedy, `--output-len` tokens at most, plain and with `--speculative-algorithm ngram` at each
+of `--ngram-steps` drafts per verify step, through the Engine. `--models` with no name skips
+the dummy models.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from replaylm.entrypoints.engine import Engine
 from replaylm.eval.data import default_data_dir, read_jsonl
 from replaylm.model_executor.forward_batch import ForwardBatch
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.models.llama import LlamaForCausalLM
 from replaylm.runtime.batch_ops import prepare_verify, truncate_kv
 from replaylm.runtime.request import Req
 from replaylm.runtime.scheduler import Scheduler
@@ -77,6 +90,20 @@ class ReplayDrafter(Drafter):
         if self.rng.random() >= self.corrupt:
             return token
         return (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+
+
+COPYING_EMBED_STD = 50.0  # against layers' outputs of a few units: the token's own row wins
+
+
+@torch.no_grad()
+def make_copying(model: LlamaForCausalLM) -> None:
+    """Make a dummy-weight model copy its input: embedding rows scaled far above what the
+    layers add to the residual stream, and the LM head those rows, so each position's top logit
+    is its own token by a wide margin. The shapes, and so the kernels and their costs, stay."""
+    embed = model.model.embed_tokens.weight
+    embed.mul_(COPYING_EMBED_STD / embed.float().std().item())
+    if model.lm_head is not None:
+        model.lm_head.weight.copy_(embed)
 
 
 def _sync(device: torch.device) -> None:
@@ -205,50 +232,43 @@ def replay_rows(
 QUOTE_PROMPT = "Repeat the following text exactly, word for word.\n\n{question}"
 
 
-def ngram_rows(model_path: str, bs_list: list[int], args: argparse.Namespace) -> list[dict]:
-    """Plain against `--speculative-algorithm ngram` on the quoting workload, per batch size."""
-    questions = [r["question"] for r in read_jsonl(str(default_data_dir() / "gsm8k/test.jsonl"))]
-    common = {
-        "device": args.device,
-        "max_running_requests": max(bs_list),
-        "max_total_tokens": max(bs_list) * (args.output_len + 512),
-    }
-    params = {"max_new_tokens": args.output_len, "temperature": 0.0}
-    outputs: dict[str, dict[int, tuple[float, list[list[int]], float]]] = {}
-    for name, extra in (
-        ("plain", {}),
-        ("ngram", {"speculative_algorithm": "ngram", "speculative_num_steps": args.steps}),
-    ):
-        engine = Engine(model_path, **common, **extra)
-        chats = [
-            engine.encode_chat([{"role": "user", "content": QUOTE_PROMPT.format(question=q)}])
-            for q in questions[: max(bs_list)]
-        ]
-        engine.generate(input_ids=chats[0], sampling_params={**params, "max_new_tokens": 4})
-        outputs[name] = {}
-        for bs in bs_list:
-            _sync(engine.runner.device)
-            start = time.perf_counter()
-            out = engine.generate(input_ids=chats[:bs], sampling_params=params)
-            _sync(engine.runner.device)
-            seconds = time.perf_counter() - start
-            tokens = sum(len(o["output_ids"]) for o in out)
-            verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in out)
-            accepted = sum(o["meta_info"].get("spec_accepted_drafts", 0) for o in out)
-            per_verify = (verify + accepted) / verify if verify else 1.0
-            outputs[name][bs] = (tokens / seconds, [o["output_ids"] for o in out], per_verify)
-        engine.shutdown()
-        release_memory()
-    rows = []
+def _engine_runs(
+    engine: Engine, prompts: list[list[int]], bs_list: list[int], params: dict[str, Any]
+) -> dict[int, tuple[float, list[list[int]], float]]:
+    """Per batch size: output tok/s of the first `bs` prompts, their outputs, and tokens per
+    verify step (1.0 without speculation)."""
+    engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 4})
+    runs = {}
     for bs in bs_list:
-        plain_tok_s, plain_ids, _ = outputs["plain"][bs]
-        tok_s, ids, per_verify = outputs["ngram"][bs]
+        _sync(engine.runner.device)
+        start = time.perf_counter()
+        out = engine.generate(input_ids=prompts[:bs], sampling_params=params)
+        _sync(engine.runner.device)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o["output_ids"]) for o in out)
+        verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in out)
+        accepted = sum(o["meta_info"].get("spec_accepted_drafts", 0) for o in out)
+        per_verify = (verify + accepted) / verify if verify else 1.0
+        runs[bs] = (tokens / seconds, [o["output_ids"] for o in out], per_verify)
+    return runs
+
+
+def _compare_rows(
+    part: str,
+    model: str,
+    plain: dict[int, tuple[float, list[list[int]], float]],
+    spec: dict[int, tuple[float, list[list[int]], float]],
+    steps: int,
+) -> list[dict[str, Any]]:
+    rows = []
+    for bs, (plain_tok_s, plain_ids, _) in plain.items():
+        tok_s, ids, per_verify = spec[bs]
         rows.append(
             {
-                "part": "ngram",
-                "model": Path(model_path).stem,
+                "part": part,
+                "model": model,
                 "bs": bs,
-                "steps": args.steps,
+                "steps": steps,
                 "output_tok_s": round(tok_s, 1),
                 "plain_output_tok_s": round(plain_tok_s, 1),
                 "speedup": round(tok_s / plain_tok_s, 3),
@@ -260,26 +280,137 @@ def ngram_rows(model_path: str, bs_list: list[int], args: argparse.Namespace) ->
     return rows
 
 
+def ngram_rows(model_path: str, bs_list: list[int], args: argparse.Namespace) -> list[dict]:
+    """Plain against `--speculative-algorithm ngram` on the quoting workload, per batch size,
+    at each of `--ngram-steps` drafts per verify step."""
+    questions = [r["question"] for r in read_jsonl(str(default_data_dir() / "gsm8k/test.jsonl"))]
+    common = {
+        "device": args.device,
+        "max_running_requests": max(bs_list),
+        "max_total_tokens": max(bs_list) * (args.output_len + 512),
+    }
+    params = {"max_new_tokens": args.output_len, "temperature": 0.0}
+    runs = []
+    for extra in ({}, *(_spec_flags("ngram", args, k) for k in args.ngram_steps)):
+        engine = Engine(model_path, **common, **extra)
+        chats = [
+            engine.encode_chat([{"role": "user", "content": QUOTE_PROMPT.format(question=q)}])
+            for q in questions[: max(bs_list)]
+        ]
+        runs.append(_engine_runs(engine, chats, bs_list, params))
+        engine.shutdown()
+        release_memory()
+    name = Path(model_path).name.split(".")[0]
+    plain = runs[0]
+    return [
+        row
+        for k, spec in zip(args.ngram_steps, runs[1:], strict=True)
+        for row in _compare_rows("ngram", name, plain, spec, k)
+    ]
+
+
+def _model_path(model: str) -> str:
+    """A config's name (`benchmark/configs/`), or a path as it is."""
+    return model if Path(model).exists() else str(config_path(model))
+
+
+def _model_name(model: str) -> str:
+    return Path(model).name.removesuffix(".json")
+
+
+def _spec_flags(
+    algorithm: str, args: argparse.Namespace, steps: int | None = None
+) -> dict[str, Any]:
+    return {
+        "speculative_algorithm": algorithm,
+        "speculative_num_steps": steps or args.steps,
+        "speculative_max_bs": max(args.bs),
+    }
+
+
+def draft_step_rows(target: str, draft: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The draft model's decode step against the target's, per batch size."""
+    tokens_per_req = args.context + 8
+    decode_ms = {}
+    for model in (target, draft):
+        runner = build_runner(_model_path(model), args.device, max(args.bs), tokens_per_req)
+        for bs in args.bs:
+            reqs, batch = decode_batch(runner, bs, args.context)
+            decode_ms[model, bs] = _forward_ms(runner, batch)
+            for req in reqs:
+                truncate_kv(req, 0, runner.kv)
+                runner.kv.req_to_token.free(req.req_pool_idx)
+        runner.free_cuda_graphs()
+        del runner
+        release_memory()
+    rows = []
+    for bs in args.bs:
+        ms, target_ms = decode_ms[draft, bs], decode_ms[target, bs]
+        rows.append(
+            {
+                "part": "draft_step",
+                "model": _model_name(draft),
+                "target": _model_name(target),
+                "bs": bs,
+                "ms": round(ms, 4),
+                "target_ms": round(target_ms, 4),
+                "vs_target_decode": round(ms / target_ms, 3),
+            }
+        )
+        print(rows[-1])
+    return rows
+
+
+def draft_model_rows(target: str, draft: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Plain against `--speculative-algorithm draft_model` (copying target and draft), per
+    batch size, through the Engine."""
+    common = {
+        "load_format": "dummy",
+        "device": args.device,
+        "max_running_requests": max(args.bs),
+        "max_total_tokens": max(args.bs) * (args.context + args.output_len + 2 * args.steps + 8),
+    }
+    params = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
+    draft_flags = {
+        **_spec_flags("draft_model", args),
+        "speculative_draft_model_path": _model_path(draft),
+    }
+    runs = []
+    for extra in ({}, draft_flags):
+        engine = Engine(_model_path(target), **common, **extra)
+        for runner in (engine.runner, engine.draft_runner):
+            if runner is not None:
+                make_copying(runner.model)
+        rng, vocab = random.Random(0), engine.runner.config.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(max(args.bs))]
+        runs.append(_engine_runs(engine, prompts, args.bs, params))
+        engine.shutdown()
+        release_memory()
+    name = f"{_model_name(target)} + {_model_name(draft)}"
+    return _compare_rows("draft_model", name, *runs, args.steps)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="*", default=["llama-3.1-8b", "qwen3-0.6b"])
-    parser.add_argument("--bs", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--bs", nargs="+", type=int, default=[1, 8, 16, 32, 64])
     parser.add_argument("--verify-tokens", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=3, help="draft tokens per verify step")
-    parser.add_argument("--corrupt", nargs="+", type=float, default=[0.0, 0.25])
+    parser.add_argument("--corrupt", nargs="+", type=float, default=[0.0, 0.2, 0.5])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--draft-model", default="llama-3.2-1b", help="a config; '' skips")
     parser.add_argument("--ngram-model-path", default=None)
+    parser.add_argument("--ngram-steps", nargs="+", type=int, default=[3, 5, 7])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
     tokens_per_req = args.context + args.output_len + max(args.verify_tokens) + args.steps + 8
     for model in args.models:
-        path = model if Path(model).exists() else str(config_path(model))
-        name = model.removesuffix(".json") if Path(model).exists() else model
+        path, name = _model_path(model), _model_name(model)
         # the verify phase's graphs: rows up to the largest batch x the most tokens verified
         spec = {
             "speculative_algorithm": "ngram",
@@ -288,10 +419,14 @@ def main(argv: list[str] | None = None) -> None:
         }
         runner = build_runner(path, args.device, max(args.bs), tokens_per_req, spec)
         rows += step_rows(runner, name, args.bs, args.verify_tokens, args.context)
+        make_copying(runner.model)
         rows += replay_rows(runner, name, args.bs, args)
         runner.free_cuda_graphs()
         del runner
         release_memory()
+    if args.models and args.draft_model:
+        rows += draft_step_rows(args.models[0], args.draft_model, args)
+        rows += draft_model_rows(args.models[0], args.draft_model, args)
     if args.ngram_model_path:
         rows += ngram_rows(args.ngram_model_path, args.bs, args)
     for row in rows:

@@ -1,10 +1,13 @@
 """benchmark/bench_speculative.py in-process on the CPU with a tiny checkpoint: step rows for
-decode and each verify size, replay rows whose uncorrupted drafts are all accepted and whose
-outputs equal plain decoding's, a corrupted replay accepting fewer, and every KV slot back."""
+decode and each verify size; replay rows (over the copying model) whose uncorrupted drafts are
+all accepted and whose outputs equal plain decoding's, a corrupted replay accepting fewer; the
+checkpoint as its own draft model, every draft accepted."""
 
 from __future__ import annotations
 
 import json
+
+from replaylm.model_loader.builtin_models import resolve_model_path
 
 from script_import import import_script
 from tiny_checkpoints import write_tiny_checkpoint
@@ -33,6 +36,8 @@ def test_speculative_bench_times_steps_and_replays(tmp_path):
             "12",
             "--context",
             "16",
+            "--draft-model",
+            str(tmp_path / "ckpt"),
             "--json",
             str(out),
         ]
@@ -50,3 +55,25 @@ def test_speculative_bench_times_steps_and_replays(tmp_path):
         assert replay[bs, 0.5]["draft_acceptance"] < 0.8
         assert replay[bs, 0.5]["tokens_per_verify"] < replay[bs, 0.0]["tokens_per_verify"]
         assert replay[bs, 0.0]["output_tok_s"] > 0 and replay[bs, 0.0]["speedup"] > 0
+    (draft_step,) = [r for r in rows if r["part"] == "draft_step" and r["bs"] == 3]
+    assert draft_step["model"] == draft_step["target"] == "ckpt" and draft_step["ms"] > 0
+    draft = {r["bs"]: r for r in rows if r["part"] == "draft_model"}
+    assert set(draft) == {1, 3}
+    for row in draft.values():
+        assert row["identical"] and row["tokens_per_verify"] > 3.5
+
+
+def test_speculative_bench_runs_the_ngram_drafter_on_smollm2(tmp_path):
+    bench = import_script("benchmark/bench_speculative.py")
+    out = tmp_path / "speculative.json"
+    bench.main(
+        ["--models", "--draft-model", "", "--ngram-model-path"]
+        + [resolve_model_path("smollm2-135m-instruct")]
+        + ["--device", "cpu", "--bs", "2", "--ngram-steps", "2", "4", "--output-len", "24"]
+        + ["--json", str(out)]
+    )
+    rows = json.loads(out.read_text())["summary"]
+    assert [(r["part"], r["bs"], r["steps"]) for r in rows] == [("ngram", 2, 2), ("ngram", 2, 4)]
+    for row in rows:
+        assert row["model"] == "SmolLM2-135M-Instruct" and row["identical"]
+        assert row["tokens_per_verify"] >= 1.0 and row["output_tok_s"] > 0
