@@ -183,16 +183,19 @@ def offline_table(sources: list[Source]) -> Table:
 # ---- bench_speculative ---------------------------------------------------------------------------
 
 
+SPECULATIVE_DRAFTERS = {"ngram": "ngram", "draft_model": "draft model"}
+
+
 def speculative_table(sources: list[Source]) -> Table:
     """Per drafter run (model, drafter, batch size): plain and speculative output tok/s, the
     speed-up, tokens per verify step, drafts accepted, whether the outputs equal plain ones; the
-    verify steps' cost against a decode step in the note."""
+    verify and draft steps' costs against a decode step in the note."""
     rows = rows_of(sources)
     table = []
     for r in rows:
-        if r["part"] == "step":
+        if r["part"] in ("step", "draft_step"):
             continue
-        drafter = "ngram" if r["part"] == "ngram" else f"replay, {pct(r['corrupt'])} corrupted"
+        drafter = SPECULATIVE_DRAFTERS.get(r["part"]) or f"replay, {pct(r['corrupt'])} corrupted"
         table.append(
             [r["model"], drafter, str(r["bs"]), str(r["steps"])]
             + [num(r["plain_output_tok_s"], 0), num(r["output_tok_s"], 0), ratio(r["speedup"])]
@@ -204,15 +207,28 @@ def speculative_table(sources: list[Source]) -> Table:
         if r["part"] == "step" and r["tokens_per_request"] > 1:
             key = (r["model"], r["bs"])
             steps.setdefault(key, []).append(f"{r['tokens_per_request']}: {ratio(r['vs_decode'])}")
-    note = "Verify step / decode step, by tokens per request: " + "; ".join(
-        f"{model} bs {bs}: {', '.join(parts)}" for (model, bs), parts in steps.items()
-    )
+    notes = []
+    if steps:
+        notes.append(
+            "Verify step / decode step, by tokens per request: "
+            + "; ".join(
+                f"{model} bs {bs}: {', '.join(parts)}" for (model, bs), parts in steps.items()
+            )
+            + "."
+        )
+    drafts = [r for r in rows if r["part"] == "draft_step"]
+    if drafts:
+        notes.append(
+            f"Draft step / target decode step ({drafts[0]['model']} for {drafts[0]['target']}): "
+            + ", ".join(f"bs {r['bs']} {ratio(r['vs_target_decode'])}" for r in drafts)
+            + "."
+        )
     return Table(
         ["model", "drafter", "bs", "drafts", "plain tok/s", "speculative tok/s", "speed-up"]
         + ["tokens / verify", "drafts accepted", "equals plain"],
         table,
         labels=2,
-        note=note + "." if steps else "",
+        note=" ".join(notes),
     )
 
 

@@ -37,6 +37,9 @@ ATTENTION_BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
 REDACTED = "<set>"
 SPECULATIVE_ALGORITHMS = ("ngram", "draft_model")
 DEFAULT_SPECULATIVE_STEPS = 3
+# speculating pays at up to this many running requests at middling acceptance (benchmarks.md,
+# "Speculative decoding"): past it a verify step's rows outweigh the tokens they win
+DEFAULT_SPECULATIVE_MAX_BS = 32
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
 
 
@@ -294,8 +297,8 @@ class ServerArgs:
         default=None,
         metadata=_opt(
             "The most running requests that speculate: a larger batch decodes plainly (its "
-            "decode step is compute-bound enough that verifying drafts costs more than it "
-            "saves). Default: no limit."
+            "verify step's rows cost more than the drafts they accept win). Default: "
+            f"{DEFAULT_SPECULATIVE_MAX_BS}."
         ),
     )
     disable_radix_cache: bool = field(
@@ -583,6 +586,11 @@ class ServerArgs:
         if self.speculative_num_draft_tokens is not None:
             return self.speculative_num_draft_tokens - 1
         return DEFAULT_SPECULATIVE_STEPS
+
+    @property
+    def speculative_batch_limit(self) -> int:
+        """The most running requests that speculate (the flag, or the default)."""
+        return self.speculative_max_bs or DEFAULT_SPECULATIVE_MAX_BS
 
     def _validate_tensor_parallel(self) -> None:
         for name in ("tp_size", "nnodes"):

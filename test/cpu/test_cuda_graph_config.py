@@ -575,8 +575,8 @@ def test_verify_is_off_without_speculation_and_says_so_when_set():
 def test_verify_follows_decode():
     cfg = resolve(speculative_algorithm="ngram")
     assert cfg.verify.mode == "full" and cfg.verify.source == "default"
-    # row buckets spaced as decode batch sizes, at most as many rows as the largest decode graph
-    assert cfg.verify.shapes == default_decode_batch_sizes(512)
+    # row counts spaced as decode batch sizes, up to the default 32 requests x (3 drafts + 1)
+    assert cfg.verify.shapes == default_decode_batch_sizes(32 * 4)
     cfg = resolve(
         speculative_algorithm="ngram",
         speculative_num_steps=5,

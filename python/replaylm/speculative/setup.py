@@ -33,12 +33,11 @@ def speculation_from_args(args: ServerArgs, draft: ModelRunner | None) -> Specul
         drafter = NgramDrafter(low, high)
         what = f"n-gram windows {low}-{high}"
     logger.info(
-        "speculative decoding: %s (%s), %d draft tokens per request per verify step, %s",
+        "speculative decoding: %s (%s), %d draft tokens per request per verify step, batches "
+        "up to %d",
         drafter.name,
         what,
         args.speculative_steps,
-        f"batches up to {args.speculative_max_bs}"
-        if args.speculative_max_bs is not None
-        else "any batch size",
+        args.speculative_batch_limit,
     )
-    return Speculation(drafter, args.speculative_steps, args.speculative_max_bs)
+    return Speculation(drafter, args.speculative_steps, args.speculative_batch_limit)

@@ -79,10 +79,12 @@ class GraphArgs(Protocol):
     tc_piecewise_kernels: str
     compile_cache_dir: str | None
     speculative_algorithm: str | None  # None: no verify steps, the verify phase is off
-    speculative_max_bs: int | None
 
     @property
     def speculative_steps(self) -> int: ...
+
+    @property
+    def speculative_batch_limit(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -419,17 +421,13 @@ def _unused_phase(phase: str, args: GraphArgs) -> str | None:
 def _verify_shapes(args: GraphArgs) -> tuple[int, ...]:
     """Row counts of verify steps (a row per verified token), spaced as decode batch sizes: a
     request verifies its last token and up to k drafts, and many propose fewer. Up to the
-    largest batch that speculates times k + 1 (`--speculative-max-bs`; without it, at most as
-    many rows as the largest decode graph has)."""
+    largest batch that speculates (`--speculative-max-bs`) times k + 1."""
     limit = min(
         args.decode_cuda_graph_max_bs or DEFAULT_DECODE_MAX_BS,
         args.max_running_requests or DEFAULT_DECODE_MAX_BS,
-        args.speculative_max_bs or DEFAULT_DECODE_MAX_BS,
+        args.speculative_batch_limit,
     )
-    rows = limit * (args.speculative_steps + 1)
-    if args.speculative_max_bs is None:
-        rows = min(rows, DEFAULT_DECODE_MAX_BS)
-    return default_decode_batch_sizes(rows)
+    return default_decode_batch_sizes(limit * (args.speculative_steps + 1))
 
 
 def _validate_mode(phase: str, mode: str, flag: str | None) -> None:
