@@ -69,7 +69,7 @@ def test_write_json_records_the_environment_beside_the_result(tmp_path):
 def test_configs_are_the_models_of_the_docs():
     common = import_script("benchmark/common.py")
     names = sorted(p.stem for p in common.CONFIGS.glob("*.json"))
-    assert names == ["llama-3.1-70b", "llama-3.1-8b", "qwen3-0.6b", "smollm2-135m"]
+    assert names == ["llama-3.1-70b", "llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b", "smollm2-135m"]
     assert common.model_config("qwen3-0.6b")["num_hidden_layers"] == 28
     assert common.model_config("llama-3.1-8b")["hidden_size"] == 4096
     # the built-in model's shapes, as its GGUF gives them (speed work on dummy weights)
@@ -80,6 +80,10 @@ def test_configs_are_the_models_of_the_docs():
               "max_position_embeddings", "tie_word_embeddings", "eos_token_ids")  # fmt: skip
     assert [getattr(small, f) for f in shapes] == [getattr(real, f) for f in shapes]
     assert small.rms_norm_eps == pytest.approx(real.rms_norm_eps)  # the GGUF's is a float32
+    # the draft model of bench_speculative: Llama-3.1-8B's vocabulary, tied embeddings
+    draft = load_model_config(common.config_path("llama-3.2-1b").as_posix())
+    assert (draft.vocab_size, draft.num_hidden_layers, draft.head_dim) == (128256, 16, 64)
+    assert draft.tie_word_embeddings
     big = common.model_config("llama-3.1-70b")
     assert (big["num_hidden_layers"], big["hidden_size"], big["num_key_value_heads"]) == (
         80,
