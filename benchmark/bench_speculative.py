@@ -14,25 +14,27 @@ Per model (a `benchmark/configs/` config, dummy weights, default CUDA-graph mode
 - *replay*: `bs` requests of `--context` random prompt tokens, greedy, `--output-len` tokens
   each, through the Scheduler: plain decoding, then speculation with a replay drafter, which
   proposes the tokens plain decoding produced for the request at that position, each replaced
-  by another with probability `--corrupt` (a set acceptance). The dummy model is made a copying
+  by another with probability `--corrupt` (a set acceptance), output tokens per second of the
+  decode phase (from every request's first token on: the prompts' prefill is the same work
+  either way). The dummy model is made a copying
   model first (`make_copying`): random weights leave the top logits of a step near-tied, so any
   rounding difference between a decode and a verify step would change the text, while a
   copying model's next token wins by a wide margin and the replayed tokens are always the
-  target's: acceptance is as high as the machinery allows. Output tokens per second over the
-  whole run (prefill included), the speed-up over plain, tokens per verify step, and whether
-  the outputs equal plain decoding's.
+  target's: acceptance is as high as the machinery allows. The speed-up over plain, tokens per
+  verify step, and whether the outputs equal plain decoding's.
 
 With `--draft-model` (a config, dummy weights) and the first of `--models` as its target:
 
 - *draft_step*: the draft model's decode step against the target's, per batch size;
-- *draft_model*: `--speculative-algorithm draft_model` end to end through the Engine, both
-  models copying ones (the draft proposes the target's own tokens), against the plain Engine.
+- *draft_model*: `--speculative-algorithm draft_model` through an Engine's scheduler, both
+  models copying ones (the draft proposes the target's own tokens), against the plain Engine,
+  the decode phase timed as in *replay*.
 
 `--ngram-model-path`: also the n-gram drafter end to end on that model (the built-in SmolLM2's
 GGUF) with a quoting workload (chat prompts asking to repeat a gsm8k question word for word),
 greedy, `--output-len` tokens at most, plain and with `--speculative-algorithm ngram` at each
-of `--ngram-steps` drafts per verify step, through the Engine. `--models` with no name skips
-the dummy models.
+of `--ngram-steps` drafts per verify step, through the Engine, the whole run timed (the chat
+prompts are short). `--models` with no name skips the dummy models.
 """
 
 from __future__ import annotations
@@ -156,17 +158,22 @@ def _step_row(model: str, bs: int, tokens: int, ms: float, decode_ms: float) -> 
     }
 
 
-def _run(sched: Scheduler, reqs: list[Req]) -> float:
-    """Seconds until every request of `reqs` has finished."""
+def _decode_tok_s(sched: Scheduler, reqs: list[Req]) -> float:
+    """Output tokens per second of the decode phase: timed from when every request of `reqs`
+    has its first token (its prompt prefilled) until all have finished."""
     device = sched.runner.device
-    _sync(device)
-    start = time.perf_counter()
     for req in reqs:
         sched.add(req)
+    while any(not r.output_ids for r in reqs):
+        sched.step()
+    _sync(device)
+    start = time.perf_counter()
+    before = sum(len(r.output_ids) for r in reqs)
     sched.run_to_completion()
     _sync(device)
+    seconds = time.perf_counter() - start
     sched.prefix_cache.flush()
-    return time.perf_counter() - start
+    return (sum(len(r.output_ids) for r in reqs) - before) / seconds
 
 
 def _replay_requests(bs: int, context: int, output_len: int, vocab: int, tag: str) -> list[Req]:
@@ -190,9 +197,8 @@ def replay_rows(
     for bs in bs_list:
         plain_sched = Scheduler(runner, frozenset(), None, PREFILL_CHUNK, None, prefix_cache=False)
         plain = _replay_requests(bs, args.context, args.output_len, vocab, "p")
-        _run(plain_sched, _replay_requests(1, args.context, 4, vocab, "warm"))
-        seconds = _run(plain_sched, plain)
-        plain_tok_s = bs * args.output_len / seconds
+        _decode_tok_s(plain_sched, _replay_requests(1, args.context, 4, vocab, "warm"))
+        plain_tok_s = _decode_tok_s(plain_sched, plain)
         for corrupt in args.corrupt:
             reference = {f"s{i}": r.output_ids for i, r in enumerate(plain)}
             drafter = ReplayDrafter(reference, vocab, corrupt)
@@ -207,8 +213,7 @@ def replay_rows(
                 speculation=spec,
             )
             reqs = _replay_requests(bs, args.context, args.output_len, vocab, "s")
-            seconds = _run(sched, reqs)
-            tok_s = bs * args.output_len / seconds
+            tok_s = _decode_tok_s(sched, reqs)
             stats = spec.stats
             rows.append(
                 {
@@ -217,6 +222,7 @@ def replay_rows(
                     "bs": bs,
                     "steps": args.steps,
                     "corrupt": corrupt,
+                    "timed": "decode",
                     "output_tok_s": round(tok_s, 1),
                     "plain_output_tok_s": round(plain_tok_s, 1),
                     "speedup": round(tok_s / plain_tok_s, 3),
@@ -259,6 +265,7 @@ def _compare_rows(
     plain: dict[int, tuple[float, list[list[int]], float]],
     spec: dict[int, tuple[float, list[list[int]], float]],
     steps: int,
+    timed: str = "run",
 ) -> list[dict[str, Any]]:
     rows = []
     for bs, (plain_tok_s, plain_ids, _) in plain.items():
@@ -269,6 +276,7 @@ def _compare_rows(
                 "model": model,
                 "bs": bs,
                 "steps": steps,
+                "timed": timed,
                 "output_tok_s": round(tok_s, 1),
                 "plain_output_tok_s": round(plain_tok_s, 1),
                 "speedup": round(tok_s / plain_tok_s, 3),
@@ -363,31 +371,37 @@ def draft_step_rows(target: str, draft: str, args: argparse.Namespace) -> list[d
 
 def draft_model_rows(target: str, draft: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Plain against `--speculative-algorithm draft_model` (copying target and draft), per
-    batch size, through the Engine."""
+    batch size, through an Engine's scheduler, the decode phase timed."""
     common = {
         "load_format": "dummy",
         "device": args.device,
         "max_running_requests": max(args.bs),
         "max_total_tokens": max(args.bs) * (args.context + args.output_len + 2 * args.steps + 8),
     }
-    params = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
     draft_flags = {
         **_spec_flags("draft_model", args),
         "speculative_draft_model_path": _model_path(draft),
     }
-    runs = []
+    runs: list[dict[int, tuple[float, list[list[int]], float]]] = []
     for extra in ({}, draft_flags):
         engine = Engine(_model_path(target), **common, **extra)
         for runner in (engine.runner, engine.draft_runner):
             if runner is not None:
                 make_copying(runner.model)
-        rng, vocab = random.Random(0), engine.runner.config.vocab_size
-        prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(max(args.bs))]
-        runs.append(_engine_runs(engine, prompts, args.bs, params))
+        vocab = engine.runner.config.vocab_size
+        sched = engine.scheduler
+        _decode_tok_s(sched, _replay_requests(1, args.context, 4, vocab, "warm"))
+        runs.append({})
+        for bs in args.bs:
+            reqs = _replay_requests(bs, args.context, args.output_len, vocab, f"b{bs}-")
+            tok_s = _decode_tok_s(sched, reqs)
+            verify = sum(r.spec_verify_ct for r in reqs)
+            per_verify = (verify + sum(r.spec_accepted for r in reqs)) / verify if verify else 1.0
+            runs[-1][bs] = (tok_s, [r.output_ids for r in reqs], per_verify)
         engine.shutdown()
         release_memory()
     name = f"{_model_name(target)} + {_model_name(draft)}"
-    return _compare_rows("draft_model", name, *runs, args.steps)
+    return _compare_rows("draft_model", name, *runs, args.steps, timed="decode")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -197,7 +197,7 @@ def speculative_table(sources: list[Source]) -> Table:
             continue
         drafter = SPECULATIVE_DRAFTERS.get(r["part"]) or f"replay, {pct(r['corrupt'])} corrupted"
         table.append(
-            [r["model"], drafter, str(r["bs"]), str(r["steps"])]
+            [r["model"], drafter, str(r["bs"]), str(r["steps"]), r.get("timed", "run")]
             + [num(r["plain_output_tok_s"], 0), num(r["output_tok_s"], 0), ratio(r["speedup"])]
             + [num(r["tokens_per_verify"], 2), pct(r.get("draft_acceptance"))]
             + ["yes" if r["identical"] else "no"]
@@ -224,8 +224,8 @@ def speculative_table(sources: list[Source]) -> Table:
             + "."
         )
     return Table(
-        ["model", "drafter", "bs", "drafts", "plain tok/s", "speculative tok/s", "speed-up"]
-        + ["tokens / verify", "drafts accepted", "equals plain"],
+        ["model", "drafter", "bs", "drafts", "timed", "plain tok/s", "speculative tok/s"]
+        + ["speed-up", "tokens / verify", "drafts accepted", "equals plain"],
         table,
         labels=2,
         note=" ".join(notes),
