@@ -40,6 +40,9 @@ DEFAULT_SPECULATIVE_STEPS = 3
 # speculating pays at up to this many running requests at middling acceptance (benchmarks.md,
 # "Speculative decoding"): past it a verify step's rows outweigh the tokens they win
 DEFAULT_SPECULATIVE_MAX_BS = 32
+# a request's run of verify rows (its last token and drafts) fits the look-back of the decode
+# kernel that takes them together (triton/decode.py's MAX_RUN)
+MAX_SPECULATIVE_STEPS = 63
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
 
 
@@ -555,6 +558,11 @@ class ServerArgs:
             if value is not None and value < 1:
                 minimum = 2 if flag == "--speculative-num-draft-tokens" else 1
                 raise ValueError(f"{flag} must be >= {minimum}")
+        if self.speculative_steps > MAX_SPECULATIVE_STEPS:
+            raise ValueError(
+                f"--speculative-num-steps {self.speculative_steps} is above "
+                f"{MAX_SPECULATIVE_STEPS}, the most drafts a verify step takes per request"
+            )
         if steps is not None and tokens is not None and tokens != steps + 1:
             raise ValueError(
                 f"--speculative-num-draft-tokens {tokens} must be --speculative-num-steps + 1 "

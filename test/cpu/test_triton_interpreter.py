@@ -20,12 +20,15 @@ from replaylm.layers.attention.triton import TritonAttnBackend  # noqa: E402
 from replaylm.layers.attention.triton.backend import DETERMINISTIC_SPLITS  # noqa: E402
 from replaylm.layers.attention.triton.common import KernelConfig  # noqa: E402
 from replaylm.layers.attention.triton.decode import (  # noqa: E402
+    MAX_RUN,
+    decode_attention,
     decode_workspace,
     longest_first,
 )
 from replaylm.layers.attention.triton.extend import extend_attention  # noqa: E402
 from replaylm.layers.attention.triton.kv_store import store_kv  # noqa: E402
 from replaylm.model_executor.forward_batch import ForwardMode  # noqa: E402
+from replaylm.server_args import MAX_SPECULATIVE_STEPS, ServerArgs  # noqa: E402
 
 from attention_cases import (  # noqa: E402
     make_case,
@@ -135,6 +138,63 @@ def test_decode_in_longest_first_order_equals_request_order(splits):
         outs.append(out)
     assert torch.equal(outs[1], outs[0])
     assert rel_error(outs[1], reference(case)) < TOL[torch.float16]
+
+
+def _verify_rows(case, padding: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EXTEND case's tokens as a verify step's decode rows (each over its request's table
+    row, its length ending at its token), then `padding` rows of length 1 over one row."""
+    b = case.batch
+    rows, lens = [], []
+    for row, prefix, n in zip(
+        b.req_pool_indices.tolist(), b.prefix_lens.tolist(), b.extend_seq_lens.tolist(), strict=True
+    ):
+        rows += [row] * n
+        lens += range(prefix + 1, prefix + n + 1)
+    rows += [b.req_pool_indices[0].item()] * padding
+    lens += [1] * padding
+    return torch.tensor(rows), torch.tensor(lens)
+
+
+@pytest.mark.parametrize(("rows_per_program", "splits"), [(4, 1), (4, 3), (2, 4), (8, 2)])
+@pytest.mark.parametrize("separate", [False, True])
+def test_verify_rows_taken_together_match_one_at_a_time(rows_per_program, splits, separate):
+    """A verify step's runs (4, 1 and 3 rows, one longer than `rows_per_program` where it is 2)
+    and padding rows attended `rows_per_program` at a time: every row as the decode kernel
+    gives it alone, slices past a short row's end and runs split over programs included."""
+    case = make_case(
+        ForwardMode.EXTEND, [40, 0, 70], [4, 1, 3], 4, 2, 16, torch.float32, "cpu", seed=5
+    )
+    _store(case)
+    req_rows, seq_lens = _verify_rows(case, padding=2)
+    q = torch.cat([case.q, case.q[:2]])
+    outs = []
+    for rows in (1, rows_per_program):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(
+            q,
+            case.batch.kv.pool.k_buffers[0],
+            case.batch.kv.pool.v_buffers[0],
+            case.batch.kv.req_to_token.req_to_token,
+            req_rows,
+            seq_lens,
+            out,
+            case.layer.scaling,
+            splits,
+            min_split_len=16,
+            config=DECODE_TILES,
+            separate_merge=separate,
+            rows_per_program=rows,
+        )
+        outs.append(out)
+    assert not torch.isnan(outs[1]).any()
+    assert rel_error(outs[1], outs[0]) < TOL[torch.float32]
+    assert rel_error(outs[0][:8], reference(case)) < TOL[torch.float32]
+
+
+def test_the_longest_verify_run_fits_the_kernels_look_back():
+    assert MAX_SPECULATIVE_STEPS + 1 == MAX_RUN
+    with pytest.raises(ValueError, match="is above 63"):
+        ServerArgs(speculative_algorithm="ngram", speculative_num_steps=64).validate()
 
 
 def test_backend_orders_one_slice_batches_at_the_first_layer():

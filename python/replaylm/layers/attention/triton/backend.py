@@ -53,6 +53,8 @@ class _DecodeMetadata:
     # longest first, sorted by the forward's first layer (inside a captured graph: every replay)
     longest_first: bool = False
     order: torch.Tensor | None = None
+    # a verify step's rows, taken this many at a time (`decode_attention`'s `rows_per_program`)
+    rows_per_program: int = 1
 
 
 @dataclass
@@ -93,6 +95,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 DETERMINISTIC_SPLITS = 16  # decode slices per request whatever the batch (`deterministic`)
+# a verify step's rows per decode program: four rows of a KV head's group of up to four query
+# heads fill the kernel's smallest tile. Not under `deterministic`, where every row must be
+# sliced as a decode step slices it
+VERIFY_ROWS_PER_PROGRAM = 4
 
 
 class TritonAttnBackend(CudaGraphAttentionBackend):
@@ -130,13 +136,15 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
 
     def _decode_metadata(self, batch: ForwardBatch, bs: int) -> _DecodeMetadata:
         """Decode metadata of the batch's first `bs` requests (its first `bs` tokens)."""
-        num_splits = self._num_splits(bs, batch)
+        rows = self._rows_per_program(batch)
+        num_splits = self._num_splits(bs, batch, rows)
         return _DecodeMetadata(
             batch.req_pool_indices[:bs],
             batch.seq_lens[:bs],
             batch.out_cache_loc[:bs],
             num_splits,
-            longest_first=self._longest_first(bs, num_splits, batch),
+            longest_first=rows == 1 and self._longest_first(bs, num_splits, batch),
+            rows_per_program=rows,
         )
 
     def store_kv(
@@ -237,6 +245,7 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             workspace=workspace,
             separate_merge=meta.separate_merge,
             order=meta.order,
+            rows_per_program=meta.rows_per_program,
         )
 
     # ---- CUDA graphs ------------------------------------------------------------------------
@@ -258,7 +267,8 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
                 dtype=torch.int32,
                 device=batch.seq_lens.device,
             )
-        num_splits = self._num_splits(batch.batch_size, batch)
+        rows = self._rows_per_program(batch)
+        num_splits = self._num_splits(batch.batch_size, batch, rows)
         self._meta = _DecodeMetadata(
             batch.req_pool_indices,
             batch.seq_lens,
@@ -266,7 +276,8 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             num_splits,
             graph_arrivals=graph.arrivals,
             separate_merge=True,
-            longest_first=self._longest_first(batch.batch_size, num_splits, batch),
+            longest_first=rows == 1 and self._longest_first(batch.batch_size, num_splits, batch),
+            rows_per_program=rows,
         )
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
@@ -284,11 +295,18 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             raise RuntimeError("init_cuda_graph_state was not called")
         return self._graph
 
-    def _num_splits(self, bs: int, batch: ForwardBatch) -> int:
-        """KV slices per request for `bs` decode requests of `batch`."""
+    def _rows_per_program(self, batch: ForwardBatch) -> int:
+        if batch.forward_mode.is_verify() and not self.deterministic:
+            return VERIFY_ROWS_PER_PROGRAM
+        return 1
+
+    def _num_splits(self, bs: int, batch: ForwardBatch, rows_per_program: int = 1) -> int:
+        """KV slices per request for `bs` decode rows of `batch`, taken `rows_per_program` at a
+        time (so that many fewer programs attend)."""
         if self.deterministic:
             return DETERMINISTIC_SPLITS
-        return num_kv_splits(bs, batch.kv.pool.num_kv_heads, _sm_count(batch.seq_lens.device))
+        programs = -(-bs // rows_per_program)
+        return num_kv_splits(programs, batch.kv.pool.num_kv_heads, _sm_count(batch.seq_lens.device))
 
     @staticmethod
     def _longest_first(bs: int, num_splits: int, batch: ForwardBatch) -> bool:

@@ -25,6 +25,13 @@ in an `order` of its own: longest first (`longest_first`), so that the last prog
 to start are the shortest and the GPU is not left with a few long ones at the end of a batch of
 mixed lengths (docs/tuning.md, "Decode attention: longest requests first"). Every request's
 result is the same in any order.
+
+A verify step's rows (speculative decoding: one row per verified token of a request, over the
+request's table row, each row's length one more than the row before) are taken `rows` at a time
+(`rows_per_program`): the program of a run's first row (and of every `rows`-th row after it)
+attends for the next `rows` rows of the run at once, each query row masked to its own length,
+so the prefix's keys are read once for them, not once per row; the slices span the longest of
+them. The other programs of such rows do nothing.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ MIN_SPLIT_LEN = 64  # tokens (one block): docs/tuning.md, "Decode attention slic
 # one slice (no merge) once those pairs alone exceed that. Tuned inside a whole decode step, where
 # fewer, longer slices win than for the kernel alone: docs/tuning.md, "Decode attention slices".
 MIN_SPLITS, MAX_SPLITS = 2, 16
+# how far back a verify row looks for the first row of its run (`rows_per_program`): a run is a
+# request's last token and drafts, so at most this many rows
+MAX_RUN = 64
 PROGRAMS_PER_SM = 2
 # a launch of more than this many programs per multiprocessor (two waves of PROGRAMS_PER_SM)
 # starts its requests longest first: docs/tuning.md, "Decode attention: longest requests first"
@@ -96,11 +106,23 @@ def _split_len(seq_len, num_splits, min_split_len):
     return tl.cdiv(per_split, min_split_len) * min_split_len
 
 
+@triton.jit
+def _run_offset(ReqPoolIndices, SeqLens, b, table_row, seq_len):
+    """How many rows before row `b` continue the same run (capped at MAX_RUN): same table row,
+    lengths one apart per row."""
+    back = tl.arange(0, MAX_RUN) + 1
+    prev = b - back
+    ok = prev >= 0
+    prev_row = tl.load(ReqPoolIndices + prev, mask=ok, other=-1)
+    prev_len = tl.load(SeqLens + prev, mask=ok, other=-1).to(tl.int32)
+    return tl.sum((ok & (prev_row == table_row) & (prev_len == seq_len - back)).to(tl.int32), 0)
+
+
 # ReqPoolIndices, SeqLens, Order: one element per request, at any 8-byte offset; num_splits (and the
 # log-sum-exps' head stride, which equals it) and has_order: runtime values, so the batch sizes'
 # slice counts and orders share one compiled variant (docs/tuning.md, "Few compiled variants")
 @triton.jit(
-    do_not_specialize=["num_splits", "stride_mlh", "has_order"],
+    do_not_specialize=["num_splits", "stride_mlh", "has_order", "num_rows"],
     do_not_specialize_on_alignment=["ReqPoolIndices", "SeqLens", "Order"],
 )
 def _decode_kernel(
@@ -119,6 +141,7 @@ def _decode_kernel(
     min_split_len,
     num_splits,
     has_order,
+    num_rows,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -142,6 +165,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     SEPARATE_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr = 1,
 ):
     wait_for_producers(USE_PDL)
     # the KV heads vary fastest: programs start in request order, the order's when given
@@ -151,14 +175,39 @@ def _decode_kernel(
         b = tl.load(Order + b).to(tl.int32)
     split = tl.program_id(2)
     offs_g = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + offs_g
-    head_ok = offs_g < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
     # issued together, before the length is known: one round trip instead of three in a row
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    row = ReqToToken + tl.load(ReqPoolIndices + b).to(tl.int64) * stride_rt
+    table_row = tl.load(ReqPoolIndices + b)
+    row = ReqToToken + table_row.to(tl.int64) * stride_rt
+    if ROWS == 1:
+        heads = kv_head * GROUP + offs_g
+        head_ok = offs_g < GROUP
+        row_len = seq_len
+        q_at = Q + b * stride_qt
+        out_at = Out + b * stride_ot
+        mid_o_at = MidO + b * stride_mot
+        mid_lse_at = MidLse + b * stride_mlt
+    else:  # query slot i: row b + i // GROUP of the run, head i % GROUP of the KV head's group
+        t = offs_g // GROUP
+        rows = b + t
+        heads = kv_head * GROUP + offs_g % GROUP
+        in_batch = (t < ROWS) & (rows < num_rows)
+        slot_row = tl.load(ReqPoolIndices + rows, mask=in_batch, other=-1)
+        slot_len = tl.load(SeqLens + rows, mask=in_batch, other=0).to(tl.int32)
+        offset = _run_offset(ReqPoolIndices, SeqLens, b, table_row, seq_len)
+        # else an earlier row's program attends for this row (a block: Triton's interpreter
+        # rejects a scalar in a mask)
+        first = tl.full([BLOCK_H], offset, tl.int32) % ROWS == 0
+        head_ok = in_batch & (slot_row == table_row) & (slot_len == seq_len + t) & first
+        row_len = tl.where(head_ok, slot_len, 0)
+        seq_len = tl.max(row_len, 0)  # the slices span the run's longest row
+        q_at = Q + rows[:, None] * stride_qt
+        out_at = Out + rows[:, None] * stride_ot
+        mid_o_at = MidO + rows[:, None] * stride_mot
+        mid_lse_at = MidLse + rows * stride_mlt
     q = tl.load(
-        Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        q_at + heads[:, None] * stride_qh + offs_d[None, :],
         mask=head_ok[:, None],
         other=0.0,
     ).to(KCache.dtype.element_ty)
@@ -166,11 +215,9 @@ def _decode_kernel(
     num_active = tl.cdiv(seq_len, split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    out_ptrs = Out + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    mid_o = (
-        MidO + b * stride_mot + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
-    )
-    mid_lse = MidLse + b * stride_mlt + heads * stride_mlh + split
+    out_ptrs = out_at + heads[:, None] * stride_oh + offs_d[None, :]
+    mid_o = mid_o_at + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+    mid_lse = mid_lse_at + heads * stride_mlh + split
     if start >= end:  # a slice past the end (every slice of an empty sequence)
         if SEPARATE_MERGE:  # a part the merge weighs 0
             _store_partial(
@@ -204,33 +251,47 @@ def _decode_kernel(
                 other=0.0,
             )
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            qk = tl.where(valid[None, :], qk, float("-inf"))
+            if ROWS == 1:
+                qk = tl.where(valid[None, :], qk, float("-inf"))
+            else:  # finite: a row may have no key of its own in a block (its max stays finite)
+                own = valid[None, :] & (cols[None, :] < row_len[:, None])
+                qk = tl.where(own, qk, -1.0e30)
             m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, PRECISION)
         value = acc / l_i[:, None]
+        lse = m_i + tl.log2(l_i)
+        if ROWS > 1:  # a row ending before this slice: a part the merge weighs 0
+            mine = row_len > start
+            value = tl.where(mine[:, None], value, 0.0)
+            lse = tl.where(mine, lse, float("-inf"))
         if SEPARATE_MERGE:
-            _store_partial(mid_o, mid_lse, value, m_i + tl.log2(l_i), head_ok)
+            _store_partial(mid_o, mid_lse, value, lse, head_ok)
         elif num_active == 1:
             tl.store(out_ptrs, value.to(Out.dtype.element_ty), mask=head_ok[:, None])
         else:
-            _store_partial(mid_o, mid_lse, value, m_i + tl.log2(l_i), head_ok)
+            _store_partial(mid_o, mid_lse, value, lse, head_ok)
             tl.debug_barrier()  # every thread's partial is stored before the arrival counts
             counter = Arrivals + b * NUM_KV_HEADS + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_active - 1:
                 tl.atomic_xchg(counter, 0)  # the last to arrive: reset for the next launch, merge
-                _merge_partials(
-                    MidO + b * stride_mot,
-                    MidLse + b * stride_mlt,
-                    Out + b * stride_ot,
-                    kv_head * GROUP,
-                    num_active,
-                    stride_moh,
-                    stride_mos,
-                    stride_mlh,
-                    stride_oh,
-                    GROUP,
-                    HEAD_DIM,
-                    MERGE_UNROLL,
-                )
+                run_rows = 1
+                if ROWS > 1:
+                    run_rows = tl.sum(head_ok.to(tl.int32), 0) // GROUP
+                for r in tl.static_range(ROWS):
+                    if r < run_rows:
+                        _merge_partials(
+                            MidO + (b + r) * stride_mot,
+                            MidLse + (b + r) * stride_mlt,
+                            Out + (b + r) * stride_ot,
+                            kv_head * GROUP,
+                            num_active,
+                            stride_moh,
+                            stride_mos,
+                            stride_mlh,
+                            stride_oh,
+                            GROUP,
+                            HEAD_DIM,
+                            MERGE_UNROLL,
+                        )
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -385,6 +446,7 @@ def decode_attention(
     workspace: DecodeWorkspace | None = None,
     separate_merge: bool = False,
     order: torch.Tensor | None = None,
+    rows_per_program: int = 1,
 ) -> torch.Tensor:
     """Attention of `q` `[bs, H, D]` (request i's one new token) over the `seq_lens[i]` tokens of
     request i, whose KV slots are `req_to_token[req_pool_indices[i], :seq_lens[i]]` in
@@ -394,7 +456,8 @@ def decode_attention(
     `separate_merge`: merge the slices in a second launch (for CUDA-graph capture; the same
     numbers as the default single launch, which costs one launch less of host time).
     `order`: a permutation of the requests `[bs]` in which the programs start (`longest_first`);
-    the output is the same."""
+    the output is the same. `rows_per_program` > 1: the rows are a verify step's (runs of rows
+    of one request, at most MAX_RUN long), attended that many at a time (no `order`)."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     bs = q.shape[0]
     group = num_heads // num_kv_heads
@@ -402,6 +465,7 @@ def decode_attention(
     ws = workspace or decode_workspace(q, num_kv_heads, num_splits)
     mid_o, mid_lse = ws.mid_o, ws.mid_lse
     separate = separate_merge and num_splits > 1  # one slice: written directly either way
+    assert rows_per_program == 1 or order is None
     _decode_kernel[(num_kv_heads, bs, num_splits)](
         q,
         k_cache,
@@ -418,6 +482,7 @@ def decode_attention(
         min_split_len,
         num_splits,
         int(order is not None),
+        bs,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -434,12 +499,13 @@ def decode_attention(
         mid_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_H=max(16, triton.next_power_of_2(rows_per_program * group)),
         HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n,
         MERGE_UNROLL=merge_unroll(num_splits),
         PRECISION=dot_precision(k_cache.dtype),
         SEPARATE_MERGE=separate,
+        ROWS=rows_per_program,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(),
