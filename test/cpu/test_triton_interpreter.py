@@ -192,7 +192,7 @@ def test_verify_rows_taken_together_match_one_at_a_time(rows_per_program, splits
 
 
 def test_the_longest_verify_run_fits_the_kernels_look_back():
-    assert MAX_SPECULATIVE_STEPS + 1 == MAX_RUN
+    assert MAX_RUN.value == MAX_SPECULATIVE_STEPS + 1
     with pytest.raises(ValueError, match="is above 63"):
         ServerArgs(speculative_algorithm="ngram", speculative_num_steps=64).validate()
 

@@ -64,7 +64,7 @@ MIN_SPLIT_LEN = 64  # tokens (one block): docs/tuning.md, "Decode attention slic
 MIN_SPLITS, MAX_SPLITS = 2, 16
 # how far back a verify row looks for the first row of its run (`rows_per_program`): a run is a
 # request's last token and drafts, so at most this many rows
-MAX_RUN = 64
+MAX_RUN = tl.constexpr(64)
 PROGRAMS_PER_SM = 2
 # a launch of more than this many programs per multiprocessor (two waves of PROGRAMS_PER_SM)
 # starts its requests longest first: docs/tuning.md, "Decode attention: longest requests first"
