@@ -12,6 +12,10 @@ from http_helpers import MODEL
 
 CHAT = [{"role": "user", "content": "hi"}]
 LONG_TEXT = "hello " * 3000  # ~3000 tokens, over the shared server's context of 2048
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+BAD_TOOL = [
+    {"type": "function", "function": {"name": "g", "parameters": {"type": "nope"}}},
+]
 
 
 def _completion(**fields) -> dict:
@@ -48,15 +52,18 @@ CASES = {
         _completion(max_tokens=5000),
         400,
         "max_tokens",
-        r"5000 tokens requested, but the context length is 2048 and the prompt has 1 tokens, "
-        r"which leaves room for 2047",
+        r"^This model's maximum context length is 2048 tokens\. However, you requested 5001 "
+        r"tokens \(1 in the prompt, 5000 in the completion\)\. Please reduce the length of the "
+        r"prompt or completion\.$",
     ),
     "max_completion_tokens over the context": (
         "/v1/chat/completions",
         _chat(max_completion_tokens=3000),
         400,
         "max_completion_tokens",
-        r"3000 tokens requested, .* room for \d{4} \(3000 > 2048 - \d+\)",
+        r"maximum context length is 2048 tokens\. However, you requested 30\d\d tokens "
+        r"\(\d\d in the messages, 3000 in the completion\)\. Please reduce the length of the "
+        r"messages or completion\.",
     ),
     "max_tokens negative": (
         "/v1/chat/completions",
@@ -104,7 +111,28 @@ CASES = {
     "top_k below -1": ("/v1/completions", _completion(top_k=-2), 400, "top_k", "-1"),
     "min_p above one": ("/v1/completions", _completion(min_p=2), 400, "min_p", "1"),
     "seed negative": ("/v1/completions", _completion(seed=-1), 400, "seed", "0"),
+    "seed above int64": (
+        "/v1/chat/completions",
+        _chat(seed=2**63),
+        400,
+        "seed",
+        "Input should be less than or equal to 9223372036854775807",
+    ),
     "stop wrong type": ("/v1/completions", _completion(stop=5), 400, "stop", "string"),
+    "stop empty": (
+        "/v1/completions",
+        _completion(stop=""),
+        400,
+        "stop",
+        r"^stop cannot contain an empty string\.$",
+    ),
+    "stop list with an empty string": (
+        "/v1/chat/completions",
+        _chat(stop=["\n", ""]),
+        400,
+        "stop",
+        "empty string",
+    ),
     "stop_token_ids negative": (
         "/v1/completions",
         _completion(stop_token_ids=[-1]),
@@ -113,6 +141,20 @@ CASES = {
         "greater than or equal to 0",
     ),
     "stream not a bool": ("/v1/completions", _completion(stream="yes"), 400, "stream", "bool"),
+    "stream_options without stream": (
+        "/v1/completions",
+        _completion(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        r"^The 'stream_options' parameter is only allowed when 'stream' is enabled\.$",
+    ),
+    "stream_options with stream false (chat)": (
+        "/v1/chat/completions",
+        _chat(stream=False, stream_options={"include_usage": False}),
+        400,
+        "stream_options",
+        "only allowed when 'stream' is enabled",
+    ),
     "n zero": ("/v1/completions", _completion(n=0), 400, "n", "greater than or equal to 1"),
     "n above the bound (chat)": (
         "/v1/chat/completions",
@@ -188,6 +230,121 @@ CASES = {
         "regex",
         "cannot be combined with json_schema",
     ),
+    "response_format with guided_regex": (
+        "/v1/chat/completions",
+        _chat(
+            response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+            guided_regex="a+",
+        ),
+        400,
+        "guided_regex",
+        "guided_regex cannot be combined with response_format",
+    ),
+    "guided_json with structured_outputs": (
+        "/v1/completions",
+        _completion(guided_json={"type": "object"}, structured_outputs={"choice": ["a", "b"]}),
+        400,
+        "structured_outputs.choice",
+        "cannot be combined with guided_json",
+    ),
+    "two constraints in structured_outputs": (
+        "/v1/completions",
+        _completion(structured_outputs={"regex": "a+", "grammar": 'root ::= "a"'}),
+        400,
+        "structured_outputs.grammar",
+        "cannot be combined with structured_outputs.regex",
+    ),
+    "structured_outputs with an unknown key": (
+        "/v1/completions",
+        _completion(structured_outputs={"lark": "start: /a+/"}),
+        400,
+        "structured_outputs.lark",
+        "unsupported parameter",
+    ),
+    "structured_outputs.choice empty": (
+        "/v1/chat/completions",
+        _chat(structured_outputs={"choice": []}),
+        400,
+        "structured_outputs.choice",
+        "at least 1",
+    ),
+    "structured_outputs.disable_any_whitespace": (
+        "/v1/chat/completions",
+        _chat(structured_outputs={"json_object": True, "disable_any_whitespace": True}),
+        400,
+        "structured_outputs.disable_any_whitespace",
+        "not supported",
+    ),
+    "structured_outputs.whitespace_pattern": (
+        "/v1/completions",
+        _completion(structured_outputs={"json": {"type": "object"}, "whitespace_pattern": " ?"}),
+        400,
+        "structured_outputs.whitespace_pattern",
+        "not supported",
+    ),
+    "guided_regex invalid": (
+        "/v1/completions",
+        _completion(guided_regex="(a"),
+        400,
+        "guided_regex",
+        r"^guided_regex: invalid regex: .*parenthesis",
+    ),
+    "guided_json invalid": (
+        "/v1/chat/completions",
+        _chat(guided_json={"type": 3}),
+        400,
+        "guided_json",
+        r"^guided_json: invalid json_schema: ",
+    ),
+    "guided_grammar invalid": (
+        "/v1/completions",
+        _completion(guided_grammar="root ::="),
+        400,
+        "guided_grammar",
+        r"^guided_grammar: invalid ebnf: ",
+    ),
+    "structured_outputs.json invalid": (
+        "/v1/completions",
+        _completion(structured_outputs={"json": '{"type": "nope"}'}),
+        400,
+        "structured_outputs.json",
+        r"invalid json_schema: .*nope",
+    ),
+    "structured_outputs.regex invalid": (
+        "/v1/chat/completions",
+        _chat(structured_outputs={"regex": "[a-"}),
+        400,
+        "structured_outputs.regex",
+        "invalid regex",
+    ),
+    "structured_outputs.grammar invalid": (
+        "/v1/completions",
+        _completion(structured_outputs={"grammar": "root ::= undefined_rule"}),
+        400,
+        "structured_outputs.grammar",
+        "invalid ebnf",
+    ),
+    "structured_outputs.structural_tag invalid": (
+        "/v1/completions",
+        _completion(structured_outputs={"structural_tag": '{"type": "structural_tag"}'}),
+        400,
+        "structured_outputs.structural_tag",
+        "invalid structural_tag: .*format",
+    ),
+    "response_format with an invalid schema": (
+        "/v1/chat/completions",
+        _chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 3}}}),
+        400,
+        "response_format.json_schema.schema",
+        "invalid json_schema",
+    ),
+    "guided_whitespace_pattern": (
+        "/v1/completions",
+        _completion(guided_json={"type": "object"}, guided_whitespace_pattern=" ?"),
+        400,
+        "guided_whitespace_pattern",
+        "not supported",
+    ),
     "prompt_logprobs with stream": (
         "/v1/completions",
         _completion(prompt_logprobs=1, stream=True),
@@ -213,12 +370,40 @@ CASES = {
         "tool_choice",
         "cannot be combined",
     ),
+    "a forced tool call with guided_regex": (
+        "/v1/chat/completions",
+        _chat(tools=TOOLS, tool_choice="required", guided_regex="a+"),
+        400,
+        "tool_choice",
+        "cannot be combined with guided_regex",
+    ),
+    "a bad tool schema under tool_choice required": (
+        "/v1/chat/completions",
+        _chat(tools=TOOLS + BAD_TOOL, tool_choice="required"),
+        400,
+        "tools[1].function.parameters",
+        r"^tools\[1\]\.function\.parameters is not a valid JSON schema: .*nope",
+    ),
+    "a bad tool schema under tool_choice auto": (
+        "/v1/chat/completions",
+        _chat(tools=BAD_TOOL + TOOLS, tool_choice="auto"),
+        400,
+        "tools[0].function.parameters",
+        "not a valid JSON schema",
+    ),
+    "a bad tool schema, tool_choice left out": (
+        "/v1/chat/completions",
+        _chat(tools=BAD_TOOL),
+        400,
+        "tools[0].function.parameters",
+        "not a valid JSON schema",
+    ),
     "tool_choice names an undeclared function": (
         "/v1/chat/completions",
         _chat(tool_choice={"type": "function", "function": {"name": "f"}}),
         400,
         "tool_choice",
-        "'f'",
+        r"^Tool 'f' has not been passed in `tools`\.$",
     ),
     "tool_choice required without tools": (
         "/v1/chat/completions",
@@ -290,7 +475,13 @@ CASES = {
         "prompt",
         "a string, a list of token ids",
     ),
-    "empty prompt": ("/v1/completions", _completion(prompt=""), 400, "prompt", "empty"),
+    "empty prompt": (
+        "/v1/completions",
+        _completion(prompt=""),
+        400,
+        "prompt",
+        "The prompt cannot be empty",
+    ),
     "empty token prompt": ("/v1/completions", _completion(prompt=[]), 400, "prompt", "empty"),
     "empty prompt, streaming": (
         "/v1/completions",
@@ -318,35 +509,47 @@ CASES = {
         _completion(prompt=["a", [5] * 2048]),
         400,
         "prompt",
-        "prompt has 2048 tokens",
+        r"you requested 2050 tokens \(2048 in the prompt, 2 in the completion\)",
     ),
     "token id outside the vocab": (
         "/v1/completions",
         _completion(prompt=[1, 10**9]),
         400,
         "prompt",
-        "ints in",
+        "^Token id 1000000000 is out of vocabulary",
     ),
     "prompt longer than the context": (
         "/v1/completions",
         _completion(prompt=LONG_TEXT),
         400,
         "prompt",
-        r"prompt has \d{4} tokens; the context length is 2048",
+        r"^This model's maximum context length is 2048 tokens\. However, you requested \d{4} "
+        r"tokens \(\d{4} in the prompt, 2 in the completion\)\. Please reduce the length of the "
+        r"prompt or completion\.$",
     ),
     "chat longer than the context": (
         "/v1/chat/completions",
         _chat(messages=[{"role": "user", "content": LONG_TEXT}]),
         400,
         "messages",
-        r"prompt has \d{4} tokens; the context length is 2048",
+        r"maximum context length is 2048 tokens\. However, you requested \d{4} tokens "
+        r"\(\d{4} in the messages, 2 in the completion\)",
+    ),
+    "chat longer than the context, no max_tokens": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": LONG_TEXT}]},
+        400,
+        "messages",
+        r"^This model's maximum context length is 2048 tokens\. However, the prompt has \d{4} "
+        r"tokens, which leaves no room for the completion\. Please reduce the length of the "
+        r"messages\.$",
     ),
     "token prompt longer than the context": (
         "/generate",
         {"input_ids": [5] * 2048},
         400,
         "input_ids",
-        "prompt has 2048 tokens; the context length is 2048",
+        "maximum context length is 2048 tokens. However, the prompt has 2048 tokens",
     ),
     "no messages": ("/v1/chat/completions", _chat(messages=[]), 400, "messages", "at least 1"),
     "messages not a list": ("/v1/chat/completions", _chat(messages="hi"), 400, "messages", "array"),
@@ -356,6 +559,29 @@ CASES = {
         400,
         "messages[0].role",
         "'user'",
+    ),
+    "user content null": (
+        "/v1/chat/completions",
+        _chat(
+            messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": None}]
+        ),
+        400,
+        "messages[1].content",
+        r"^Invalid value for 'content': expected a string, got null\.$",
+    ),
+    "user content missing": (
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "user"}]),
+        400,
+        "messages[0].content",
+        "got null",
+    ),
+    "assistant content null without tool calls": (
+        "/v1/chat/completions",
+        _chat(messages=[*CHAT, {"role": "assistant", "content": None}, *CHAT]),
+        400,
+        "messages[1].content",
+        "got null",
     ),
     "content wrong type": (
         "/v1/chat/completions",
@@ -514,6 +740,24 @@ def test_openai_client_sees_the_errors(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="nope", messages=CHAT)
     assert err.value.code == "model_not_found"
+
+
+def test_a_context_overflow_is_openais_error(client):
+    """OpenAI's code and phrase, which clients match to tell an overflow from other bad input,
+    for a prompt too long and for an output budget too large."""
+    long_chat = [{"role": "user", "content": LONG_TEXT}]
+    for kwargs, param in (
+        ({"messages": long_chat}, "messages"),
+        ({"messages": CHAT, "max_tokens": 4000}, "max_tokens"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, **kwargs)
+        assert err.value.code == "context_length_exceeded"
+        assert err.value.body["param"] == param
+        assert "This model's maximum context length is 2048 tokens." in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=LONG_TEXT)
+    assert err.value.code == "context_length_exceeded" and err.value.body["param"] == "prompt"
 
 
 def test_server_still_serves_after_bad_input(http):

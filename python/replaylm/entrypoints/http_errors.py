@@ -42,7 +42,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def bad_request(_: Request, err: RequestError) -> JSONResponse:
-        return error_response(400, str(err), err.param)
+        return error_response(400, str(err), err.param, err.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:

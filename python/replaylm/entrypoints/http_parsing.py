@@ -106,5 +106,5 @@ def prompt_param(name: str) -> Iterator[None]:
         yield
     except RequestError as err:
         if err.param in ("prompt", "input_ids"):
-            raise RequestError(str(err), name) from err
+            raise RequestError(str(err), name, err.code) from err
         raise

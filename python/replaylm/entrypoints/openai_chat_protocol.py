@@ -57,7 +57,9 @@ class ToolCall(RequestModel):
 
 class ChatMessage(RequestModel):
     """A message; an assistant's may carry `tool_calls` (its content then may be null), a
-    `tool` message answers the call named by `tool_call_id`."""
+    `tool` message answers the call named by `tool_call_id`. Content is required (OpenAI's
+    rule) but of an assistant's message that calls or refuses, and of the deprecated `function`
+    role's."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
@@ -66,6 +68,14 @@ class ChatMessage(RequestModel):
     tool_call_id: str | None = None
     function_call: FunctionCall | None = None  # deprecated form of one tool call
     refusal: str | None = None
+
+    @property
+    def lacks_content(self) -> bool:
+        """No content where OpenAI requires some."""
+        if self.content is not None or self.role == "function":
+            return False
+        says = self.tool_calls or self.function_call is not None or self.refusal is not None
+        return not (self.role == "assistant" and says)
 
     @property
     def text(self) -> str:
@@ -123,7 +133,13 @@ class ChatTemplateOptions(RequestModel):
     chat_template_kwargs: JsonObject | None = None
     tools: list[Tool] | None = None
 
-    def _check_template(self, messages: list[ChatMessage]) -> None:
+    def _check_messages(self, messages: list[ChatMessage]) -> None:
+        for i, message in enumerate(messages):
+            if message.lacks_content:
+                raise RequestError(
+                    "Invalid value for 'content': expected a string, got null.",
+                    f"messages[{i}].content",
+                )
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError(
                 "continue_final_message and add_generation_prompt cannot both be true",
@@ -197,7 +213,7 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingRequest):
 
     def check(self) -> None:
         super().check()
-        self._check_template(self.messages)
+        self._check_messages(self.messages)
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs: true", "top_logprobs")
         if self.modalities and "audio" in self.modalities:
@@ -234,4 +250,4 @@ class TokenizeRequest(ChatTemplateOptions):
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send exactly one of `prompt` and `messages`", "prompt")
         if self.messages is not None:
-            self._check_template(self.messages)
+            self._check_messages(self.messages)

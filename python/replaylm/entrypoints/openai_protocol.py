@@ -5,18 +5,24 @@ Chat requests and `/tokenize` are in `openai_chat_protocol`.
 Requests take what clients send as vLLM and SGLang take it. Every OpenAI field is modelled and
 accepted at its default (`null` included); a field replaylm cannot honour is refused (400
 naming it, from `check()`) only when it asks for something, such as a non-empty `suffix`.
-Unknown fields are ignored (`ignored_fields()` names them for a log line). Values keep strict
-types: JSON `"5"` is not an int, `true` is not a number. Range checks live here, so an error
-names the API's field (`max_tokens`), not the engine's.
+Unknown fields are ignored (`ignored_fields()` names them for a log line), so every vendor field
+that changes the output is modelled. Values keep strict types: JSON `"5"` is not an int, `true`
+is not a number. Range checks live here, so an error names the API's field (`max_tokens`), not
+the engine's.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from replaylm.entrypoints.openai_constraints import (
+    JSON_OBJECT,
+    Constraint,
+    only_one,
+    whitespace_refused,
+)
 from replaylm.runtime.errors import RequestError
 from replaylm.runtime.io_struct import MAX_TOP_LOGPROBS
 from replaylm.sampling_params import SamplingParams
@@ -75,10 +81,10 @@ class ResponseFormat(RequestModel):
     triggers: list[str] | None = None
     format: JsonObject | None = None
 
-    def constraint(self) -> tuple[str, str] | None:
-        """(SamplingParams field, grammar text) this format asks for; None for `text`."""
+    def constraint(self) -> Constraint | None:
+        """The constraint this format asks for; None for `text`."""
         if self.type == "json_object":
-            return "json_schema", json.dumps({"type": "object"})
+            return Constraint("response_format", "json_schema", JSON_OBJECT)
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise RequestError(
@@ -90,11 +96,59 @@ class ResponseFormat(RequestModel):
                     "response_format.json_schema needs its `schema`",
                     "response_format.json_schema.schema",
                 )
-            return "json_schema", json.dumps(self.json_schema.schema_)
+            return Constraint.grammar(
+                "response_format.json_schema.schema", "json_schema", self.json_schema.schema_
+            )
         if self.type == "structural_tag":
-            body = self.model_dump(exclude_none=True, include={"type", "structures", "triggers"})
-            return "structural_tag", json.dumps(self.format or body)
+            tag = self.model_dump(
+                exclude_none=True, include={"type", "structures", "triggers", "format"}
+            )
+            return Constraint.structural_tag("response_format", tag)
         return None
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs`: one of `json` (a schema), `regex`, `choice`, `grammar`
+    (EBNF), `json_object` or `structural_tag` (JSON text), and options. Every key changes the
+    output, so an unknown one is refused rather than ignored. Schemas compile strictly, which is
+    what `disable_additional_properties` asks; there is no other backend, so nothing to
+    `disable_fallback` to; JSON whitespace is free in the engine's grammars, so
+    `disable_any_whitespace` and `whitespace_pattern`, which would shape it, are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | JsonObject | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    disable_fallback: bool | None = None
+    whitespace_pattern: str | None = None
+
+    def constraints(self) -> list[Constraint]:
+        """The constraints asked for (more than one is the caller's error to report)."""
+        for name in ("disable_any_whitespace", "whitespace_pattern"):
+            if getattr(self, name) not in (None, False):
+                raise whitespace_refused(f"structured_outputs.{name}")
+        given: list[Constraint] = []
+        if self.json_ is not None:
+            given.append(Constraint.grammar("structured_outputs.json", "json_schema", self.json_))
+        if self.regex is not None:
+            given.append(Constraint("structured_outputs.regex", "regex", self.regex))
+        if self.choice is not None:
+            given.append(Constraint.choice("structured_outputs.choice", self.choice))
+        if self.grammar is not None:
+            given.append(Constraint("structured_outputs.grammar", "ebnf", self.grammar))
+        if self.json_object:
+            given.append(Constraint("structured_outputs.json_object", "json_schema", JSON_OBJECT))
+        if self.structural_tag is not None:
+            given.append(
+                Constraint.structural_tag("structured_outputs.structural_tag", self.structural_tag)
+            )
+        return given
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -106,19 +160,27 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(t) is int for t in value)
 
 
-def _choice_regex(choices: list[str]) -> str:
-    """A regex matching exactly one of `choices` (vLLM's `guided_choice`)."""
-    special = set("\\^$.|?*+()[]{}/")
-    escaped = ("".join(f"\\{c}" if c in special else c for c in choice) for choice in choices)
-    return "(" + "|".join(escaped) + ")"
+# the request fields that each hold one grammar, and the SamplingParams field each one sets
+_GRAMMAR_FIELDS = {
+    "json_schema": "json_schema",
+    "guided_json": "json_schema",
+    "regex": "regex",
+    "guided_regex": "regex",
+    "ebnf": "ebnf",
+    "grammar": "ebnf",
+    "guided_grammar": "ebnf",
+}
 
 
 class SamplingRequest(RequestModel):
     """The fields completions and chat share. `None` (or omitted) means the default.
 
-    OpenAI's sampling fields, then the vendor fields of SGLang and vLLM (`top_k`, `min_p`, ...);
-    structured output: `response_format`, or one of `json_schema` (`guided_json`), `regex`
-    (`guided_regex`), `ebnf` (`grammar`, `guided_grammar`), `guided_choice`.
+    OpenAI's sampling fields, then the vendor fields of SGLang and vLLM (`top_k`, `min_p`, ...).
+    Structured output, one constraint at most: `response_format`, SGLang's `json_schema`,
+    `regex` or `ebnf` (`grammar`), vLLM's `structured_outputs` or its older `guided_json`,
+    `guided_regex`, `guided_grammar`, `guided_choice` or `structural_tag`
+    (`guided_decoding_backend` picks an engine, not an output: it is taken and left alone;
+    `guided_whitespace_pattern` is refused).
     """
 
     model: str | None = None
@@ -144,14 +206,19 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     prompt_logprobs: TopLogprobs | None = None
-    json_schema: str | JsonObject | None = Field(
-        None, validation_alias=AliasChoices("json_schema", "guided_json")
-    )
-    regex: str | None = Field(None, validation_alias=AliasChoices("regex", "guided_regex"))
-    ebnf: str | None = Field(
-        None, validation_alias=AliasChoices("ebnf", "grammar", "guided_grammar")
-    )
+    # structured output: one constraint at most (`constraint()`)
+    json_schema: str | JsonObject | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | JsonObject | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
+    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -180,42 +247,48 @@ class SamplingRequest(RequestModel):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
+
     def check(self) -> None:
         if self.prompt_logprobs is not None and self.stream:
             raise RequestError(
                 "prompt_logprobs are not available with stream: true", "prompt_logprobs"
             )
-        self._constraint()
-
-    def _constraint(self) -> tuple[str, str] | None:
-        """The structured-output constraint asked for; RequestError when more than one is."""
-        given: list[tuple[str, tuple[str, str]]] = []
-        if self.response_format is not None:
-            constraint = self.response_format.constraint()
-            if constraint is not None:
-                given.append(("response_format", constraint))
-        if self.json_schema is not None:
-            schema = self.json_schema
-            text = schema if isinstance(schema, str) else json.dumps(schema)
-            given.append(("json_schema", ("json_schema", text)))
-        if self.regex is not None:
-            given.append(("regex", ("regex", self.regex)))
-        if self.ebnf is not None:
-            given.append(("ebnf", ("ebnf", self.ebnf)))
-        if self.guided_choice is not None:
-            given.append(("guided_choice", ("regex", _choice_regex(self.guided_choice))))
-        if len(given) > 1:
+        if self.stream_options is not None and not self.stream:
             raise RequestError(
-                f"{given[1][0]} cannot be combined with {given[0][0]}: give at most one "
-                "structured-output constraint",
-                given[1][0],
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                "stream_options",
             )
-        return given[0][1] if given else None
+        if "" in self.stop_strings:  # it would match at once, everywhere
+            raise RequestError("stop cannot contain an empty string.", "stop")
+        self.constraint()
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint asked for; RequestError when more than one is, or
+        one that cannot be honoured."""
+        if self.guided_whitespace_pattern is not None:
+            raise whitespace_refused("guided_whitespace_pattern")
+        given: list[Constraint] = []
+        if self.response_format is not None and (fmt := self.response_format.constraint()):
+            given.append(fmt)
+        for name, kind in _GRAMMAR_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                given.append(Constraint.grammar(name, kind, value))
+        if self.guided_choice is not None:
+            given.append(Constraint.choice("guided_choice", self.guided_choice))
+        if self.structural_tag is not None:
+            given.append(Constraint.structural_tag("structural_tag", self.structural_tag))
+        if self.structured_outputs is not None:
+            given += self.structured_outputs.constraints()
+        return only_one(given)
 
     def sampling_params(self, max_new_tokens: int, max_tokens_param: str) -> SamplingParams:
         """The engine's SamplingParams, validated; omitted fields take OpenAI's defaults.
         `max_tokens_param` names the field a bad `max_new_tokens` is reported under."""
-        constraint = self._constraint()
+        constraint = self.constraint()
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=_or(self.temperature, 1.0),
@@ -223,7 +296,7 @@ class SamplingRequest(RequestModel):
             top_k=-1 if self.top_k in (None, 0) else self.top_k,
             min_p=_or(self.min_p, 0.0),
             seed=self.seed,
-            stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
+            stop=self.stop_strings,
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=_or(self.ignore_eos, False),
             min_tokens=_or(self.min_tokens, 0),
@@ -233,7 +306,7 @@ class SamplingRequest(RequestModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             skip_special_tokens=_or(self.skip_special_tokens, True),
             spaces_between_special_tokens=_or(self.spaces_between_special_tokens, True),
-            **dict([constraint] if constraint else []),
+            **({constraint.kind: constraint.text} if constraint else {}),
         )
         try:
             params.validate()
@@ -272,7 +345,7 @@ class CompletionRequest(SamplingRequest):
                 "token-id lists"
             )
         if not prompts or any(not p for p in prompts):
-            raise ValueError("the prompt is empty")
+            raise ValueError("The prompt cannot be empty")
         return prompts
 
     @property

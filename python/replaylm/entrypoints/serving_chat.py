@@ -26,6 +26,7 @@ from replaylm.entrypoints.openai_chat_protocol import (
     ChatMessage,
     ChatTemplateOptions,
 )
+from replaylm.entrypoints.openai_constraints import Constraint, reported_under
 from replaylm.entrypoints.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
@@ -43,7 +44,6 @@ from replaylm.entrypoints.tool_call_parser import ToolCallParser
 from replaylm.entrypoints.tool_calls import ToolRequest, tool_request
 from replaylm.runtime.errors import RequestError
 from replaylm.runtime.io_struct import GenerateRequest, TokenLogprob
-from replaylm.sampling_params import SamplingParams
 
 
 def offered_tools(
@@ -70,18 +70,21 @@ def chat_prompt(
     return rendered, options
 
 
-def _force_calls(ctx: ServingContext, tools: ToolRequest | None, params: SamplingParams) -> None:
-    """Constrain the output to calls where `tool_choice` asks for them."""
+def _forced_calls(
+    ctx: ServingContext, tools: ToolRequest | None, asked: Constraint | None
+) -> Constraint | None:
+    """The constraint allowing only calls, where `tool_choice` forces them (None where it does
+    not); RequestError where the request `asked` for another constraint as well."""
     tag = ctx.chat_tools.structural_tag(tools) if ctx.chat_tools is not None else None
     if tag is None:
-        return
-    if params.constraint is not None:
+        return None
+    if asked is not None:
         raise RequestError(
-            f"a forced tool_choice cannot be combined with {params.constraint[0]} "
+            f"a forced tool_choice cannot be combined with {asked.param} "
             "(the call's arguments follow the function's schema)",
             "tool_choice",
         )
-    params.structural_tag = tag
+    return Constraint("tool_choice", "structural_tag", tag)
 
 
 class ChatRoute:
@@ -97,12 +100,16 @@ class ChatRoute:
                 "functions",
             )
         tools = offered_tools(body, body.effective_tool_choice, body.parallel_tool_calls)
+        asked = body.constraint()
+        forced = _forced_calls(self.ctx, tools, asked)
         messages, options = chat_prompt(self.ctx, body, body.messages, tools)
         with prompt_param("messages"):
             ids = await run_in_threadpool(self.ctx.tm.encode_chat, messages, **options)
         requested, param = body.requested_max_tokens
-        params = body.sampling_params(self.ctx.output_budget(len(ids), requested, param), param)
-        _force_calls(self.ctx, tools, params)
+        budget = self.ctx.output_budget(len(ids), requested, "messages", param)
+        params = body.sampling_params(budget, param)
+        if forced is not None:
+            params.structural_tag = forced.text
         req = GenerateRequest(
             ids,
             params,
@@ -110,7 +117,8 @@ class ChatRoute:
             prompt_logprobs=body.prompt_logprobs,
             n=body.num_choices,
         )
-        stream = await start_choices(self.ctx.tm, request, [req], "messages")
+        with reported_under(forced or asked):
+            stream = await start_choices(self.ctx.tm, request, [req], "messages")
         view = _ChatView(self.ctx, body, f"chatcmpl-{req.rid}", len(ids), tools)
         if body.stream:
             return EventStream(view.chunks(stream))

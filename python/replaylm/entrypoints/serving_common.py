@@ -14,7 +14,7 @@ import replaylm
 from replaylm.entrypoints.http_errors import APIError
 from replaylm.entrypoints.openai_responses import ModelCard
 from replaylm.entrypoints.tool_calls import ChatTools
-from replaylm.runtime.request_limits import check_max_new_tokens, output_room
+from replaylm.runtime.request_limits import check_context, output_room
 from replaylm.server_args import ServerArgs
 
 
@@ -74,14 +74,19 @@ class ServingContext:
         )
 
     def output_budget(
-        self, prompt_len: int, requested: int | None, param: str, default_cap: int | None = None
+        self,
+        prompt_len: int,
+        requested: int | None,
+        prompt_param: str,
+        output_param: str,
+        default_cap: int | None = None,
     ) -> int:
-        """`requested` output tokens (RequestError naming `param` when the prompt leaves less
-        room); without one, the room the prompt leaves, cut to `default_cap`."""
+        """`requested` output tokens, or without one the room the prompt leaves, cut to
+        `default_cap`; RequestError (OpenAI's context-overflow error) naming `prompt_param` when
+        the prompt leaves no room, `output_param` when it leaves less than `requested`."""
         context_len, kv_tokens = self.tm.context_len, self.tm.max_total_tokens
+        check_context(prompt_len, requested, context_len, kv_tokens, prompt_param, output_param)
         if requested is not None:
-            check_max_new_tokens(prompt_len, requested, context_len, kv_tokens, param)
             return requested
         room = output_room(prompt_len, context_len, kv_tokens)
-        # a prompt that leaves no room is the tokenizer manager's error to report
-        return max(1, room if default_cap is None else min(default_cap, room))
+        return room if default_cap is None else min(default_cap, room)

@@ -20,6 +20,7 @@ from replaylm.entrypoints.choices import (
 from replaylm.entrypoints.http_parsing import parse_body, prompt_param
 from replaylm.entrypoints.http_streaming import EventStream, json_response, unless_disconnected
 from replaylm.entrypoints.logprob_format import completion_logprobs, prompt_logprobs
+from replaylm.entrypoints.openai_constraints import reported_under
 from replaylm.entrypoints.openai_protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from replaylm.entrypoints.openai_responses import (
     CompletionChoice,
@@ -43,7 +44,8 @@ class CompletionsRoute:
         with prompt_param("prompt"):
             prompt_ids = await run_in_threadpool(self._encode, body)
         reqs = [self._generate_request(body, ids) for ids in prompt_ids]
-        stream = await start_choices(self.ctx.tm, request, reqs, "prompt")
+        with reported_under(body.constraint()):
+            stream = await start_choices(self.ctx.tm, request, reqs, "prompt")
         texts = await run_in_threadpool(self._prompt_texts, body, prompt_ids) if body.echo else []
         view = _CompletionView(self.ctx, body, prompt_ids, texts, f"cmpl-{reqs[0].rid}")
         if body.stream:
@@ -71,7 +73,7 @@ class CompletionsRoute:
             max_new = 1
         else:
             max_new = self.ctx.output_budget(
-                len(ids), body.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS
+                len(ids), body.max_tokens, "prompt", "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS
             )
         asked = [body.prompt_logprobs, body.logprobs if body.echo else None]
         wanted = [k for k in asked if k is not None]

@@ -82,9 +82,7 @@ def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> Tool
                 "tool_choice",
             )
         if function not in names:
-            raise RequestError(
-                f"tool_choice names '{function}', which tools does not declare", "tool_choice"
-            )
+            raise RequestError(f"Tool '{function}' has not been passed in `tools`.", "tool_choice")
     elif tool_choice is not None and tool_choice not in _CHOICES:
         raise RequestError(
             f"tool_choice must be one of {', '.join(_CHOICES)} or a function", "tool_choice"
@@ -111,9 +109,24 @@ def _tool_name(tool: Any, i: int) -> str:
         raise RequestError(
             f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-'", "tools"
         )
-    if not isinstance(function.get("parameters") or {}, dict):
+    parameters = function.get("parameters") or {}
+    if not isinstance(parameters, dict):
         raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    if parameters:
+        _check_parameters(parameters, f"tools[{i}].function.parameters")
     return name
+
+
+def _check_parameters(schema: dict[str, Any], param: str) -> None:
+    """RequestError naming `param` unless `schema` compiles: checked whatever `tool_choice`
+    says, so a schema that could not force a call is refused before the model answers."""
+    # imports xgrammar: structured output is imported where it is first needed
+    from replaylm.structured.compiler import check_json_schema
+
+    try:
+        check_json_schema(json.dumps(schema))
+    except ValueError as err:
+        raise RequestError(f"{param} is not a valid JSON schema: {err}", param) from err
 
 
 def detect_tool_format(chat_template: str | dict[str, str] | None) -> tuple[ToolFormat, str]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 
 class RequestError(ValueError):
-    """A bad request (HTTP 400). `param` names the offending field when there is one."""
+    """A bad request (HTTP 400). `param` names the offending field when there is one; `code` is
+    the OpenAI error code clients match on, where there is one (`context_length_exceeded`)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class ServiceUnavailableError(RuntimeError):

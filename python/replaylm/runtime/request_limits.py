@@ -1,33 +1,38 @@
 """Checks every new request passes before it is queued (Engine and TokenizerManager alike), and
-the output budget the HTTP layer checks a requested `max_tokens` against."""
+the context check the HTTP layer makes of a prompt and its requested output. Errors use OpenAI's
+wording where it has one (a context overflow says "maximum context length" and carries the code
+`context_length_exceeded`) and vLLM's elsewhere: clients match on both."""
 
 from __future__ import annotations
 
 from replaylm.runtime.errors import RequestError
 from replaylm.sampling_params import SamplingParams
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for an overflow
+
 
 def _limit(context_len: int, kv_tokens: int) -> tuple[int, str]:
-    """The tokens one request may hold in all, and what sets that limit."""
+    """The tokens one request may hold in all, and the sentence that says so (OpenAI's, naming
+    the KV cache where it, not the model, sets the limit)."""
     if context_len <= kv_tokens:
-        return context_len, "context length"
-    return kv_tokens, "KV cache size (tokens)"
+        return context_len, f"This model's maximum context length is {context_len} tokens."
+    return kv_tokens, (
+        f"This model's maximum context length is {kv_tokens} tokens (this server's KV cache size)."
+    )
 
 
 def check_input_ids(ids: list[int], vocab_size: int, context_len: int, kv_tokens: int) -> None:
-    """Raise RequestError for an empty prompt, ids outside the vocabulary, or a prompt that
-    leaves no room for one generated token in the context or the KV cache."""
+    """Raise RequestError for an empty prompt, a prompt that leaves no room for one generated
+    token in the context or the KV cache, or ids outside the vocabulary."""
     if not ids:
-        raise RequestError("the prompt is empty", "prompt")
-    limit, what = _limit(context_len, kv_tokens)
-    if len(ids) >= limit:
+        raise RequestError("The prompt cannot be empty", "prompt")
+    check_context(len(ids), None, context_len, kv_tokens, "prompt", "max_new_tokens")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
         raise RequestError(
-            f"the prompt has {len(ids)} tokens; the {what} is {limit}, which leaves no room "
-            "for output",
-            "prompt",
+            f"Token id {bad[0]} is out of vocabulary: input_ids must be ints in [0, {vocab_size})",
+            "input_ids",
         )
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
-        raise RequestError(f"input_ids must be ints in [0, {vocab_size})", "input_ids")
 
 
 def output_room(prompt_len: int, context_len: int, kv_tokens: int) -> int:
@@ -35,20 +40,34 @@ def output_room(prompt_len: int, context_len: int, kv_tokens: int) -> int:
     return _limit(context_len, kv_tokens)[0] - prompt_len
 
 
-def check_max_new_tokens(
-    prompt_len: int, requested: int, context_len: int, kv_tokens: int, param: str
+def check_context(
+    prompt_len: int,
+    requested: int | None,
+    context_len: int,
+    kv_tokens: int,
+    prompt_param: str,
+    output_param: str,
 ) -> None:
-    """RequestError naming `param` when `requested` output tokens do not fit after the prompt
-    (a prompt that leaves no room at all is check_input_ids' error, so nothing is said here)."""
-    room = output_room(prompt_len, context_len, kv_tokens)
-    if 1 <= room < requested:
-        limit, what = _limit(context_len, kv_tokens)
-        raise RequestError(
-            f"{param} is too large: {requested} tokens requested, but the {what} is {limit} and "
-            f"the prompt has {prompt_len} tokens, which leaves room for {room} "
-            f"({requested} > {limit} - {prompt_len})",
-            param,
+    """RequestError (code `context_length_exceeded`) when a prompt of `prompt_len` tokens and
+    `requested` output tokens (None: at least one) do not fit: naming `prompt_param` (also the
+    message's word for the prompt: "prompt", "messages") where the prompt alone leaves no room,
+    else `output_param`."""
+    limit, opening = _limit(context_len, kv_tokens)
+    if prompt_len + (requested or 1) <= limit:
+        return
+    if requested is None:
+        message = (
+            f"{opening} However, the prompt has {prompt_len} tokens, which leaves no room for the "
+            f"completion. Please reduce the length of the {prompt_param}."
         )
+    else:
+        message = (
+            f"{opening} However, you requested {prompt_len + requested} tokens ({prompt_len} in "
+            f"the {prompt_param}, {requested} in the completion). Please reduce the length of "
+            f"the {prompt_param} or completion."
+        )
+    param = prompt_param if prompt_len >= limit else output_param
+    raise RequestError(message, param, CONTEXT_LENGTH_EXCEEDED)
 
 
 def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -12,6 +12,7 @@ benchmarks) should ask for it.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from typing import Any
@@ -85,6 +86,17 @@ class GrammarCompiler:
             return self._compiler.compile_structural_tag(text)
         except (RuntimeError, ValueError, TypeError) as err:
             raise ValueError(f"invalid {field}: {_clean(str(err))}") from err
+
+
+@functools.lru_cache(maxsize=256)  # agents send the same tools every turn: checked once each
+def check_json_schema(schema: str) -> None:
+    """ValueError (one line) unless xgrammar takes `schema` as requests' schemas compile (strict
+    mode): the check, without the vocabulary, of a schema that is not compiled now, such as a
+    tool's parameters where calls are not forced."""
+    try:
+        xgr.Grammar.from_json_schema(schema, strict_mode=True)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise ValueError(_clean(str(err))) from err
 
 
 def _clean(message: str) -> str:
