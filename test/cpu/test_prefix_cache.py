@@ -75,10 +75,10 @@ def test_outputs_equal_the_cache_off(tiny_llama3, setting):
 
 
 def test_mixed_requests_with_aborts_on_a_tiny_pool(tiny_llama3):
-    """200 requests with shared prefixes arriving over time on a pool that forces eviction and
+    """150 requests with shared prefixes arriving over time on a pool that forces eviction and
     retraction, a quarter aborted mid-flight: every other output equals its solo run, and
     nothing leaks."""
-    prompts = _shared_prefix_prompts(200, seed=1)
+    prompts = _shared_prefix_prompts(150, seed=1)
     rng = random.Random(2)
     max_new = [rng.randrange(1, 16) for _ in prompts]
     solo_engine = _engine(tiny_llama3, cache=False)
