@@ -7,6 +7,7 @@ from that stream."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +142,28 @@ async def collect(stream: AsyncIterator[ChoiceOutput]) -> tuple[list[ChoiceResul
 
 def finish_reason(out: GenerateOutput) -> str | None:
     return out.finish_reason.type if out.finish_reason is not None else None
+
+
+def matched_stop(out: GenerateOutput) -> int | str | None:
+    """SGLang's `matched_stop`: the stop string or token id (EOS included) that ended the choice;
+    None while it runs and when it ended otherwise (length, abort)."""
+    reason = out.finish_reason
+    return reason.matched if reason is not None and reason.type == "stop" else None
+
+
+async def with_stop_strings(
+    stream: AsyncGenerator[ChoiceOutput, None],
+) -> AsyncGenerator[ChoiceOutput, None]:
+    """vLLM's `include_stop_str_in_output`: each choice's text ends with the stop string that
+    ended it. The engine cuts the text at the string's first match, so appending it is exact."""
+    try:
+        async for c in stream:
+            stop = matched_stop(c.out)
+            if isinstance(stop, str):
+                c = dataclasses.replace(c, out=dataclasses.replace(c.out, text=c.out.text + stop))
+            yield c
+    finally:
+        await stream.aclose()
 
 
 def _usage(prompt: int, completion: int, cached: int) -> UsageInfo:

@@ -1,6 +1,8 @@
 """FastAPI app over a TokenizerManager: OpenAI-compatible, vLLM-compatible and native endpoints.
 
     POST /v1/completions, POST /v1/chat/completions                    (OpenAI; serving_*)
+    POST /v1/responses, GET and DELETE /v1/responses/{id}  (OpenAI's Responses API, over chat)
+    POST /invocations                                  (SageMaker's: chat or completions by body)
     GET /v1/models, GET /v1/models/{id}
     POST /tokenize, POST /detokenize, GET /tokenizer_info               (vLLM's shapes)
     POST /generate                                                      (native)
@@ -31,28 +33,36 @@ from replaylm.entrypoints.http_guards import BodySizeLimit, require_api_key
 from replaylm.entrypoints.serving_chat import ChatRoute
 from replaylm.entrypoints.serving_common import ServingContext
 from replaylm.entrypoints.serving_completions import CompletionsRoute
+from replaylm.entrypoints.serving_invocations import InvocationsRoute
 from replaylm.entrypoints.serving_native import NativeGenerateRoute
 from replaylm.entrypoints.serving_ops import OpsRoutes
+from replaylm.entrypoints.serving_responses import ResponsesRoute
 from replaylm.entrypoints.serving_tokenize import TokenizeRoutes
 
 
 def create_app(tokenizer_manager: Any) -> FastAPI:
     """The app serving `tokenizer_manager` (a replaylm TokenizerManager, or any object with its
     interface: served_model_name, context_len, max_total_tokens, vocab_size, tokenizer,
-    server_args (api_key, max_request_body_bytes), metrics, healthy, encode, encode_chat,
-    generate, health_generate, server_info, flush_cache). `encode` and `encode_chat` run in worker
-    threads."""
+    server_args (api_key, max_request_body_bytes, model_path), metrics, healthy, encode,
+    encode_chat, generate, health_generate, server_info, flush_cache). `encode` and `encode_chat`
+    run in worker threads."""
     app = FastAPI(title="replaylm", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=tokenizer_manager.server_args.max_request_body_bytes)
     ctx = ServingContext(tokenizer_manager)
     ops, tokenize = OpsRoutes(ctx), TokenizeRoutes(ctx)
+    chat, completions = ChatRoute(ctx), CompletionsRoute(ctx)
+    responses = ResponsesRoute(ctx)
     app.add_api_route("/health", ops.health, methods=["GET"])
     app.add_api_route("/metrics", ops.metrics, methods=["GET"])
     auth = [Depends(require_api_key(tokenizer_manager.server_args.api_key))]
     routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
-        ("/v1/completions", CompletionsRoute(ctx).handle, "POST"),
-        ("/v1/chat/completions", ChatRoute(ctx).handle, "POST"),
+        ("/v1/completions", completions.handle, "POST"),
+        ("/v1/chat/completions", chat.handle, "POST"),
+        ("/v1/responses", responses.create, "POST"),
+        ("/v1/responses/{response_id}", responses.retrieve, "GET"),
+        ("/v1/responses/{response_id}", responses.delete, "DELETE"),
+        ("/invocations", InvocationsRoute(chat, completions).handle, "POST"),
         ("/v1/models", ops.models, "GET"),
         ("/v1/models/{model_id:path}", ops.model, "GET"),
         ("/tokenize", tokenize.tokenize, "POST"),

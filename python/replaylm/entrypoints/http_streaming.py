@@ -24,15 +24,18 @@ def json_response(model: BaseModel) -> Response:
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events (`data: <json>`, then `data: [DONE]`) from `payloads`. The body
-    generator is closed however the stream ends, so a client that disconnects aborts the
-    request at once (not when the generator is garbage-collected); a scheduler failure
+    """Server-sent events (`data: <json>`, then `data: [DONE]`) from `payloads`; `named` (the
+    Responses API's form): each event opens with `event: <its type>`, and no `[DONE]` follows.
+    The body generator is closed however the stream ends, so a client that disconnects aborts
+    the request at once (not when the generator is garbage-collected); a scheduler failure
     mid-stream is sent as an error event (the status line is already out)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, payloads: AsyncGenerator[BaseModel | dict[str, Any], None]) -> None:
-        self._body = _sse(payloads)
+    def __init__(
+        self, payloads: AsyncGenerator[BaseModel | dict[str, Any], None], named: bool = False
+    ) -> None:
+        self._body = _sse(payloads, named)
         super().__init__(self._body)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -43,16 +46,24 @@ class EventStream(StreamingResponse):
 
 
 async def _sse(
-    payloads: AsyncGenerator[BaseModel | dict[str, Any], None],
+    payloads: AsyncGenerator[BaseModel | dict[str, Any], None], named: bool
 ) -> AsyncGenerator[str, None]:
     try:
         async for payload in payloads:
-            yield f"data: {_dump(payload)}\n\n"
+            head = _event_line(payload) if named else ""
+            yield f"{head}data: {_dump(payload)}\n\n"
     except ServiceUnavailableError as err:
-        yield f"data: {error_payload(503, str(err)).model_dump_json()}\n\n"
+        head = "event: error\n" if named else ""
+        yield f"{head}data: {error_payload(503, str(err)).model_dump_json()}\n\n"
     finally:
         await payloads.aclose()
-    yield "data: [DONE]\n\n"
+    if not named:
+        yield "data: [DONE]\n\n"
+
+
+def _event_line(payload: BaseModel | dict[str, Any]) -> str:
+    fields = payload if isinstance(payload, dict) else vars(payload)  # a model's own fields
+    return f"event: {fields['type']}\n"
 
 
 def _dump(payload: BaseModel | dict[str, Any]) -> str:

@@ -55,13 +55,16 @@ class ToolCall(RequestModel):
         return {"id": self.id, "type": "function", "function": call}
 
 
+OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
 class ChatMessage(RequestModel):
     """A message; an assistant's may carry `tool_calls` (its content then may be null), a
     `tool` message answers the call named by `tool_call_id`. Content is required (OpenAI's
     rule) but of an assistant's message that calls or refuses, and of the deprecated `function`
-    role's."""
+    role's. Roles beyond OPENAI_ROLES go to the chat template as they are (vLLM's rule)."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -125,15 +128,23 @@ class ChatTemplateOptions(RequestModel):
     `continue_final_message`, which leaves the last message open for the model to continue),
     `add_special_tokens` (the tokenizer's BOS and the like on top of the template's),
     `chat_template_kwargs` (further template variables), `tools` (offered to the model in its
-    tool-call format: `tool_calls.ChatTools`)."""
+    tool-call format: `tool_calls.ChatTools`). vLLM's `chat_template` (a template of the
+    request's own) is refused: the tokenizer renders its own template only."""
 
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     add_special_tokens: bool | None = None
+    chat_template: str | None = None
     chat_template_kwargs: JsonObject | None = None
     tools: list[Tool] | None = None
 
     def _check_messages(self, messages: list[ChatMessage]) -> None:
+        if self.chat_template is not None:
+            raise RequestError(
+                "chat_template is not supported: messages are rendered with the model's own "
+                "chat template",
+                "chat_template",
+            )
         for i, message in enumerate(messages):
             if message.lacks_content:
                 raise RequestError(

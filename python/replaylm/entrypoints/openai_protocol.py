@@ -180,7 +180,9 @@ class SamplingRequest(RequestModel):
     `regex` or `ebnf` (`grammar`), vLLM's `structured_outputs` or its older `guided_json`,
     `guided_regex`, `guided_grammar`, `guided_choice` or `structural_tag`
     (`guided_decoding_backend` picks an engine, not an output: it is taken and left alone;
-    `guided_whitespace_pattern` is refused).
+    `guided_whitespace_pattern` is refused). vLLM's output options: `include_stop_str_in_output`,
+    `truncate_prompt_tokens` (`truncated_prompt()`), `return_token_ids`; its `use_beam_search`,
+    `allowed_token_ids` and `bad_words` are refused when they ask for something.
     """
 
     model: str | None = None
@@ -206,6 +208,13 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     prompt_logprobs: TopLogprobs | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM: keep the last N (-1: the context's worth)
+    return_token_ids: bool | None = None
+    # refused when they ask for something (`_check_unsupported`)
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: str | list[str] | None = None
+    use_beam_search: bool | None = None
     # structured output: one constraint at most (`constraint()`)
     json_schema: str | JsonObject | None = None
     regex: str | None = None
@@ -225,6 +234,13 @@ class SamplingRequest(RequestModel):
     def _top_k(cls, v: int | None) -> int | None:
         if v is not None and v < -1:
             raise ValueError("top_k must be -1 or 0 (off) or an int >= 1")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v is not None and v < 1 and v != -1:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context length) or >= 1")
         return v
 
     @field_validator("logit_bias")
@@ -263,7 +279,37 @@ class SamplingRequest(RequestModel):
             )
         if "" in self.stop_strings:  # it would match at once, everywhere
             raise RequestError("stop cannot contain an empty string.", "stop")
+        self._check_unsupported()
         self.constraint()
+
+    def _check_unsupported(self) -> None:
+        """vLLM's fields that change the output but that the engine cannot honour."""
+        if self.use_beam_search:
+            raise RequestError("beam search is not implemented", "use_beam_search")
+        if self.allowed_token_ids:
+            raise RequestError(
+                "allowed_token_ids is not supported: the sampler has no per-request token mask",
+                "allowed_token_ids",
+            )
+        if self.bad_words:
+            raise RequestError(
+                "bad_words is not supported: the sampler does not ban token sequences",
+                "bad_words",
+            )
+
+    def truncated_prompt(self, ids: list[int], context_len: int) -> list[int]:
+        """`ids` less all but their last `truncate_prompt_tokens`; RequestError naming it when it
+        exceeds the context."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep > context_len:
+            raise RequestError(
+                f"truncate_prompt_tokens ({keep}) is greater than the context length "
+                f"({context_len})",
+                "truncate_prompt_tokens",
+            )
+        return ids[-(context_len if keep == -1 else keep) :]
 
     def constraint(self) -> Constraint | None:
         """The structured-output constraint asked for; RequestError when more than one is, or
@@ -380,6 +426,14 @@ class NativeGenerateRequest(RequestModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
+    logprob_start_len: int | None = None  # SGLang's -1: output logprobs only
+
+    def check(self) -> None:
+        if self.logprob_start_len not in (None, -1):
+            raise RequestError(
+                "logprob_start_len is not supported: /generate returns no prompt logprobs",
+                "logprob_start_len",
+            )
 
 
 class DetokenizeRequest(RequestModel):

@@ -44,12 +44,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+# SGLang's `matched_stop`: the stop string or token id (EOS included) that ended a choice
+MatchedStop = int | str | None
+
+
 class CompletionChoice(BaseModel):
+    """`prompt_token_ids` (in a stream: the choice's first chunk) and `token_ids` with vLLM's
+    `return_token_ids`."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    matched_stop: MatchedStop = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class _ResponseHead(BaseModel):
@@ -108,13 +118,17 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None  # "tool_calls" when the message calls tools
+    matched_stop: MatchedStop = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(_ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM: the prompt's, shared by the choices
+    # vLLM: the prompt's, shared by the choices
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -143,19 +157,26 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    matched_stop: MatchedStop = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(_ResponseHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on each choice's first chunk
 
 
 class ModelCard(BaseModel):
+    """vLLM's and SGLang's card: `root` is the model's path, `parent` is for adapters (none)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "replaylm"
+    root: str
+    parent: str | None = None
     max_model_len: int
 
 

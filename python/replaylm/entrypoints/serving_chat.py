@@ -3,7 +3,9 @@ logprobs, vLLM's `echo` and `prompt_logprobs`, tool calls (`tool_calls`); whole 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -16,12 +18,15 @@ from replaylm.entrypoints.choices import (
     UsageCounter,
     collect,
     finish_reason,
+    matched_stop,
     start_choices,
+    with_stop_strings,
 )
 from replaylm.entrypoints.http_parsing import parse_body, prompt_param
 from replaylm.entrypoints.http_streaming import EventStream, json_response, unless_disconnected
 from replaylm.entrypoints.logprob_format import chat_logprobs, prompt_logprobs
 from replaylm.entrypoints.openai_chat_protocol import (
+    OPENAI_ROLES,
     ChatCompletionRequest,
     ChatMessage,
     ChatTemplateOptions,
@@ -70,6 +75,22 @@ def chat_prompt(
     return rendered, options
 
 
+@contextlib.contextmanager
+def template_errors(messages: list[ChatMessage]) -> Iterator[None]:
+    """A chat template failing on messages that include a role beyond OpenAI's: the error names
+    the first such message's role, the likeliest cause (templates often refuse unknown roles)."""
+    try:
+        yield
+    except RequestError as err:
+        custom = next((i for i, m in enumerate(messages) if m.role not in OPENAI_ROLES), None)
+        if err.param != "messages" or custom is None:
+            raise
+        role = messages[custom].role
+        raise RequestError(
+            f"{err} (messages[{custom}] has the role {role!r})", f"messages[{custom}].role"
+        ) from err
+
+
 def _forced_calls(
     ctx: ServingContext, tools: ToolRequest | None, asked: Constraint | None
 ) -> Constraint | None:
@@ -87,6 +108,52 @@ def _forced_calls(
     return Constraint("tool_choice", "structural_tag", tag)
 
 
+@dataclass
+class StartedChat:
+    """A chat request under way: its choices' outputs as they come, and what shows them."""
+
+    stream: AsyncGenerator[ChoiceOutput, None]
+    rid: str
+    prompt_ids: list[int]
+    tools: ToolRequest | None
+
+
+async def start_chat(
+    ctx: ServingContext, request: Request, body: ChatCompletionRequest
+) -> StartedChat:
+    """Render, tokenize and start a checked chat request (the Responses API's too); bad input
+    raises RequestError here, before any response has begun."""
+    if body.functions and body.function_call != "none":
+        raise RequestError(
+            "the deprecated functions are not available: declare them as tools",
+            "functions",
+        )
+    tools = offered_tools(body, body.effective_tool_choice, body.parallel_tool_calls)
+    asked = body.constraint()
+    forced = _forced_calls(ctx, tools, asked)
+    messages, options = chat_prompt(ctx, body, body.messages, tools)
+    with prompt_param("messages"), template_errors(body.messages):
+        rendered = await run_in_threadpool(ctx.tm.encode_chat, messages, **options)
+    ids = body.truncated_prompt(rendered, ctx.tm.context_len)
+    requested, param = body.requested_max_tokens
+    budget = ctx.output_budget(len(ids), requested, "messages", param)
+    params = body.sampling_params(budget, param)
+    if forced is not None:
+        params.structural_tag = forced.text
+    req = GenerateRequest(
+        ids,
+        params,
+        top_logprobs=body.top_logprobs_k,
+        prompt_logprobs=body.prompt_logprobs,
+        n=body.num_choices,
+    )
+    with reported_under(forced or asked):
+        stream = await start_choices(ctx.tm, request, [req], "messages")
+    if body.include_stop_str_in_output:
+        stream = with_stop_strings(stream)
+    return StartedChat(stream, req.rid, ids, tools)
+
+
 class ChatRoute:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -94,35 +161,11 @@ class ChatRoute:
     async def handle(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         self.ctx.check_model(body.model)
-        if body.functions and body.function_call != "none":
-            raise RequestError(
-                "the deprecated functions are not available: declare them as tools",
-                "functions",
-            )
-        tools = offered_tools(body, body.effective_tool_choice, body.parallel_tool_calls)
-        asked = body.constraint()
-        forced = _forced_calls(self.ctx, tools, asked)
-        messages, options = chat_prompt(self.ctx, body, body.messages, tools)
-        with prompt_param("messages"):
-            ids = await run_in_threadpool(self.ctx.tm.encode_chat, messages, **options)
-        requested, param = body.requested_max_tokens
-        budget = self.ctx.output_budget(len(ids), requested, "messages", param)
-        params = body.sampling_params(budget, param)
-        if forced is not None:
-            params.structural_tag = forced.text
-        req = GenerateRequest(
-            ids,
-            params,
-            top_logprobs=body.top_logprobs_k,
-            prompt_logprobs=body.prompt_logprobs,
-            n=body.num_choices,
-        )
-        with reported_under(forced or asked):
-            stream = await start_choices(self.ctx.tm, request, [req], "messages")
-        view = _ChatView(self.ctx, body, f"chatcmpl-{req.rid}", len(ids), tools)
+        chat = await start_chat(self.ctx, request, body)
+        view = _ChatView(self.ctx, body, f"chatcmpl-{chat.rid}", chat.prompt_ids, chat.tools)
         if body.stream:
-            return EventStream(view.chunks(stream))
-        results, usage = await unless_disconnected(request, collect(stream))
+            return EventStream(view.chunks(chat.stream))
+        results, usage = await unless_disconnected(request, collect(chat.stream))
         return json_response(view.response(results, usage))
 
 
@@ -134,10 +177,12 @@ class _ChatView:
         ctx: ServingContext,
         body: ChatCompletionRequest,
         rid: str,
-        prompt_len: int,
+        prompt_ids: list[int],
         tools: ToolRequest | None,
     ) -> None:
-        self.ctx, self.body, self.rid, self.prompt_len = ctx, body, rid, prompt_len
+        self.ctx, self.body, self.rid, self.prompt_ids = ctx, body, rid, prompt_ids
+        # vLLM's return_token_ids: the prompt's ids on the response, the output's on each choice
+        self.token_ids = bool(body.return_token_ids)
         # calls are parsed out of the text where tools are offered
         self.tools = tools if ctx.chat_tools is not None else None
         last = body.messages[-1]
@@ -155,6 +200,8 @@ class _ChatView:
                 message=self._message(r.text),
                 logprobs=self._logprobs(r.logprobs),
                 finish_reason=finish_reason(r.last),
+                matched_stop=matched_stop(r.last),
+                token_ids=r.token_ids if self.token_ids else None,
             )
             for r in results
         ]
@@ -172,6 +219,7 @@ class _ChatView:
             choices=choices,
             usage=usage,
             prompt_logprobs=prompt_lps,
+            prompt_token_ids=self.prompt_ids if self.token_ids else None,
         )
 
     def _message(self, text: str) -> ChatMessageOut:
@@ -184,7 +232,10 @@ class _ChatView:
         )
 
     def _chunk(
-        self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None
+        self,
+        choices: list[ChatStreamChoice],
+        usage: UsageInfo | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.rid,
@@ -192,19 +243,20 @@ class _ChatView:
             system_fingerprint=self.ctx.fingerprint,
             choices=choices,
             usage=usage,
+            prompt_token_ids=prompt_token_ids,
         )
 
     async def chunks(
         self, stream: AsyncIterator[ChoiceOutput]
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
         # no output yet: its usage is the prompt's alone
-        start = UsageInfo(
-            prompt_tokens=self.prompt_len, completion_tokens=0, total_tokens=self.prompt_len
-        )
+        prompt_len = len(self.prompt_ids)
+        start = UsageInfo(prompt_tokens=prompt_len, completion_tokens=0, total_tokens=prompt_len)
+        prompt_ids = self.prompt_ids if self.token_ids else None
         for index in range(self.body.num_choices):
             opening = DeltaMessage(role="assistant", content=self.echo)
             choice = ChatStreamChoice(index=index, delta=opening)
-            yield self._chunk([choice], start if self.body.continuous_usage else None)
+            yield self._chunk([choice], start if self.body.continuous_usage else None, prompt_ids)
         usage = UsageCounter()
         parsers: dict[int, ToolCallParser] = {}
         called: set[int] = set()  # choices that called a tool
@@ -221,13 +273,17 @@ class _ChatView:
                     called.add(c.index)
                 if reason == "stop" and c.index in called:
                     reason = "tool_calls"
-            if c.out.text or (logprobs and logprobs.content) or reason:
-                for i, delta in enumerate(deltas):  # logprobs first, the finish reason last
+            token_ids = c.out.token_ids if self.token_ids else None
+            if c.out.text or (logprobs and logprobs.content) or reason or token_ids:
+                last = len(deltas) - 1
+                for i, delta in enumerate(deltas):  # logprobs and ids first, the finish last
                     choice = ChatStreamChoice(
                         index=c.index,
                         delta=delta,
                         logprobs=logprobs if i == 0 else None,
-                        finish_reason=reason if i == len(deltas) - 1 else None,
+                        finish_reason=reason if i == last else None,
+                        matched_stop=matched_stop(c.out) if i == last else None,
+                        token_ids=token_ids if i == 0 else None,
                     )
                     chunk_usage = usage.so_far(c) if self.body.continuous_usage else None
                     yield self._chunk([choice], chunk_usage)

@@ -70,7 +70,10 @@ class ServingContext:
 
     def model_card(self) -> ModelCard:
         return ModelCard(
-            id=self.model_name, created=self.created, max_model_len=self.tm.context_len
+            id=self.model_name,
+            created=self.created,
+            root=self.tm.server_args.model_path,
+            max_model_len=self.tm.context_len,
         )
 
     def output_budget(

@@ -15,7 +15,9 @@ from replaylm.entrypoints.choices import (
     UsageCounter,
     collect,
     finish_reason,
+    matched_stop,
     start_choices,
+    with_stop_strings,
 )
 from replaylm.entrypoints.http_parsing import parse_body, prompt_param
 from replaylm.entrypoints.http_streaming import EventStream, json_response, unless_disconnected
@@ -42,10 +44,13 @@ class CompletionsRoute:
         body = await parse_body(request, CompletionRequest)
         self.ctx.check_model(body.model)
         with prompt_param("prompt"):
-            prompt_ids = await run_in_threadpool(self._encode, body)
+            encoded = await run_in_threadpool(self._encode, body)
+        prompt_ids = [body.truncated_prompt(ids, self.ctx.tm.context_len) for ids in encoded]
         reqs = [self._generate_request(body, ids) for ids in prompt_ids]
         with reported_under(body.constraint()):
             stream = await start_choices(self.ctx.tm, request, reqs, "prompt")
+        if body.include_stop_str_in_output:
+            stream = with_stop_strings(stream)
         texts = await run_in_threadpool(self._prompt_texts, body, prompt_ids) if body.echo else []
         view = _CompletionView(self.ctx, body, prompt_ids, texts, f"cmpl-{reqs[0].rid}")
         if body.stream:
@@ -61,12 +66,17 @@ class CompletionsRoute:
         ]
 
     def _prompt_texts(self, body: CompletionRequest, prompt_ids: list[list[int]]) -> list[str]:
-        """The prompts as `echo` returns them: as sent, or token ids decoded."""
-        tokenizer = self.ctx.tm.tokenizer
+        """The prompts as `echo` returns them: as sent, or token ids (or what truncation kept of
+        a text) decoded."""
+        as_sent = body.truncate_prompt_tokens is None
         return [
-            p if isinstance(p, str) else tokenizer.decode(ids) if tokenizer is not None else ""
+            p if isinstance(p, str) and as_sent else self._decode(ids)
             for p, ids in zip(body.prompts, prompt_ids, strict=True)
         ]
+
+    def _decode(self, ids: list[int]) -> str:
+        tokenizer = self.ctx.tm.tokenizer
+        return tokenizer.decode(ids) if tokenizer is not None else ""
 
     def _generate_request(self, body: CompletionRequest, ids: list[int]) -> GenerateRequest:
         if body.max_tokens == 0:  # echo alone: one token is generated and left out
@@ -132,6 +142,16 @@ class _CompletionView:
             entries = list(zip(ids, lps, strict=True)) + entries
         return text, entries
 
+    def _token_ids(
+        self, prompt_index: int, ids: list[int], first: bool
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """vLLM's `return_token_ids`: (the prompt's ids, in the choice's first increment; the
+        output's ids, none under `max_tokens: 0`); (None, None) when not asked."""
+        if not self.body.return_token_ids:
+            return None, None
+        output = [] if self.body.max_tokens == 0 else ids
+        return (self.prompt_ids[prompt_index] if first else None), output
+
     def _logprobs(self, entries: Entries, offset: int) -> tuple[CompletionLogprobs | None, int]:
         if self.body.logprobs is None:
             return None, offset
@@ -148,13 +168,17 @@ class _CompletionView:
             if self.body.prompt_logprobs is not None:
                 k = self.body.prompt_logprobs
                 prompt_lps = prompt_logprobs(r.prompt_logprobs, k, self.ctx.token_text)
+            prompt_ids, token_ids = self._token_ids(r.prompt_index, r.token_ids, first=True)
             choices.append(
                 CompletionChoice(
                     index=r.index,
                     text=text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(r.last),
+                    matched_stop=matched_stop(r.last),
                     prompt_logprobs=prompt_lps,
+                    prompt_token_ids=prompt_ids,
+                    token_ids=token_ids,
                 )
             )
         return self._response(choices, usage)
@@ -164,6 +188,7 @@ class _CompletionView:
     ) -> AsyncGenerator[CompletionResponse, None]:
         usage = UsageCounter()
         offsets: dict[int, int] = {}  # choice index -> characters sent so far
+        opened: set[int] = set()  # choices with a chunk sent
         async for c in stream:
             usage.add(c)
             first = c.index not in offsets
@@ -172,9 +197,19 @@ class _CompletionView:
             )
             logprobs, offsets[c.index] = self._logprobs(entries, offsets.get(c.index, 0))
             reason = finish_reason(c.out)
-            if text or entries or reason:
+            prompt_ids, token_ids = self._token_ids(
+                c.prompt_index, c.out.token_ids, c.index not in opened
+            )
+            if text or entries or reason or token_ids:
+                opened.add(c.index)
                 choice = CompletionChoice(
-                    index=c.index, text=text, logprobs=logprobs, finish_reason=reason
+                    index=c.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=reason,
+                    matched_stop=matched_stop(c.out),
+                    prompt_token_ids=prompt_ids,
+                    token_ids=token_ids,
                 )
                 so_far = usage.so_far(c) if self.body.continuous_usage else None
                 yield self._response([choice], so_far)

@@ -15,7 +15,7 @@ from replaylm.entrypoints.http_streaming import json_response
 from replaylm.entrypoints.openai_chat_protocol import TokenizeRequest
 from replaylm.entrypoints.openai_protocol import DetokenizeRequest
 from replaylm.entrypoints.openai_responses import DetokenizeResponse, TokenizeResponse
-from replaylm.entrypoints.serving_chat import chat_prompt, offered_tools
+from replaylm.entrypoints.serving_chat import chat_prompt, offered_tools, template_errors
 from replaylm.entrypoints.serving_common import ServingContext
 from replaylm.model_loader.tokenizer import tokenizer_class_name
 from replaylm.runtime.errors import RequestError
@@ -39,7 +39,7 @@ class TokenizeRoutes:
         else:
             assert body.messages is not None  # check() saw one of them
             messages, options = chat_prompt(self.ctx, body, body.messages, offered_tools(body))
-            with prompt_param("messages"):
+            with prompt_param("messages"), template_errors(body.messages):
                 ids = await run_in_threadpool(tm.encode_chat, messages, **options)
         strs = tm.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return json_response(
