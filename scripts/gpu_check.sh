@@ -44,7 +44,8 @@
 #   enable-mixed-chunk, ...); img/serving_rates.png plots the sweeps (ITL p99, TTFT p50, output
 #   tok/s per rate, a line per server) when matplotlib imports.
 #   speculative: bench_speculative.py's verify-step costs and replay runs (Llama-3.1-8B and
-#   Qwen3-0.6B, dummy weights) and the n-gram drafter on the built-in SmolLM2.
+#   Qwen3-0.6B, dummy weights), a Llama-3.2-1B-shaped draft model for the 8B, and the n-gram
+#   drafter on the built-in SmolLM2.
 #   decode_host_scale: decode_host's host time per step at 256, 512 and 1024 running requests
 #   (Qwen3-0.6B, dummy weights, 256-token prompts: 1024 of 512 would not fit the KV cache).
 #   Multi-GPU (tensor parallelism, not in the default list; test/gpu/test_tensor_parallel_cuda.py
