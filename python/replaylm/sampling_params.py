@@ -31,6 +31,8 @@ class SamplingParams:
     Penalties follow OpenAI (presence / frequency, over the output tokens, in [-2, 2]) and
     vLLM (repetition: logits of tokens seen in the prompt or output divided by it when positive,
     multiplied when negative). `logit_bias` adds its value (in [-100, 100]) to a token's logit.
+    `allowed_token_ids` (vLLM): only these ids can be sampled (None: any); `banned_token_ids`:
+    these ids are never sampled (vLLM's single-token `bad_words`, once tokenized).
     `json_schema` / `regex` / `ebnf` / `structural_tag` (xgrammar's JSON form): the output follows
     that grammar. `skip_special_tokens` / `spaces_between_special_tokens`: how output is decoded.
     Construction does not validate; call `validate()` (or build through `from_dict`).
@@ -50,6 +52,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    banned_token_ids: list[int] = field(default_factory=list)
     # structured output: at most one of these constrains the output (a grammar engine's input)
     json_schema: str | None = None
     regex: str | None = None
@@ -122,6 +126,21 @@ class SamplingParams:
                 "logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], "
                 f"got {self.logit_bias!r}"
             )
+        if self.allowed_token_ids is not None and not (
+            isinstance(self.allowed_token_ids, list)
+            and self.allowed_token_ids
+            and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError(
+                "allowed_token_ids must be None or a non-empty list of ints >= 0, "
+                f"got {self.allowed_token_ids!r}"
+            )
+        if not isinstance(self.banned_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.banned_token_ids
+        ):
+            raise ValueError(
+                f"banned_token_ids must be a list of ints >= 0, got {self.banned_token_ids!r}"
+            )
         constraints = [n for n in CONSTRAINT_FIELDS if getattr(self, n) is not None]
         for name in constraints:
             if not isinstance(getattr(self, name), str):
@@ -137,6 +156,17 @@ class SamplingParams:
         """True when a penalty changes the logits (all at their neutral values: False)."""
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1.0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the logits change before sampling at every step: penalties, logit_bias,
+        allowed or banned token ids (min_tokens, which lapses, is the caller's to check)."""
+        return bool(
+            self.has_penalties
+            or self.logit_bias
+            or self.banned_token_ids
+            or self.allowed_token_ids is not None
         )
 
     @property

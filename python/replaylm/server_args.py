@@ -256,9 +256,9 @@ class ServerArgs:
             "prompt and output (what followed the latest earlier occurrence of its last tokens; "
             "no draft model). draft_model: a smaller model of the same vocabulary "
             "(--speculative-draft-model-path) proposes greedily, one decode step a token. "
-            "Requests with penalties, logit_bias, min_tokens, a grammar or "
-            "logprobs decode one token a step beside the others. The overlap schedule is off "
-            "under speculation. Default: off.",
+            "Requests with penalties, logit_bias, min_tokens, allowed or banned ids, a "
+            "grammar or logprobs decode one token a step beside the others. The overlap "
+            "schedule is off under speculation. Default: off.",
             SPECULATIVE_ALGORITHMS,
         ),
     )

@@ -1,4 +1,5 @@
-"""Penalties, logit_bias and min_tokens on a tiny checkpoint through the real scheduler.
+"""Penalties, logit_bias, min_tokens, allowed and banned ids on a tiny checkpoint through the
+real scheduler.
 
 Every sampled row's logits are compared with a plain torch reference computed from the
 request's prompt and the tokens it had out at that step (test/penalty_reference.py), with
@@ -137,6 +138,31 @@ def test_logit_bias_forces_and_forbids_greedy_tokens(engine):
     assert not set(other["output_ids"]) & set(free)
 
 
+def test_allowed_and_banned_ids_beside_penalised_and_plain_rows(engine):
+    """One batch: banned ids are never sampled, greedy takes the best allowed id (with its
+    logit_bias: the allowed ids keep their adjusted logits), and the other rows sample as
+    alone."""
+    prompt = PROMPTS[3]
+    base = {"max_new_tokens": 10, "ignore_eos": True, **GREEDY}
+    free = engine.generate(input_ids=prompt, sampling_params=base)["output_ids"]
+    penalised = {**base, "presence_penalty": 1.5}
+    alone = engine.generate(input_ids=prompt, sampling_params=penalised)["output_ids"]
+    params = [
+        {**base, "banned_token_ids": sorted(set(free))},
+        {**base, "allowed_token_ids": [free[0], 40, 41]},
+        {**base, "allowed_token_ids": [17, 40], "logit_bias": {40: 100}},
+        penalised,
+        base,
+    ]
+    outs = [
+        o["output_ids"] for o in engine.generate(input_ids=[prompt] * 5, sampling_params=params)
+    ]
+    assert outs[0] and not set(outs[0]) & set(free)
+    assert outs[1][0] == free[0] and set(outs[1]) <= {free[0], 40, 41}
+    assert outs[2] == [40] * 10
+    assert outs[3:] == [alone, free]
+
+
 def test_min_tokens_wins_over_a_forced_eos(engine):
     prompt = PROMPTS[2]
     params = {"max_new_tokens": 12, "logit_bias": {EOS: 100}, **GREEDY}
@@ -174,7 +200,12 @@ def test_a_batch_without_adjustments_builds_nothing():
 
 
 def test_out_of_vocabulary_ids_are_refused(engine):
-    for field, value in (("logit_bias", {320: 1.0}), ("stop_token_ids", [5, 400])):
+    for field, value in (
+        ("logit_bias", {320: 1.0}),
+        ("stop_token_ids", [5, 400]),
+        ("allowed_token_ids", [5, 400]),
+        ("banned_token_ids", [400]),
+    ):
         with pytest.raises(RequestError, match="outside the vocabulary") as err:
             engine.generate(input_ids=[5, 6], sampling_params={field: value})
         assert err.value.param == field

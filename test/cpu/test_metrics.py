@@ -1,6 +1,7 @@
 """GET /metrics of a real server (built-in SmolLM2 on CPU, see conftest.py): each per-request
 series counts exactly the requests sent, the timing histograms split the latency consistently,
-preemptions are counted (tiny checkpoint, tiny KV cache), and the README's metrics table lists
+preemptions are counted (tiny checkpoint, tiny KV cache), the KV pool's size shows from
+start-up, and the README's metrics table lists
 exactly the series served."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from replaylm.runtime.tokenizer_manager import TokenizerManager
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
 
-from http_helpers import PROMPT, samples, scrape
+from http_helpers import PROMPT, TIMEOUT_S, samples, scrape
+from server_process import start_server
 from tiny_checkpoints import write_tiny_checkpoint
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -136,3 +138,16 @@ def test_preemptions_are_counted(tmp_path):
     assert served["replaylm_num_preemptions_total"] > 0
     assert served["replaylm_request_generation_tokens_sum"] == 180
     assert served["replaylm_request_decode_time_seconds_count"] == 3
+
+
+def test_kv_total_tokens_is_served_before_the_first_request(tmp_path):
+    """The scheduler's stats come with its steps; the pool's size must not wait for one."""
+    write_tiny_checkpoint("qwen2", tmp_path)
+    server = start_server("--model-path", str(tmp_path), "--max-total-tokens", "256")
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=TIMEOUT_S) as http:
+            served = scrape(http)
+    finally:
+        server.stop()
+    assert served["replaylm_generation_tokens_total"] == 0
+    assert served["replaylm_kv_total_tokens"] == 256

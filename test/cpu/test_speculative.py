@@ -76,6 +76,8 @@ def test_requests_with_per_token_state_do_not_speculate():
     assert _req([1], temperature=0.7, top_p=0.9).can_speculate
     assert not _req([1], frequency_penalty=0.5, **GREEDY).can_speculate
     assert not _req([1], logit_bias={3: 1.0}, **GREEDY).can_speculate
+    assert not _req([1], allowed_token_ids=[3, 4], **GREEDY).can_speculate
+    assert not _req([1], banned_token_ids=[3], **GREEDY).can_speculate
     assert not _req([1], min_tokens=4, **GREEDY).can_speculate
     logprobs = _req([1], **GREEDY)
     logprobs.top_logprobs = 2
@@ -192,8 +194,9 @@ def test_smollm2_sampled_requests_equal_plain_sampling_with_their_seeds(
 def test_constrained_and_penalised_requests_decode_plainly_beside_speculating_ones(
     smollm2_plain, smollm2_ngram
 ):
-    """A request with a grammar or a penalty takes no drafts (its mask or penalty changes with
-    every token): one token a step inside the verify batches, its output plain decoding's."""
+    """A request with a grammar, a penalty or banned ids takes no drafts (its mask or penalty
+    changes with every token): one token a step inside the verify batches, its output plain
+    decoding's."""
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -202,17 +205,18 @@ def test_constrained_and_penalised_requests_decode_plainly_beside_speculating_on
     repeat = f"Repeat this passage word for word:\n\n{PASSAGE}"
     chats = [
         smollm2_plain.encode_chat([{"role": "user", "content": text}])
-        for text in ("Describe a person as JSON.", repeat, repeat)
+        for text in ("Describe a person as JSON.", repeat, repeat, repeat)
     ]
     params = [
         {"max_new_tokens": 32, **GREEDY, "json_schema": json.dumps(schema)},
         {"max_new_tokens": 32, **GREEDY, "frequency_penalty": 0.5},
         {"max_new_tokens": 32, **GREEDY},
+        {"max_new_tokens": 32, **GREEDY, "banned_token_ids": [0]},
     ]
     plain = smollm2_plain.generate(input_ids=chats, sampling_params=params)
     spec = smollm2_ngram.generate(input_ids=chats, sampling_params=params)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
-    assert [o["meta_info"]["spec_accepted_drafts"] for o in spec[:2]] == [0, 0]
+    assert [spec[i]["meta_info"]["spec_accepted_drafts"] for i in (0, 1, 3)] == [0, 0, 0]
     assert spec[2]["meta_info"]["spec_accepted_drafts"] > 0
     _assert_all_released(smollm2_ngram)
 

@@ -1,8 +1,8 @@
 """SGLang's and vLLM's request fields, response fields and routes against a real server (the
 built-in SmolLM2 on CPU, conftest.py's `http_server`): `matched_stop`, the model card's `root` /
 `parent`, assistant prefill, custom roles, `truncate_prompt_tokens`, `return_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, `POST /invocations`, and the fields the
-engine cannot honour refused by name."""
+`include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`, `bad_words`,
+`POST /invocations`, and the fields the engine cannot honour refused by name."""
 
 from __future__ import annotations
 
@@ -206,13 +206,10 @@ def test_skip_special_tokens_decides_whether_special_tokens_show(http):
 
 def test_fields_the_engine_cannot_honour_are_refused_by_name(http, http_server):
     completion = {"prompt": PROMPT, "max_tokens": 2}
-    for field, value in (
-        ("use_beam_search", True),
-        ("allowed_token_ids", [1, 2]),
-        ("bad_words", ["Paris"]),
-    ):
-        refused(http, "/v1/completions", {**completion, field: value}, field)
-        refused(http, "/v1/chat/completions", {"messages": CHAT, field: value}, field)
+    refused(http, "/v1/completions", {**completion, "use_beam_search": True}, "use_beam_search")
+    refused(
+        http, "/v1/chat/completions", {"messages": CHAT, "use_beam_search": True}, "use_beam_search"
+    )
     template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     refused(
         http, "/v1/chat/completions", {"messages": CHAT, "chat_template": template}, "chat_template"
@@ -227,6 +224,41 @@ def test_fields_the_engine_cannot_honour_are_refused_by_name(http, http_server):
     assert start_at_0.status_code == 400
     assert start_at_0.json()["error"]["param"] == "logprob_start_len"
     assert http.post("/generate", json={**native, "logprob_start_len": -1}).status_code == 200
+
+
+# ---- vLLM: allowed_token_ids, bad_words ---------------------------------------------------------
+
+
+def test_allowed_token_ids_are_the_only_ids_sampled(http):
+    allowed = [tokens(http, prompt=word)[0] for word in (" blue", " red", " green")]
+    for temperature in (0, 1.0):
+        fields = dict(temperature=temperature, return_token_ids=True, max_tokens=8)
+        out = complete(http, **fields, allowed_token_ids=allowed)["choices"][0]
+        assert out["token_ids"] and set(out["token_ids"]) <= set(allowed), temperature
+        chat_out = chat(http, **fields, ignore_eos=True, allowed_token_ids=allowed)
+        assert set(chat_out["choices"][0]["token_ids"]) <= set(allowed), temperature
+    outside = {"prompt": PROMPT, "allowed_token_ids": [10**6]}
+    refused(http, "/v1/completions", outside, "allowed_token_ids")
+
+
+def test_bad_words_ban_their_token_with_and_without_a_space(http):
+    plain = complete(http, return_token_ids=True)["choices"][0]
+    first = plain["token_ids"][0]
+    word = detokenize(http, [first])
+    assert word.startswith(" ")  # " Paris": its spaceless form is banned too
+    banned = {first, *tokens(http, prompt=word.lstrip())}
+    assert len(banned) == 2
+    out = complete(http, return_token_ids=True, bad_words=[word.strip()])["choices"][0]
+    assert out["text"] != plain["text"] and not banned & set(out["token_ids"])
+    asked = dict(messages=[{"role": "user", "content": "What is the capital of France?"}])
+    unbanned = chat(http, **asked, max_tokens=16, return_token_ids=True)
+    assert banned & set(unbanned["choices"][0]["token_ids"])
+    # a bare string is one word
+    reply = chat(http, **asked, max_tokens=16, return_token_ids=True, bad_words=word.strip())
+    assert not banned & set(reply["choices"][0]["token_ids"])
+    body = {"prompt": PROMPT, "bad_words": ["capital city"]}
+    assert "single-token" in refused(http, "/v1/completions", body, "bad_words")
+    refused(http, "/v1/chat/completions", {"messages": CHAT, "bad_words": [" "]}, "bad_words")
 
 
 # ---- SageMaker: /invocations ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from replaylm.entrypoints.bad_words import Encode, bad_word_ids
 from replaylm.entrypoints.openai_constraints import (
     JSON_OBJECT,
     Constraint,
@@ -181,8 +182,9 @@ class SamplingRequest(RequestModel):
     `guided_regex`, `guided_grammar`, `guided_choice` or `structural_tag`
     (`guided_decoding_backend` picks an engine, not an output: it is taken and left alone;
     `guided_whitespace_pattern` is refused). vLLM's output options: `include_stop_str_in_output`,
-    `truncate_prompt_tokens` (`truncated_prompt()`), `return_token_ids`; its `use_beam_search`,
-    `allowed_token_ids` and `bad_words` are refused when they ask for something.
+    `truncate_prompt_tokens` (`truncated_prompt()`), `return_token_ids`; its sampling options
+    `allowed_token_ids` (empty: any token) and `bad_words` (single-token words); its
+    `use_beam_search` is refused when it asks for something.
     """
 
     model: str | None = None
@@ -211,10 +213,9 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None  # vLLM: keep the last N (-1: the context's worth)
     return_token_ids: bool | None = None
-    # refused when they ask for something (`_check_unsupported`)
     allowed_token_ids: list[TokenId] | None = None
     bad_words: str | list[str] | None = None
-    use_beam_search: bool | None = None
+    use_beam_search: bool | None = None  # refused when true (`_check_unsupported`)
     # structured output: one constraint at most (`constraint()`)
     json_schema: str | JsonObject | None = None
     regex: str | None = None
@@ -286,16 +287,6 @@ class SamplingRequest(RequestModel):
         """vLLM's fields that change the output but that the engine cannot honour."""
         if self.use_beam_search:
             raise RequestError("beam search is not implemented", "use_beam_search")
-        if self.allowed_token_ids:
-            raise RequestError(
-                "allowed_token_ids is not supported: the sampler has no per-request token mask",
-                "allowed_token_ids",
-            )
-        if self.bad_words:
-            raise RequestError(
-                "bad_words is not supported: the sampler does not ban token sequences",
-                "bad_words",
-            )
 
     def truncated_prompt(self, ids: list[int], context_len: int) -> list[int]:
         """`ids` less all but their last `truncate_prompt_tokens`; RequestError naming it when it
@@ -331,10 +322,14 @@ class SamplingRequest(RequestModel):
             given += self.structured_outputs.constraints()
         return only_one(given)
 
-    def sampling_params(self, max_new_tokens: int, max_tokens_param: str) -> SamplingParams:
+    def sampling_params(
+        self, max_new_tokens: int, max_tokens_param: str, encode: Encode
+    ) -> SamplingParams:
         """The engine's SamplingParams, validated; omitted fields take OpenAI's defaults.
-        `max_tokens_param` names the field a bad `max_new_tokens` is reported under."""
+        `max_tokens_param` names the field a bad `max_new_tokens` is reported under; `encode`
+        tokenizes `bad_words`."""
         constraint = self.constraint()
+        bad_words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words or []
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=_or(self.temperature, 1.0),
@@ -350,6 +345,8 @@ class SamplingRequest(RequestModel):
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             repetition_penalty=_or(self.repetition_penalty, 1.0),
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            allowed_token_ids=self.allowed_token_ids or None,
+            banned_token_ids=bad_word_ids(bad_words, encode),
             skip_special_tokens=_or(self.skip_special_tokens, True),
             spaces_between_special_tokens=_or(self.spaces_between_special_tokens, True),
             **({constraint.kind: constraint.text} if constraint else {}),

@@ -137,7 +137,7 @@ async def start_chat(
     ids = body.truncated_prompt(rendered, ctx.tm.context_len)
     requested, param = body.requested_max_tokens
     budget = ctx.output_budget(len(ids), requested, "messages", param)
-    params = body.sampling_params(budget, param)
+    params = body.sampling_params(budget, param, ctx.tm.encode)
     if forced is not None:
         params.structural_tag = forced.text
     req = GenerateRequest(

@@ -89,7 +89,7 @@ class CompletionsRoute:
         wanted = [k for k in asked if k is not None]
         return GenerateRequest(
             ids,
-            body.sampling_params(max_new, "max_tokens"),
+            body.sampling_params(max_new, "max_tokens", self.ctx.tm.encode),
             top_logprobs=body.logprobs,
             prompt_logprobs=max(wanted) if wanted else None,
             n=body.num_choices,

@@ -1,4 +1,5 @@
-"""Per-request changes to the logits before sampling: penalties, logit_bias, min_tokens.
+"""Per-request changes to the logits before sampling: penalties, logit_bias, min_tokens,
+banned and allowed token ids.
 
 In the order applied to a row's float32 logits (vLLM's order for the penalties):
 - repetition_penalty `r` (vLLM / HF): every token seen in the prompt or the output so far gets
@@ -7,7 +8,9 @@ In the order applied to a row's float32 logits (vLLM's order for the penalties):
   `logit - f * count`, then `- p * (count > 0)`;
 - logit_bias: its value added to its token's logit;
 - min_tokens: while fewer than min_tokens tokens are out, the EOS ids and the request's
-  stop_token_ids get -inf (also with `ignore_eos`).
+  stop_token_ids get -inf (also with `ignore_eos`);
+- banned_token_ids: -inf;
+- allowed_token_ids: every other id gets -inf (the allowed ids keep their adjusted logits).
 A row at the neutral values keeps its logits bit for bit (x / 1, x * 1 and x - 0 are exact), so
 plain requests in a penalised batch sample what they sample alone. The adjusted logits are what
 the sampler sees (greedy rows included); logprobs are computed from the model's raw logits.
@@ -24,9 +27,9 @@ previous one is read back sees every earlier token. A released row needs nothing
 it next is initialised before it is sampled; the rows of plain requests hold stale counts that
 their neutral values ignore.
 
-A batch without penalties, bias or active min_tokens gets no `LogitAdjustments` (no launch, no
-copy). Host-built per-step tensors cross to the device with non-blocking copies (from pinned
-memory on CUDA), so nothing here waits for the GPU.
+A batch without penalties, bias, banned or allowed ids or active min_tokens gets no
+`LogitAdjustments` (no launch, no copy). Host-built per-step tensors cross to the device with
+non-blocking copies (from pinned memory on CUDA), so nothing here waits for the GPU.
 """
 
 from __future__ import annotations
@@ -99,7 +102,9 @@ class LogitAdjustments:
     rows: int64 `[B]` request-table rows and penalties float32 `[3, B]` (repetition, frequency,
     presence), both None when no request of the batch has a penalty; `sparse_index` int64 `[N]`
     (flat indices into the `[B, V]` logits) and `sparse_values` float32 `[N]`: logit_bias
-    values and -inf for the ids min_tokens holds back, one entry per (row, token), or None.
+    values and -inf for the banned ids and those min_tokens holds back, one entry per (row,
+    token), or None; `allowed_rows` int64 `[R]` (the batch rows with allowed_token_ids) and
+    `allowed_index` int64 `[M]` (flat indices of their allowed ids), or None.
     """
 
     adjuster: LogitAdjuster
@@ -107,6 +112,8 @@ class LogitAdjustments:
     penalties: torch.Tensor | None
     sparse_index: torch.Tensor | None
     sparse_values: torch.Tensor | None
+    allowed_rows: torch.Tensor | None
+    allowed_index: torch.Tensor | None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The adjusted logits, a new tensor (`logits` is left as it is, for the logprobs)."""
@@ -117,6 +124,11 @@ class LogitAdjustments:
             out = logits.clone(memory_format=torch.contiguous_format)
         if self.sparse_index is not None and self.sparse_values is not None:
             out.view(-1).index_add_(0, self.sparse_index, self.sparse_values)
+        if self.allowed_rows is not None and self.allowed_index is not None:
+            # keep the allowed ids' adjusted logits across the fill of their rows
+            kept = out.view(-1).index_select(0, self.allowed_index)
+            out.index_fill_(0, self.allowed_rows, -torch.inf)
+            out.view(-1).index_copy_(0, self.allowed_index, kept)
         return out
 
     def record(self, next_ids: torch.Tensor) -> None:
@@ -203,39 +215,47 @@ class LogitAdjuster:
         copies to the device (its integers, its floats), whatever the batch holds."""
         params = [r.sampling_params for r in reqs]
         if not any(
-            n < p.min_tokens or p.logit_bias or p.has_penalties
-            for p, n in zip(params, num_out, strict=True)
+            n < p.min_tokens or p.adjusts_logits for p, n in zip(params, num_out, strict=True)
         ):
             return None
-        ints: list[int] = []
+        rows: list[int] = []
         floats: list[float] = []
         penalised = any(p.has_penalties for p in params)
         if penalised:
-            ints += [_row(r) for r in reqs]
+            rows = [_row(r) for r in reqs]
             floats += [p.repetition_penalty for p in params]
             floats += [p.frequency_penalty for p in params]
             floats += [p.presence_penalty for p in params]
         sparse: dict[int, float] = {}  # flat index -> value: one entry per (row, token)
+        allowed_rows: list[int] = []
+        allowed: set[int] = set()  # flat indices (a set: index_copy_ takes no duplicates)
         vocab = self.vocab_size
         for i, (p, n) in enumerate(zip(params, num_out, strict=True)):
             for token, bias in p.logit_bias.items():
                 sparse[i * vocab + token] = bias
-            if n < p.min_tokens:
-                for token in (*eos_ids, *p.stop_token_ids):
-                    sparse[i * vocab + token] = -torch.inf
-        if not penalised and not sparse:
+            held = (*eos_ids, *p.stop_token_ids) if n < p.min_tokens else ()
+            for token in (*p.banned_token_ids, *held):
+                sparse[i * vocab + token] = -torch.inf
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(i)
+                allowed.update(i * vocab + t for t in p.allowed_token_ids)
+        if not penalised and not sparse and not allowed_rows:
             return None  # min_tokens with no EOS or stop ids to hold back
-        ints += sparse
-        floats += sparse.values()
-        ints_t = _on_device(ints, torch.int64, self.device)
-        floats_t = _on_device(floats, torch.float32, self.device)
-        b = len(reqs) if penalised else 0
+        sizes = [len(rows), len(sparse), len(allowed_rows), len(allowed)]
+        ints = _on_device(
+            [*rows, *sparse, *allowed_rows, *sorted(allowed)], torch.int64, self.device
+        )
+        floats_t = _on_device(floats + list(sparse.values()), torch.float32, self.device)
+        rows_t, sparse_t, allowed_rows_t, allowed_t = ints.split(sizes)
+        penalties_t, values_t = floats_t.split([3 * len(rows), len(sparse)])
         return LogitAdjustments(
             self,
-            ints_t[:b] if penalised else None,
-            floats_t[: 3 * b].view(3, b) if penalised else None,
-            ints_t[b:] if sparse else None,
-            floats_t[3 * b :] if sparse else None,
+            rows_t if penalised else None,
+            penalties_t.view(3, -1) if penalised else None,
+            sparse_t if sparse else None,
+            values_t if sparse else None,
+            allowed_rows_t if allowed_rows else None,
+            allowed_t if allowed_rows else None,
         )
 
 

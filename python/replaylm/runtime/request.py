@@ -108,14 +108,13 @@ class Req:
     @property
     def can_speculate(self) -> bool:
         """Whether its draft tokens can be checked at once: no logit adjustments (penalties,
-        logit_bias, min_tokens still holding EOS back: they change with each token), no grammar
+        logit_bias, allowed or banned ids, min_tokens still holding EOS back), no grammar
         and no logprobs. The others decode one token a step inside a verify batch."""
         params = self.sampling_params
         return (
             self.grammar is None
             and self.top_logprobs is None
-            and not params.logit_bias
-            and not params.has_penalties
+            and not params.adjusts_logits
             and len(self.output_ids) >= params.min_tokens
         )
 

@@ -71,9 +71,14 @@ def check_context(
 
 
 def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Raise RequestError naming `logit_bias` or `stop_token_ids` when one holds a token id
-    outside the vocabulary (validated params: the ids are ints >= 0)."""
-    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+    """Raise RequestError naming the field (`logit_bias`, `stop_token_ids`, ...) that holds a
+    token id outside the vocabulary (validated params: the ids are ints >= 0)."""
+    for name, ids in (
+        ("logit_bias", list(params.logit_bias)),
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or []),
+        ("banned_token_ids", params.banned_token_ids),
+    ):
         bad = sorted(t for t in ids if t >= vocab_size)
         if bad:
             raise RequestError(

@@ -133,6 +133,8 @@ class TokenizerManager:
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
+        # the pool's size from start-up, not from the first step's stats
+        self.metrics.kv_total.set(ready.max_total_tokens)
         assert server_args.max_running_requests is not None  # resolved for the device
         self.max_running_requests = server_args.max_running_requests
         self.cuda_graphs = config.cuda_graphs
