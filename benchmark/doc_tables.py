@@ -187,21 +187,29 @@ SPECULATIVE_DRAFTERS = {"ngram": "ngram", "draft_model": "draft model"}
 
 
 def speculative_table(sources: list[Source]) -> Table:
-    """Per drafter run (model, drafter, batch size): plain and speculative output tok/s, the
-    speed-up, tokens per verify step, drafts accepted, whether the outputs equal plain ones; the
-    verify and draft steps' costs against a decode step in the note."""
+    """Per drafter run (model, drafter, drafts per verify, what was timed), one column per batch
+    size: the speed-up over plain and tokens per verify step; whether every output equalled
+    plain decoding's; the verify and draft steps' costs against a decode step in the note."""
     rows = rows_of(sources)
-    table = []
+    runs: dict[tuple[str, str, int, str], dict[int, Row]] = {}
     for r in rows:
         if r["part"] in ("step", "draft_step"):
             continue
         drafter = SPECULATIVE_DRAFTERS.get(r["part"]) or f"replay, {pct(r['corrupt'])} corrupted"
-        table.append(
-            [r["model"], drafter, str(r["bs"]), str(r["steps"]), r.get("timed", "run")]
-            + [num(r["plain_output_tok_s"], 0), num(r["output_tok_s"], 0), ratio(r["speedup"])]
-            + [num(r["tokens_per_verify"], 2), pct(r.get("draft_acceptance"))]
-            + ["yes" if r["identical"] else "no"]
-        )
+        key = (r["model"], drafter, r["steps"], r.get("timed", "run"))
+        runs.setdefault(key, {})[r["bs"]] = r
+    sizes = sorted({bs for by_bs in runs.values() for bs in by_bs})
+    table = []
+    for (model, drafter, drafts, timed), by_bs in runs.items():
+        cells = [
+            f"{ratio(by_bs[bs]['speedup'])} ({num(by_bs[bs]['tokens_per_verify'], 2)})"
+            if bs in by_bs
+            else ""
+            for bs in sizes
+        ]
+        differ = [str(bs) for bs, r in by_bs.items() if not r["identical"]]
+        equal = "yes" if not differ else f"not at bs {', '.join(differ)}"
+        table.append([model, drafter, str(drafts), timed, *cells, equal])
     steps: dict[tuple[str, int], list[str]] = {}
     for r in rows:
         if r["part"] == "step" and r["tokens_per_request"] > 1:
@@ -224,8 +232,7 @@ def speculative_table(sources: list[Source]) -> Table:
             + "."
         )
     return Table(
-        ["model", "drafter", "bs", "drafts", "timed", "plain tok/s", "speculative tok/s"]
-        + ["speed-up", "tokens / verify", "drafts accepted", "equals plain"],
+        ["model", "drafter", "drafts", "timed", *(f"bs {bs}" for bs in sizes), "equals plain"],
         table,
         labels=2,
         note=" ".join(notes),

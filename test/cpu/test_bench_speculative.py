@@ -61,6 +61,16 @@ def test_speculative_bench_times_steps_and_replays(tmp_path):
     assert set(draft) == {1, 3}
     for row in draft.values():
         assert row["identical"] and row["tokens_per_verify"] > 3.5
+    # the page's table: a row per run, a column per batch size
+    tables = import_script("benchmark/doc_tables.py")
+    table = tables.speculative_table([("speculative", json.loads(out.read_text()))])
+    assert table.header == ["model", "drafter", "drafts", "timed", "bs 1", "bs 3", "equals plain"]
+    assert [r[1] for r in table.rows] == ["replay, 0.0% corrupted", "replay, 50.0% corrupted"] + [
+        "draft model"
+    ]
+    first = replay[1, 0.0]
+    assert table.rows[0][4] == f"{first['speedup']:.2f}x ({first['tokens_per_verify']:.2f})"
+    assert all(r[-1] == "yes" for r in table.rows) and "Draft step" in table.note
 
 
 def test_speculative_bench_runs_the_ngram_drafter_on_smollm2(tmp_path):

@@ -183,7 +183,6 @@ def _decode_kernel(
     if ROWS == 1:
         heads = kv_head * GROUP + offs_g
         head_ok = offs_g < GROUP
-        row_len = seq_len
         q_at = Q + b * stride_qt
         out_at = Out + b * stride_ot
         mid_o_at = MidO + b * stride_mot
