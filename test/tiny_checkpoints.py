@@ -6,9 +6,11 @@ every input and every weight: a wrong rope, mask or bias shows up far above floa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -45,6 +47,21 @@ TINY_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
             rope_theta=50000.0,
         ),
     ),
+    # the same with four layers: room for an EAGLE-3 head's three distinct layers
+    "llama3_deep": (
+        LlamaConfig,
+        dict(
+            num_hidden_layers=4,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=50000.0,
+        ),
+    ),
     # SmolLM-style: tied embeddings, plain rope, MHA
     "llama_tied": (LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=4)),
     "qwen2": (Qwen2Config, dict(rope_theta=1e6)),
@@ -68,3 +85,76 @@ def write_tiny_checkpoint(kind: str, folder: Path, seed: int = 0) -> PreTrainedM
     model.eval()
     model.save_pretrained(folder)
     return model
+
+
+def write_tiny_eagle_head(
+    kind: str, folder: Path, target: PretrainedConfig, seed: int = 0, layer_ids: list | None = None
+) -> dict[str, torch.Tensor]:
+    """Write a random EAGLE (`kind` "eagle") or EAGLE-3 ("eagle3") head for `target` to
+    `folder`, in the published heads' layout (names without `model.`, EAGLE's layer as
+    `layers.0.*`, EAGLE-3's as `midlayer.*` with a draft vocabulary of 200 and its `d2t` /
+    `t2d` maps); `layer_ids`: EAGLE-3's `eagle_aux_hidden_state_layer_ids`. Returns the
+    tensors (float32)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = target.hidden_size, target.intermediate_size
+    heads, kv_heads = target.num_attention_heads, target.num_key_value_heads
+    d = h // heads
+    attn_in = 2 * h if kind == "eagle3" else h
+
+    def rand(*shape: int) -> torch.Tensor:
+        return 0.15 * torch.randn(*shape, generator=gen)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.2 * torch.randn(h, generator=gen)
+
+    layer = {
+        "self_attn.q_proj.weight": rand(heads * d, attn_in),
+        "self_attn.k_proj.weight": rand(kv_heads * d, attn_in),
+        "self_attn.v_proj.weight": rand(kv_heads * d, attn_in),
+        "self_attn.o_proj.weight": rand(h, heads * d),
+        "mlp.gate_proj.weight": rand(inter, h),
+        "mlp.up_proj.weight": rand(inter, h),
+        "mlp.down_proj.weight": rand(h, inter),
+        "post_attention_layernorm.weight": norm(),
+    }
+    config = {  # the target's shapes and rope, either config layout's
+        key: value
+        for key, value in target.to_dict().items()
+        if key.startswith("rope_")
+        or key
+        in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rms_norm_eps",
+        )
+    }
+    config["num_hidden_layers"] = 1
+    if kind == "eagle":
+        config["architectures"] = ["LlamaForCausalLMEagle"]
+        tensors = {f"layers.0.{k}": v for k, v in layer.items()}
+        tensors |= {"fc.weight": rand(h, 2 * h), "fc.bias": rand(h)}
+    else:
+        draft_vocab = 200
+        config |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab}
+        if layer_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layer_ids}
+        targets = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
+        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+        t2d[targets] = True
+        layer |= {"input_layernorm.weight": norm(), "hidden_norm.weight": norm()}
+        tensors = {f"midlayer.{k}": v for k, v in layer.items()}
+        tensors |= {
+            "fc.weight": rand(h, 3 * h),
+            "norm.weight": norm(),
+            "lm_head.weight": rand(draft_vocab, h),
+            "d2t": targets - torch.arange(draft_vocab),
+            "t2d": t2d,
+        }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    return tensors

@@ -35,7 +35,9 @@ def _opt(
 # torch (it starts the scheduler process first; see launch_server)
 ATTENTION_BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
 REDACTED = "<set>"
-SPECULATIVE_ALGORITHMS = ("ngram", "draft_model")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft_model", "eagle", "eagle3")
+# the algorithms whose drafter is a model at --speculative-draft-model-path
+DRAFT_MODEL_ALGORITHMS = ("draft_model", "eagle", "eagle3")
 DEFAULT_SPECULATIVE_STEPS = 3
 # speculating pays at up to this many running requests at middling acceptance (benchmarks.md,
 # "Speculative decoding"): past it a verify step's rows outweigh the tokens they win
@@ -256,6 +258,10 @@ class ServerArgs:
             "prompt and output (what followed the latest earlier occurrence of its last tokens; "
             "no draft model). draft_model: a smaller model of the same vocabulary "
             "(--speculative-draft-model-path) proposes greedily, one decode step a token. "
+            "eagle / eagle3: an EAGLE or EAGLE-3 draft head (--speculative-draft-model-path, "
+            "an HF folder whose config names LlamaForCausalLMEagle or LlamaForCausalLMEagle3) "
+            "drafts from the target's hidden states, one head step a token (tensor-parallel "
+            "size 1). "
             "Requests with penalties, logit_bias, min_tokens, allowed or banned ids, a "
             "grammar or logprobs decode one token a step beside the others. The overlap "
             "schedule is off under speculation. Default: off.",
@@ -266,7 +272,8 @@ class ServerArgs:
         default=None,
         metadata=_opt(
             "For draft_model, the draft model (any model replaylm loads, its vocabulary the "
-            "target's; loaded with the target's --load-format and --dtype)."
+            "target's; loaded with the target's --load-format and --dtype); for eagle and "
+            "eagle3, the head's folder."
         ),
     )
     speculative_num_steps: int | None = field(
@@ -363,7 +370,8 @@ class ServerArgs:
     draft_cuda_graph_mode: str | None = field(
         default=None,
         metadata=_opt(
-            "CUDA-graph mode of a draft model's decode steps (draft_model speculation): "
+            "CUDA-graph mode of a draft model's or EAGLE head's decode steps (draft_model, eagle, "
+            "eagle3): "
             f"{modes_help('draft')}. Default: the decode phase's mode."
         ),
     )
@@ -377,7 +385,7 @@ class ServerArgs:
         default=False, metadata=_opt("Run speculative decoding's verify steps eagerly.")
     )
     draft_disable_cuda_graph: bool = field(
-        default=False, metadata=_opt("Run a draft model's decode steps eagerly.")
+        default=False, metadata=_opt("Run a draft model's or EAGLE head's decode steps eagerly.")
     )
     disable_cuda_graph: bool = field(
         default=False,
@@ -576,9 +584,20 @@ class ServerArgs:
                 f"--speculative-ngram-min-match-window-size {low}"
             )
         draft_path = self.speculative_draft_model_path
-        if (self.speculative_algorithm == "draft_model") != (draft_path is not None):
+        if self.speculative_algorithm in DRAFT_MODEL_ALGORITHMS and draft_path is None:
             raise ValueError(
-                "--speculative-algorithm draft_model and --speculative-draft-model-path go together"
+                f"--speculative-algorithm {self.speculative_algorithm} needs "
+                "--speculative-draft-model-path"
+            )
+        if self.speculative_algorithm not in DRAFT_MODEL_ALGORITHMS and draft_path is not None:
+            raise ValueError(
+                "--speculative-draft-model-path needs --speculative-algorithm "
+                f"{', '.join(DRAFT_MODEL_ALGORITHMS[:-1])} or {DRAFT_MODEL_ALGORITHMS[-1]}"
+            )
+        if self.speculative_algorithm in ("eagle", "eagle3") and self.tp_size > 1:
+            raise ValueError(
+                f"--speculative-algorithm {self.speculative_algorithm} runs at --tp-size 1 (its "
+                "head reads the target's whole embedding, which tensor parallelism splits)"
             )
         if self.speculative_algorithm is None and (steps or tokens or self.speculative_max_bs):
             raise ValueError(

@@ -603,12 +603,15 @@ def test_verify_takes_any_mode_and_its_own_flags():
     assert cfg.verify.mode == "disabled" and cfg.verify.source == "--verify-disable-cuda-graph"
 
 
-def test_draft_follows_decode_for_a_draft_model_only():
+def test_draft_follows_decode_for_a_draft_model_or_head_only():
     cfg = resolve(speculative_algorithm="ngram")
-    assert cfg.draft.mode == "disabled" and cfg.draft.source == "no draft-model speculation"
-    cfg = resolve(speculative_algorithm="draft_model", speculative_draft_model_path="d")
-    assert (cfg.draft.mode, cfg.draft.source) == ("full", "default")
-    assert cfg.draft.shapes == cfg.decode.shapes
+    assert (
+        cfg.draft.mode == "disabled" and cfg.draft.source == "no draft-model or EAGLE speculation"
+    )
+    for algorithm in ("draft_model", "eagle", "eagle3"):
+        cfg = resolve(speculative_algorithm=algorithm, speculative_draft_model_path="d")
+        assert (cfg.draft.mode, cfg.draft.source) == ("full", "default")
+        assert cfg.draft.shapes == cfg.decode.shapes
     cfg = resolve(
         speculative_algorithm="draft_model",
         speculative_draft_model_path="d",

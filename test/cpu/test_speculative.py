@@ -114,8 +114,12 @@ def test_stats_count_positions_and_accept_lengths():
             "is below --speculative-ngram-min-match-window-size",
         ),
         ({"speculative_algorithm": "eagle9"}, "--speculative-algorithm must be one of"),
-        ({"speculative_algorithm": "draft_model"}, "go together"),
-        ({"speculative_draft_model_path": "x"}, "go together"),
+        ({"speculative_algorithm": "draft_model"}, "needs --speculative-draft-model-path"),
+        ({"speculative_algorithm": "eagle3"}, "needs --speculative-draft-model-path"),
+        (
+            {"speculative_algorithm": "ngram", "speculative_draft_model_path": "x"},
+            "needs --speculative-algorithm draft_model, eagle or eagle3",
+        ),
     ],
 )
 def test_bad_speculative_flags_are_refused_by_name(flags, message):

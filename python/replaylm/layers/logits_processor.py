@@ -33,11 +33,15 @@ class LogitsProcessor(MatmulLayer):
         batch: ForwardBatch,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        mode = batch.forward_mode
-        if not mode.is_decode_shaped():
-            last = batch.extend_start_loc + batch.extend_seq_lens - 1
-            hidden = hidden[last]
-        return self.project(hidden, lm_head_weight, out)
+        return self.project(self.select(hidden, batch), lm_head_weight, out)
+
+    @staticmethod
+    def select(hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The rows of `hidden [T, H]` that predict a next token: each request's last new
+        token (every token of a decode-shaped batch)."""
+        if batch.forward_mode.is_decode_shaped():
+            return hidden
+        return hidden[batch.extend_start_loc + batch.extend_seq_lens - 1]
 
     def project(
         self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, out: torch.Tensor | None = None

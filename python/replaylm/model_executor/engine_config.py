@@ -19,7 +19,11 @@ from replaylm.device.gpu_probe import GpuFacts, probe_gpus
 from replaylm.layers.attention.registry import check_deterministic
 from replaylm.layers.attention.selection import PhaseAttentionBackends, resolve_phase_backends
 from replaylm.model_executor.cuda_graph.config import CudaGraphConfig, resolve_cuda_graph_config
-from replaylm.server_args import ServerArgs, default_max_running_requests
+from replaylm.server_args import (
+    DRAFT_MODEL_ALGORITHMS,
+    ServerArgs,
+    default_max_running_requests,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +37,8 @@ class EngineConfig:
     attention: PhaseAttentionBackends
     cuda_graphs: CudaGraphConfig
     notes: tuple[str, ...] = ()  # how defaults were chosen
-    draft: EngineConfig | None = None  # draft-model speculation: the draft model's, at TP 1
+    # speculation with a draft model or an EAGLE head: the drafter's, at TP 1
+    draft: EngineConfig | None = None
 
     @property
     def device_type(self) -> str:
@@ -85,7 +90,7 @@ def resolve_engine_config(args: ServerArgs, gpus: GpuFacts | None = None) -> Eng
             check_deterministic(backend)
     graphs = resolve_cuda_graph_config(resolved, device_type, attention)
     draft = None
-    if args.speculative_algorithm == "draft_model":
+    if args.speculative_algorithm in DRAFT_MODEL_ALGORITHMS:
         assert args.speculative_draft_model_path is not None  # ServerArgs.validate checks it
         draft = resolve_engine_config(draft_model_args(resolved, graphs), gpus)
     return EngineConfig(resolved, attention, graphs, tuple(notes), draft)

@@ -28,11 +28,13 @@ from replaylm.layers.kernels import (
 )
 from replaylm.layers.linear import AUTO_SKINNY_MAX_BYTES, set_matmul
 from replaylm.mem_cache.kv_cache import KVCache, KVShape
+from replaylm.model_executor.draft_heads import attach_head, check_draft, feature_bytes_per_token
 from replaylm.model_executor.engine_config import EngineConfig
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.model_loader.loader import load_model, load_model_config
 from replaylm.models.config import ModelConfig
+from replaylm.models.eagle import EagleHead
 from replaylm.models.llama import LlamaForCausalLM
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
@@ -54,22 +56,48 @@ def load_model_runner(
 def load_model_runners(
     config: EngineConfig, stages: StartupStages | None = None, tp_rank: int = 0
 ) -> tuple[ModelRunner, ModelRunner | None]:
-    """The runner of the model of `config` and, for draft-model speculation (`config.draft`),
-    the draft model's, on the same device at tensor-parallel size 1 (every rank drafts alike).
+    """The runner of the model of `config` and, for speculation with a draft model or an EAGLE
+    head (`config.draft`), the drafter's, on the same device at tensor-parallel size 1 (every
+    rank drafts alike; an EAGLE head's target taps its hidden states for it).
     Both are loaded before the KV budget is sized, so the budget covers both caches, which hold
     the same number of tokens. `stages`: the start-up stages of the process it loads in, marked
     as it goes (default: its own). `tp_rank`: this process's rank of `--tp-size` (which joins
     the group, at `args.dist_init_addr`, before the model loads)."""
     stages = stages or StartupStages("model runner")
     target = _load(config, stages, tp_rank)
+    if isinstance(target.model, EagleHead):
+        raise ValueError(
+            f"{config.args.model_path} is an EAGLE draft head ({target.model.config.architecture})"
+            ": serve its target model, with this as --speculative-draft-model-path"
+        )
     draft = None
+    features_bytes = 0
     if config.draft is not None:
         draft = _load(config.draft, stages, 0, target.device, "draft ")
-        _check_draft_vocabulary(target, draft)
+        args = config.args
+        assert args.speculative_algorithm and args.speculative_draft_model_path
+        check_draft(
+            target.model, draft.model, args.speculative_algorithm, args.speculative_draft_model_path
+        )
+        if isinstance(draft.model, EagleHead):
+            features_bytes = feature_bytes_per_token(draft.model, target.dtype)
     loaded = [target] if draft is None else [target, draft]
-    tokens = _kv_budget_tokens(config.args, [m.kv_shape for m in loaded], target.tp, target.device)
+    tokens = _kv_budget_tokens(
+        config.args, [m.kv_shape for m in loaded], target.tp, target.device, features_bytes
+    )
+    if draft is not None and isinstance(draft.model, EagleHead):
+        attach_head(draft.model, target.model, tokens + 1, _head_rows(draft.config), target.device)
     runners = [_make_runner(m, tokens, stages) for m in loaded]
     return runners[0], runners[1] if draft is not None else None
+
+
+def _head_rows(config: EngineConfig) -> int:
+    """The most tokens one forward of an EAGLE head runs: a catch-up chunk (at most
+    `--chunked-prefill-size`; speculative/eagle.py), a batch of the running cap, or a graph's
+    shape."""
+    shapes = [s for phase in ("decode", "prefill") for s in config.cuda_graphs.phase(phase).shapes]
+    assert config.args.max_running_requests is not None
+    return max(config.args.chunked_prefill_size, config.args.max_running_requests, *shapes)
 
 
 @dataclass
@@ -122,17 +150,6 @@ def _load(
     attn_backend.init_model(attention_layers(model), dtype)
     kernels = _choose_kernels(args, model, device)
     return _Loaded(config, model, attn_backend, device, dtype, tp, kernels, label)
-
-
-def _check_draft_vocabulary(target: _Loaded, draft: _Loaded) -> None:
-    """A draft model proposes token ids the target checks: their vocabularies must agree."""
-    ours, theirs = target.model.config.vocab_size, draft.model.config.vocab_size
-    if ours != theirs:
-        raise ValueError(
-            f"--speculative-draft-model-path {draft.config.args.model_path} has a vocabulary of "
-            f"{theirs} tokens, the target {ours}: a draft model must share the target's "
-            "vocabulary"
-        )
 
 
 def _make_runner(loaded: _Loaded, kv_tokens: int, stages: StartupStages) -> ModelRunner:
@@ -240,12 +257,16 @@ def _choose_kernels(args: ServerArgs, model: LlamaForCausalLM, device: torch.dev
 
 
 def _kv_budget_tokens(
-    args: ServerArgs, shapes: list[KVShape], tp: TPPlace, device: torch.device
+    args: ServerArgs,
+    shapes: list[KVShape],
+    tp: TPPlace,
+    device: torch.device,
+    extra_bytes_per_token: int = 0,
 ) -> int:
     """Tokens every model's KV cache holds: what `--mem-fraction-static` leaves after the
-    weights (1 GiB on the CPU) over their bytes per token together, capped by
-    `--max-total-tokens`."""
-    per_token = sum(shape.bytes_per_token for shape in shapes)
+    weights (1 GiB on the CPU) over their bytes per token together (and
+    `extra_bytes_per_token`: an EAGLE head's features), capped by `--max-total-tokens`."""
+    per_token = sum(shape.bytes_per_token for shape in shapes) + extra_bytes_per_token
     mem_fraction = args.mem_fraction_static
     if device.type != "cuda":
         tokens = CPU_KV_CACHE_BYTES // per_token

@@ -23,6 +23,7 @@ from replaylm.distributed.sharding import (
 )
 from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.ops import norm_rope_store
+from replaylm.layers.feature_capture import FeatureStore, FeatureTap
 from replaylm.layers.kernels import use_triton_kernels
 from replaylm.layers.layernorm import RMSNorm
 from replaylm.layers.linear import GateUpLinear, Linear, MergedLinear, RowParallelLinear
@@ -66,13 +67,16 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         place: TPPlace,
+        input_size: int | None = None,
     ) -> None:
+        """`input_size`: the width of the hidden states it projects (default the model's
+        hidden size; an EAGLE-3 head attends over twice that)."""
         super().__init__()
         h, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         heads = HeadShard.for_rank(h, hkv, place)
         sources = heads.qkv_shards(h, hkv, d)
         self.qkv_proj = MergedLinear(
-            config.hidden_size,
+            input_size or config.hidden_size,
             {name: source.size for name, source in sources.items()},
             bias=qkv_bias,
             sources=sources if place.size > 1 else None,
@@ -156,6 +160,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, place)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # an EAGLE-3 head's feature: the residual stream entering this layer (summed over the
+        # tensor-parallel ranks by the input norm, so whole)
+        self.feature_tap: FeatureTap | None = None
 
     def forward(
         self,
@@ -169,6 +176,8 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
+        if self.feature_tap is not None:
+            self.feature_tap(residual, batch)
         hidden = self.self_attn(positions, hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -193,8 +202,22 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feature_tap: FeatureTap | None = None  # an EAGLE head's: the final-norm output
+        self.feature_store: FeatureStore | None = None  # what the taps write, when tapped
         if place.size > 1:
             self._number_sums()
+
+    def tap_features(self, store: FeatureStore, layers: list[int] | None) -> None:
+        """Write into `store`, during every forward, the residual stream entering `layers`
+        (a site each, in order), or with None the final-norm hidden states (one site)."""
+        self.feature_store = store
+        if layers is None:
+            self.feature_tap = FeatureTap(store, 0)
+            return
+        for site, index in enumerate(layers):
+            layer = self.layers[index]
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.feature_tap = FeatureTap(store, site)
 
     def _number_sums(self) -> None:
         """Each RowParallelLinear's partial sums are summed by the norm after them: layer i's
@@ -215,6 +238,8 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch)
         hidden, _ = self.norm(hidden, residual)
+        if self.feature_tap is not None:
+            self.feature_tap(hidden, batch)
         return hidden
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from replaylm.models.eagle import LlamaEagle3Head, LlamaEagleHead
 from replaylm.models.llama import LlamaForCausalLM
 from replaylm.models.qwen2 import Qwen2ForCausalLM
 from replaylm.models.qwen3 import Qwen3ForCausalLM
@@ -11,6 +12,9 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # EAGLE draft heads (--speculative-algorithm eagle / eagle3 only)
+    "LlamaForCausalLMEagle": LlamaEagleHead,
+    "LlamaForCausalLMEagle3": LlamaEagle3Head,
 }
 
 

@@ -214,8 +214,8 @@ class Scheduler:
         args: ServerArgs,
         draft: ModelRunner | None = None,
     ) -> Scheduler:
-        """The scheduler the server's flags describe (`draft`: the draft model's runner, for
-        draft-model speculation)."""
+        """The scheduler the server's flags describe (`draft`: the draft model's or EAGLE
+        head's runner, for speculation with one)."""
         return cls(
             runner,
             eos_ids,
@@ -225,7 +225,7 @@ class Scheduler:
             overlap=not args.disable_overlap_schedule,
             prefix_cache=not args.disable_radix_cache,
             mixed_chunk=args.enable_mixed_chunk,
-            speculation=speculation_from_args(args, draft),
+            speculation=speculation_from_args(args, runner, draft),
         )
 
     # ---- requests in and out ------------------------------------------------------------

@@ -57,27 +57,31 @@ class DraftModelDrafter(Drafter):
             totals = [reqs[i].num_ids for i in active]
             tokens = self._catch_up([reqs[i] for i in active], states)
         except (OutOfKVCacheError, OutOfRequestSlotsError) as err:
-            logger.info("draft model: %s; no drafts this step", err)
+            logger.info("%s: %s; no drafts this step", self.name, err)
             return drafts
         for i, state, total, token in zip(active, states, totals, tokens, strict=True):
             drafts[i].append(token)
             state.proposed_from, state.fed_drafts = total, 0
         step = 1
+        previous = list(range(len(active)))  # the requests of the last forward, in its order
         while True:
-            going = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i]]
+            going = [j for j in previous if len(drafts[active[j]]) < limits[active[j]]]
             if not going:
                 return drafts
             try:
                 tokens = self._decode(
-                    [states[j] for j in going], [drafts[active[j]][-1] for j in going]
+                    [states[j] for j in going],
+                    [drafts[active[j]][-1] for j in going],
+                    [previous.index(j) for j in going],
                 )
             except OutOfKVCacheError as err:
-                logger.info("draft model: %s; shorter drafts this step", err)
+                logger.info("%s: %s; shorter drafts this step", self.name, err)
                 return drafts
             for j, token in zip(going, tokens, strict=True):
                 drafts[active[j]].append(token)
                 states[j].fed_drafts = step
             step += 1
+            previous = going
 
     def accepted(self, reqs: Sequence[DraftTarget], counts: Sequence[int]) -> None:
         """Keep the draft KV of the accepted drafts that were fed through the draft model."""
@@ -115,7 +119,9 @@ class DraftModelDrafter(Drafter):
         return self._forward(ForwardMode.EXTEND, states, new)
 
     @torch.inference_mode()
-    def _decode(self, states: list[DraftKV], last: list[int]) -> list[int]:
+    def _decode(self, states: list[DraftKV], last: list[int], rows: list[int]) -> list[int]:
+        """One decode step over each request's last draft; `rows`: where each request was in
+        the forward before (for a drafter that carries state from one step to the next)."""
         return self._forward(ForwardMode.DECODE, states, [[t] for t in last])
 
     def _forward(self, mode: ForwardMode, states: list[DraftKV], new: list[list[int]]) -> list[int]:
@@ -129,4 +135,8 @@ class DraftModelDrafter(Drafter):
             state.slots += slots[start : start + len(ids)]
             start += len(ids)
         batch = self.runner.build_batch(mode, new, prefix_lens, [s.row for s in states], slots)
-        return self.runner.forward(batch).argmax(-1).tolist()
+        return self._pick(self.runner.forward(batch))
+
+    def _pick(self, logits: torch.Tensor) -> list[int]:
+        """The greedy proposal of each row of `logits`, as target token ids."""
+        return logits.argmax(-1).tolist()

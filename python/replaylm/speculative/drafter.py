@@ -12,10 +12,11 @@ from replaylm.speculative.stats import SpeculationStats
 
 class DraftTarget(Protocol):
     """What a drafter reads of a request (the scheduler's `Req`): its tokens so far (prompt
-    and output, read in slices: a whole copy per step would cost the context's length), and a
-    slot for the drafter's own state."""
+    and output, read in slices: a whole copy per step would cost the context's length), its
+    row of the target's KV table, and a slot for the drafter's own state."""
 
     draft_state: object | None
+    req_pool_idx: int | None  # its row of the target's request-to-slot table
 
     @property
     def num_ids(self) -> int: ...

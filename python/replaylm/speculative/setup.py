@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from replaylm.speculative.draft_model import DraftModelDrafter
 from replaylm.speculative.drafter import Drafter, Speculation
+from replaylm.speculative.eagle import EagleDrafter
 from replaylm.speculative.ngram import NgramDrafter
 
 if TYPE_CHECKING:
@@ -16,17 +17,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def speculation_from_args(args: ServerArgs, draft: ModelRunner | None) -> Speculation | None:
+def speculation_from_args(
+    args: ServerArgs, target: ModelRunner, draft: ModelRunner | None
+) -> Speculation | None:
     """None when `--speculative-algorithm` is not set; logs what was chosen. `draft`: the draft
-    model's runner (draft_model)."""
-    if args.speculative_algorithm is None:
+    model's or EAGLE head's runner (draft_model, eagle, eagle3)."""
+    algorithm = args.speculative_algorithm
+    if algorithm is None:
         logger.info("speculative decoding: off")
         return None
     drafter: Drafter
-    if args.speculative_algorithm == "draft_model":
+    if algorithm == "draft_model":
         assert draft is not None  # load_model_runners loads it for this algorithm
         drafter = DraftModelDrafter(draft)
         what = f"draft model {args.speculative_draft_model_path}, proposing greedily"
+    elif algorithm in ("eagle", "eagle3"):
+        store = target.model.model.feature_store
+        assert draft is not None and store is not None  # load_model_runners wires them
+        drafter = EagleDrafter(draft, store, target.kv.req_to_token, args.chunked_prefill_size)
+        what = f"head {args.speculative_draft_model_path}, proposing greedily"
     else:
         low = args.speculative_ngram_min_match_window_size
         high = args.speculative_ngram_max_match_window_size

@@ -78,6 +78,12 @@ def _current() -> _Context:
     return current
 
 
+def current_batch() -> ForwardBatch:
+    """The batch of the open attention_context (for other ops that act on it under
+    torch.compile, as the attention ops do)."""
+    return _current().batch
+
+
 def start_forward() -> None:
     """A forward pass begins in the open attention_context: its first store_kv is layer 0's.
     (Outside a context it does nothing; the ops raise there.)"""

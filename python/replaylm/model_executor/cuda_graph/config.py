@@ -38,6 +38,7 @@ from replaylm.cuda_graph_modes import (
 )
 from replaylm.layers.attention.registry import BACKENDS_WITH_GRAPH_HOOKS
 from replaylm.layers.attention.selection import PhaseAttentionBackends
+from replaylm.server_args import DRAFT_MODEL_ALGORITHMS
 
 GRAPH_DEVICES = ("cuda",)
 
@@ -413,8 +414,8 @@ def _unused_phase(phase: str, args: GraphArgs) -> str | None:
     """What a speculative phase needs that the server's flags leave out (None: it runs)."""
     if phase == "verify" and args.speculative_algorithm is None:
         return "speculative decoding"
-    if phase == "draft" and args.speculative_algorithm != "draft_model":
-        return "draft-model speculation"
+    if phase == "draft" and args.speculative_algorithm not in DRAFT_MODEL_ALGORITHMS:
+        return "draft-model or EAGLE speculation"
     return None
 
 
