@@ -3,7 +3,8 @@ to end.
 
     python benchmark/bench_speculative.py [--models llama-3.1-8b qwen3-0.6b] [--bs 1 8 16 32 64]
         [--verify-tokens 2 4 8] [--steps 3] [--corrupt 0 0.2 0.5] [--output-len 128]
-        [--context 512] [--draft-model llama-3.2-1b] [--ngram-model-path GGUF]
+        [--context 512] [--draft-model llama-3.2-1b] [--head eagle3-llama-3.1-8b]
+        [--ngram-model-path GGUF]
         [--ngram-steps 3 5 7] [--device cuda] [--json out.json]
 
 Per model (a `benchmark/configs/` config, dummy weights, default CUDA-graph modes):
@@ -30,6 +31,10 @@ With `--draft-model` (a config, dummy weights) and the first of `--models` as it
   models copying ones (the draft proposes the target's own tokens), against the plain Engine,
   the decode phase timed as in *replay*.
 
+With `--head` (an EAGLE-3 head's config, dummy weights) and the first of `--models` as its
+target: *draft_step* of the head (one head step, reading its own output feature) against the
+target's decode step, the target writing the head's features as it does when serving it.
+
 `--ngram-model-path`: also the n-gram drafter end to end on that model (the built-in SmolLM2's
 GGUF) with a quoting workload (chat prompts asking to repeat a gsm8k question word for word),
 greedy, `--output-len` tokens at most, plain and with `--speculative-algorithm ngram` at each
@@ -52,6 +57,7 @@ from replaylm.entrypoints.engine import Engine
 from replaylm.eval.data import default_data_dir, read_jsonl
 from replaylm.model_executor.forward_batch import ForwardBatch
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.models.eagle import EagleHead
 from replaylm.models.llama import LlamaForCausalLM
 from replaylm.runtime.batch_ops import prepare_verify, truncate_kv
 from replaylm.runtime.request import Req
@@ -62,6 +68,7 @@ from replaylm.speculative.drafter import Drafter, DraftTarget, Speculation
 from common import (
     PREFILL_CHUNK,
     build_runner,
+    build_runners,
     config_path,
     cuda_time_ms,
     decode_batch,
@@ -336,37 +343,71 @@ def _spec_flags(
     }
 
 
-def draft_step_rows(target: str, draft: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The draft model's decode step against the target's, per batch size."""
-    tokens_per_req = args.context + 8
-    decode_ms = {}
-    for model in (target, draft):
-        runner = build_runner(_model_path(model), args.device, max(args.bs), tokens_per_req)
-        for bs in args.bs:
-            reqs, batch = decode_batch(runner, bs, args.context)
-            decode_ms[model, bs] = _forward_ms(runner, batch)
-            for req in reqs:
-                truncate_kv(req, 0, runner.kv)
-                runner.kv.req_to_token.free(req.req_pool_idx)
-        runner.free_cuda_graphs()
-        del runner
-        release_memory()
+def _decode_step_ms(runner: ModelRunner, bs_list: list[int], context: int) -> dict[int, float]:
+    """Milliseconds of `runner`'s decode step per batch size (requests of `context` tokens)."""
+    one_at_a_time = isinstance(runner.model, EagleHead)
+    ms = {}
+    for bs in bs_list:
+        reqs, batch = decode_batch(runner, bs, context, one_at_a_time)
+        ms[bs] = _forward_ms(runner, batch)
+        for req in reqs:
+            truncate_kv(req, 0, runner.kv)
+            runner.kv.req_to_token.free(req.req_pool_idx)
+    return ms
+
+
+def _draft_rows(
+    draft: str, target: str, ms: dict[int, float], target_ms: dict[int, float]
+) -> list[dict[str, Any]]:
     rows = []
-    for bs in args.bs:
-        ms, target_ms = decode_ms[draft, bs], decode_ms[target, bs]
+    for bs, step in ms.items():
         rows.append(
             {
                 "part": "draft_step",
                 "model": _model_name(draft),
                 "target": _model_name(target),
                 "bs": bs,
-                "ms": round(ms, 4),
-                "target_ms": round(target_ms, 4),
-                "vs_target_decode": round(ms / target_ms, 3),
+                "ms": round(step, 4),
+                "target_ms": round(target_ms[bs], 4),
+                "vs_target_decode": round(step / target_ms[bs], 3),
             }
         )
         print(rows[-1])
     return rows
+
+
+def draft_step_rows(target: str, draft: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The draft model's decode step against the target's, per batch size."""
+    tokens_per_req = args.context + 8
+    decode_ms = {}
+    for model in (target, draft):
+        runner = build_runner(_model_path(model), args.device, max(args.bs), tokens_per_req)
+        decode_ms[model] = _decode_step_ms(runner, args.bs, args.context)
+        runner.free_cuda_graphs()
+        del runner
+        release_memory()
+    return _draft_rows(draft, target, decode_ms[draft], decode_ms[target])
+
+
+def head_step_rows(target: str, head: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """An EAGLE-3 head's draft step against its target's decode step (the target writing the
+    head's features, as it does when serving it), per batch size."""
+    spec = {
+        "speculative_algorithm": "eagle3",
+        "speculative_draft_model_path": _model_path(head),
+        "speculative_max_bs": max(args.bs),
+        "verify_disable_cuda_graph": True,  # not timed here
+    }
+    runners = build_runners(_model_path(target), args.device, max(args.bs), args.context + 8, spec)
+    target_runner, head_runner = runners
+    assert head_runner is not None
+    target_ms = _decode_step_ms(target_runner, args.bs, args.context)
+    head_ms = _decode_step_ms(head_runner, args.bs, args.context)
+    for runner in runners:
+        runner.free_cuda_graphs()
+    del runners, target_runner, head_runner
+    release_memory()
+    return _draft_rows(head, target, head_ms, target_ms)
 
 
 def draft_model_rows(target: str, draft: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -416,12 +457,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--draft-model", default="llama-3.2-1b", help="a config; '' skips")
+    parser.add_argument(
+        "--head", default="eagle3-llama-3.1-8b", help="an EAGLE-3 head's config; '' skips"
+    )
     parser.add_argument("--ngram-model-path", default=None)
     parser.add_argument("--ngram-steps", nargs="+", type=int, default=[3, 5, 7])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
+
+    def save() -> None:  # after every part: a run cut short keeps what it measured
+        if args.json:
+            write_json(args.json, {"summary": rows})
+
     tokens_per_req = args.context + args.output_len + max(args.verify_tokens) + args.steps + 8
     for model in args.models:
         path, name = _model_path(model), _model_name(model)
@@ -435,18 +484,22 @@ def main(argv: list[str] | None = None) -> None:
         rows += step_rows(runner, name, args.bs, args.verify_tokens, args.context)
         make_copying(runner.model)
         rows += replay_rows(runner, name, args.bs, args)
+        save()
         runner.free_cuda_graphs()
         del runner
         release_memory()
+    if args.models and args.head:
+        rows += head_step_rows(args.models[0], args.head, args)
+        save()
     if args.models and args.draft_model:
         rows += draft_step_rows(args.models[0], args.draft_model, args)
         rows += draft_model_rows(args.models[0], args.draft_model, args)
+        save()
     if args.ngram_model_path:
         rows += ngram_rows(args.ngram_model_path, args.bs, args)
     for row in rows:
         print(" ".join(f"{k}={v}" for k, v in row.items()))
-    if args.json:
-        write_json(args.json, {"summary": rows})
+    save()
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from replaylm.layers.attention.triton.extend import extend_attention
 from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_executor.forward_batch import ForwardBatch
 from replaylm.model_executor.model_runner import ModelRunner
-from replaylm.model_executor.runner_setup import load_model_runner
+from replaylm.model_executor.runner_setup import load_model_runner, load_model_runners
 from replaylm.runtime.batch_ops import prepare_decode, prepare_extend
 from replaylm.runtime.request import Req
 from replaylm.runtime.scheduler import Scheduler
@@ -395,7 +395,19 @@ def build_runner(
     """A runner of `model_path` (a `.json` config: dummy weights) on `device`, default modes,
     whose KV pool and request table hold `max_bs` requests of `tokens_per_req` tokens (the KV
     pool less where the GPU's memory ends first); `extra`: further ServerArgs fields."""
-    return load_model_runner(
+    return build_runners(model_path, device, max_bs, tokens_per_req, extra)[0]
+
+
+def build_runners(
+    model_path: str,
+    device: str,
+    max_bs: int,
+    tokens_per_req: int,
+    extra: dict[str, Any] | None = None,
+) -> tuple[ModelRunner, ModelRunner | None]:
+    """`build_runner`'s runner and its drafter's (a draft model or EAGLE head that `extra`
+    names, loaded as the target is; None without one)."""
+    return load_model_runners(
         resolve_engine_config(
             ServerArgs(
                 model_path=model_path,
@@ -419,10 +431,15 @@ def synthetic_requests(n: int, length: int) -> list[Req]:
     ]
 
 
-def decode_batch(runner: ModelRunner, bs: int, context: int) -> tuple[list[Req], ForwardBatch]:
-    """`bs` requests prefilled eagerly with `context` tokens each, and their next decode batch."""
+def decode_batch(
+    runner: ModelRunner, bs: int, context: int, one_at_a_time: bool = False
+) -> tuple[list[Req], ForwardBatch]:
+    """`bs` requests prefilled eagerly with `context` tokens each (in one batch, or with
+    `one_at_a_time` a batch each: an EAGLE head's forwards are bounded), and their next decode
+    batch."""
     reqs = synthetic_requests(bs, context)
-    runner.forward(prepare_extend(reqs, runner))
+    for group in [[r] for r in reqs] if one_at_a_time else [reqs]:
+        runner.forward(prepare_extend(group, runner))
     for r in reqs:
         r.output_ids.append(11)
     return reqs, prepare_decode(reqs, runner)

@@ -224,10 +224,13 @@ def speculative_table(sources: list[Source]) -> Table:
             )
             + "."
         )
-    drafts = [r for r in rows if r["part"] == "draft_step"]
-    if drafts:
+    drafters: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        if r["part"] == "draft_step":
+            drafters.setdefault((r["model"], r["target"]), []).append(r)
+    for (draft, target), drafts in drafters.items():
         notes.append(
-            f"Draft step / target decode step ({drafts[0]['model']} for {drafts[0]['target']}): "
+            f"Draft step / target decode step ({draft} for {target}): "
             + ", ".join(f"bs {r['bs']} {ratio(r['vs_target_decode'])}" for r in drafts)
             + "."
         )

@@ -1,7 +1,7 @@
 """benchmark/bench_speculative.py in-process on the CPU with a tiny checkpoint: step rows for
 decode and each verify size; replay rows (over the copying model) whose uncorrupted drafts are
-all accepted and whose outputs equal plain decoding's, a corrupted replay accepting fewer; the
-checkpoint as its own draft model, every draft accepted."""
+all accepted and whose outputs equal plain decoding's, a corrupted replay accepting fewer; an
+EAGLE-3 head's draft step; the checkpoint as its own draft model, every draft accepted."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import json
 from replaylm.model_loader.builtin_models import resolve_model_path
 
 from script_import import import_script
-from tiny_checkpoints import write_tiny_checkpoint
+from tiny_checkpoints import write_tiny_checkpoint, write_tiny_eagle_head
 
 
 def test_speculative_bench_times_steps_and_replays(tmp_path):
     bench = import_script("benchmark/bench_speculative.py")
-    write_tiny_checkpoint("llama3", tmp_path / "ckpt")
+    target = write_tiny_checkpoint("llama3_deep", tmp_path / "ckpt")
+    write_tiny_eagle_head("eagle3", tmp_path / "head", target.config, layer_ids=[0, 1, 2])
     out = tmp_path / "speculative.json"
     bench.main(
         [
@@ -38,6 +39,8 @@ def test_speculative_bench_times_steps_and_replays(tmp_path):
             "16",
             "--draft-model",
             str(tmp_path / "ckpt"),
+            "--head",
+            str(tmp_path / "head"),
             "--json",
             str(out),
         ]
@@ -55,8 +58,9 @@ def test_speculative_bench_times_steps_and_replays(tmp_path):
         assert replay[bs, 0.5]["draft_acceptance"] < 0.8
         assert replay[bs, 0.5]["tokens_per_verify"] < replay[bs, 0.0]["tokens_per_verify"]
         assert replay[bs, 0.0]["output_tok_s"] > 0 and replay[bs, 0.0]["speedup"] > 0
-    (draft_step,) = [r for r in rows if r["part"] == "draft_step" and r["bs"] == 3]
+    head_step, draft_step = [r for r in rows if r["part"] == "draft_step" and r["bs"] == 3]
     assert draft_step["model"] == draft_step["target"] == "ckpt" and draft_step["ms"] > 0
+    assert (head_step["model"], head_step["target"]) == ("head", "ckpt") and head_step["ms"] > 0
     draft = {r["bs"]: r for r in rows if r["part"] == "draft_model"}
     assert set(draft) == {1, 3}
     for row in draft.values():
@@ -70,14 +74,15 @@ def test_speculative_bench_times_steps_and_replays(tmp_path):
     ]
     first = replay[1, 0.0]
     assert table.rows[0][4] == f"{first['speedup']:.2f}x ({first['tokens_per_verify']:.2f})"
-    assert all(r[-1] == "yes" for r in table.rows) and "Draft step" in table.note
+    assert all(r[-1] == "yes" for r in table.rows)
+    assert "(head for ckpt)" in table.note and "(ckpt for ckpt)" in table.note
 
 
 def test_speculative_bench_runs_the_ngram_drafter_on_smollm2(tmp_path):
     bench = import_script("benchmark/bench_speculative.py")
     out = tmp_path / "speculative.json"
     bench.main(
-        ["--models", "--draft-model", "", "--ngram-model-path"]
+        ["--models", "--draft-model", "", "--head", "", "--ngram-model-path"]
         + [resolve_model_path("smollm2-135m-instruct")]
         + ["--device", "cpu", "--bs", "2", "--ngram-steps", "2", "4", "--output-len", "24"]
         + ["--json", str(out)]
