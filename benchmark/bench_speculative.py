@@ -5,7 +5,8 @@ to end.
         [--verify-tokens 2 4 8] [--steps 3] [--corrupt 0 0.2 0.5] [--output-len 128]
         [--context 512] [--draft-model llama-3.2-1b] [--head eagle3-llama-3.1-8b]
         [--ngram-model-path GGUF]
-        [--ngram-steps 3 5 7] [--device cuda] [--json out.json]
+        [--ngram-steps 3 5 7] [--parts replay head draft_model ngram] [--device cuda]
+        [--json out.json]
 
 Per model (a `benchmark/configs/` config, dummy weights, default CUDA-graph modes):
 
@@ -445,6 +446,9 @@ def draft_model_rows(target: str, draft: str, args: argparse.Namespace) -> list[
     return _compare_rows("draft_model", name, *runs, args.steps, timed="decode")
 
 
+PARTS = ("replay", "head", "draft_model", "ngram")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -462,6 +466,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ngram-model-path", default=None)
     parser.add_argument("--ngram-steps", nargs="+", type=int, default=[3, 5, 7])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="what to run: step and replay per model, the head's and the draft model's steps "
+        "and runs, n-gram",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -472,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
             write_json(args.json, {"summary": rows})
 
     tokens_per_req = args.context + args.output_len + max(args.verify_tokens) + args.steps + 8
-    for model in args.models:
+    for model in args.models if "replay" in args.parts else []:
         path, name = _model_path(model), _model_name(model)
         # the verify phase's graphs: rows up to the largest batch x the most tokens verified
         spec = {
@@ -488,14 +500,14 @@ def main(argv: list[str] | None = None) -> None:
         runner.free_cuda_graphs()
         del runner
         release_memory()
-    if args.models and args.head:
+    if args.models and args.head and "head" in args.parts:
         rows += head_step_rows(args.models[0], args.head, args)
         save()
-    if args.models and args.draft_model:
+    if args.models and args.draft_model and "draft_model" in args.parts:
         rows += draft_step_rows(args.models[0], args.draft_model, args)
         rows += draft_model_rows(args.models[0], args.draft_model, args)
         save()
-    if args.ngram_model_path:
+    if args.ngram_model_path and "ngram" in args.parts:
         rows += ngram_rows(args.ngram_model_path, args.bs, args)
     for row in rows:
         print(" ".join(f"{k}={v}" for k, v in row.items()))

@@ -99,9 +99,14 @@ def resolve_engine_config(args: ServerArgs, gpus: GpuFacts | None = None) -> Eng
 def draft_model_args(args: ServerArgs, graphs: CudaGraphConfig) -> ServerArgs:
     """The draft model's settings: the target's, for the draft's path, at tensor-parallel
     size 1, with no speculation of its own; its decode steps in the target's draft phase's
-    CUDA-graph mode, its catch-up prefills in the prefill phase's."""
+    CUDA-graph mode, its catch-up prefills in the prefill phase's (an EAGLE head's breakable
+    where those compile: torch.compile cannot trace the head's read of its features buffer at
+    the batch's size, and a one-layer head has little for it to fuse)."""
     assert args.speculative_draft_model_path is not None
     modes = {"decode": graphs.draft.mode, "prefill": graphs.prefill.mode}
+    if args.speculative_algorithm in ("eagle", "eagle3") and "tc_piecewise" in modes.values():
+        modes = {phase: "breakable" if m == "tc_piecewise" else m for phase, m in modes.items()}
+        logger.info("EAGLE head: breakable CUDA graphs where the target's phases compile")
     return dataclasses.replace(
         args,
         cuda_graph_mode=json.dumps(modes),

@@ -218,6 +218,10 @@ class LlamaEagle3Head(EagleHead):
     def feature_width(self) -> int:
         return self.fc.input_size
 
+    @property
+    def logits_width(self) -> int:
+        return self.draft_vocab_size
+
     def target_feature_layers(self, target_layers: int) -> list[int] | None:
         return eagle3_layers(self.config, target_layers)
 

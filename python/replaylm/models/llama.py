@@ -279,6 +279,11 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return (self.lm_head or self.model.embed_tokens).weight
 
+    @property
+    def logits_width(self) -> int:
+        """Logits per row (the vocabulary; an EAGLE-3 head's draft vocabulary)."""
+        return self.config.vocab_size
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:

@@ -24,7 +24,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         model = self.context.model
         # every shape writes its logits here: one [max_bs, V] buffer instead of one per shape
         self._logits = torch.empty(
-            self.shapes[-1], model.config.vocab_size, dtype=torch.float32, device=self.device
+            self.shapes[-1], model.logits_width, dtype=torch.float32, device=self.device
         )
 
     def shape_tokens(self, shape: int) -> int:
