@@ -4,8 +4,9 @@ n-gram drafts accepted; SmolLM2 as its own draft model: all accepted) and on tin
 under continuous batching (requests joining, penalised and logprob requests beside speculating
 ones, stops and token budgets inside an accepted run, an abort, retraction under a tiny KV pool,
 the prefix cache on and off; a random draft model of another architecture: next to nothing
-accepted), every KV slot of both models given back; the drafters, the acceptance rule and the
-flags' checks alone."""
+accepted), every KV slot of both models given back; sampled second tokens against the target's
+exact distribution (a chi-square test); the drafters, the acceptance rule and the flags'
+checks alone."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import json
 
 import httpx
 import pytest
+import torch
 from kv_accounting import assert_kv_released
+from transformers import AutoModelForCausalLM
 
 from replaylm.entrypoints.engine import Engine
 from replaylm.model_loader.builtin_models import resolve_model_path
@@ -367,6 +370,54 @@ def test_a_random_draft_model_is_rarely_right_and_changes_nothing(
     stats = engine.scheduler.speculation.stats
     assert stats.drafted > 50 and stats.accepted / stats.drafted < 0.2
     _assert_all_released(engine)
+
+
+def test_sampled_second_tokens_follow_the_targets_distribution(tiny_llama3):
+    """Rejection sampling, statistically: the target as its own draft model proposes its greedy
+    token, kept only when the request's seeded draw there picks it. Over many seeds the second
+    output token (the first to come through a verify step) must follow the target's exact
+    distribution, computed with transformers: sum over the first token t1 of p(t1) p(t2 | t1),
+    each with temperature and top-k applied."""
+    temperature, top_k, n = 1.5, 6, 1500
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama3).eval()
+    prompt = PROMPTS[3]
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1] / temperature
+        kept = logits.topk(top_k)
+        return torch.zeros_like(logits).scatter(0, kept.indices, kept.values.softmax(-1))
+
+    first = probs(prompt)
+    exact = sum(first[t] * probs([*prompt, t]) for t in first.nonzero().flatten().tolist())
+    engine = _engine(
+        tiny_llama3,
+        speculative_algorithm="draft_model",
+        speculative_draft_model_path=tiny_llama3,
+        speculative_num_steps=2,
+        speculative_max_bs=64,
+        max_running_requests=64,
+    )
+    params = [
+        {"max_new_tokens": 3, "temperature": temperature, "top_k": top_k, "seed": seed}
+        for seed in range(n)
+    ]
+    out = engine.generate(input_ids=[prompt] * n, sampling_params=params)
+    seconds = torch.tensor([o["output_ids"][1] for o in out])
+    seen = torch.bincount(seconds, minlength=exact.shape[0]).double()
+    expected = exact.double() * n
+    assert seen[expected == 0].sum() == 0  # only tokens top-k allows
+    # Pearson's chi-square over the tokens expected 5+ times (the rest pooled), against its
+    # 1e-4 critical value (Wilson-Hilferty): a bias toward the drafts would be far above it
+    big = expected >= 5
+    observed = torch.cat([seen[big], seen[~big & (expected > 0)].sum()[None]])
+    wanted = torch.cat([expected[big], expected[~big].sum()[None]])
+    observed, wanted = observed[wanted > 0], wanted[wanted > 0]
+    chi2 = float(((observed - wanted) ** 2 / wanted).sum())
+    df = observed.shape[0] - 1
+    critical = df * (1 - 2 / (9 * df) + 3.72 * (2 / (9 * df)) ** 0.5) ** 3
+    assert chi2 < critical, (chi2, critical, df)
+    assert engine.scheduler.speculation.stats.accepted > n / 10  # drafts do come through
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_at_start(tiny_llama3):

@@ -12,12 +12,12 @@ import json
 
 import pytest
 import torch
+from eagle_reference import LAYER_IDS, reference_drafts
 
 from replaylm.entrypoints.engine import Engine
 from replaylm.runtime.request import Req
 from replaylm.sampling_params import SamplingParams
 
-from eagle_reference import LAYER_IDS, reference_drafts
 from tiny_checkpoints import write_tiny_checkpoint, write_tiny_eagle_head
 
 pytestmark = pytest.mark.gpu
