@@ -5,8 +5,8 @@ to end.
         [--verify-tokens 2 4 8] [--steps 3] [--corrupt 0 0.2 0.5] [--output-len 128]
         [--context 512] [--draft-model llama-3.2-1b] [--head eagle3-llama-3.1-8b]
         [--ngram-model-path GGUF]
-        [--ngram-steps 3 5 7] [--parts replay head draft_model ngram] [--device cuda]
-        [--json out.json]
+        [--ngram-steps 3 5 7] [--ngram-prompts 16] [--parts replay head draft_model ngram]
+        [--device cuda] [--json out.json]
 
 Per model (a `benchmark/configs/` config, dummy weights, default CUDA-graph modes):
 
@@ -37,10 +37,11 @@ target: *draft_step* of the head (one head step, reading its own output feature)
 target's decode step, the target writing the head's features as it does when serving it.
 
 `--ngram-model-path`: also the n-gram drafter end to end on that model (the built-in SmolLM2's
-GGUF) with a quoting workload (chat prompts asking to repeat a gsm8k question word for word),
-greedy, `--output-len` tokens at most, plain and with `--speculative-algorithm ngram` at each
-of `--ngram-steps` drafts per verify step, through the Engine, the whole run timed (the chat
-prompts are short). `--models` with no name skips the dummy models.
+GGUF) with a quoting workload (chat prompts asking to repeat a text of three gsm8k questions
+word for word), greedy, `--output-len` tokens at most, plain and with `--speculative-algorithm
+ngram` at each of `--ngram-steps` drafts per verify step, through the Engine, the whole run
+timed (the chat prompts are short); each batch size runs `--ngram-prompts` (16) prompts at
+least, in waves of bs. `--models` with no name skips the dummy models.
 """
 
 from __future__ import annotations
@@ -243,20 +244,27 @@ def replay_rows(
     return rows
 
 
-QUOTE_PROMPT = "Repeat the following text exactly, word for word.\n\n{question}"
+QUOTE_PROMPT = "Repeat the following text exactly, word for word.\n\n{text}"
+QUOTED_QUESTIONS = 3  # gsm8k questions per quoted text: longer than one answer's worth
 
 
 def _engine_runs(
     engine: Engine, prompts: list[list[int]], bs_list: list[int], params: dict[str, Any]
 ) -> dict[int, tuple[float, list[list[int]], float]]:
-    """Per batch size: output tok/s of the first `bs` prompts, their outputs, and tokens per
-    verify step (1.0 without speculation)."""
+    """Per batch size: output tok/s over all `prompts` run in waves of `bs` (so that a small
+    batch's number is no single prompt's), their outputs, and tokens per verify step (1.0
+    without speculation)."""
     engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 4})
     runs = {}
     for bs in bs_list:
+        todo = prompts
         _sync(engine.runner.device)
         start = time.perf_counter()
-        out = engine.generate(input_ids=prompts[:bs], sampling_params=params)
+        out = [
+            o
+            for i in range(0, len(todo), bs)
+            for o in engine.generate(input_ids=todo[i : i + bs], sampling_params=params)
+        ]
         _sync(engine.runner.device)
         seconds = time.perf_counter() - start
         tokens = sum(len(o["output_ids"]) for o in out)
@@ -300,18 +308,21 @@ def ngram_rows(model_path: str, bs_list: list[int], args: argparse.Namespace) ->
     """Plain against `--speculative-algorithm ngram` on the quoting workload, per batch size,
     at each of `--ngram-steps` drafts per verify step."""
     questions = [r["question"] for r in read_jsonl(str(default_data_dir() / "gsm8k/test.jsonl"))]
+    k = QUOTED_QUESTIONS
+    count = max(*bs_list, args.ngram_prompts)
+    texts = ["\n\n".join(questions[k * i : k * i + k]) for i in range(count)]
     common = {
         "device": args.device,
         "max_running_requests": max(bs_list),
-        "max_total_tokens": max(bs_list) * (args.output_len + 512),
+        "max_total_tokens": max(bs_list) * (args.output_len + 1024),
     }
     params = {"max_new_tokens": args.output_len, "temperature": 0.0}
     runs = []
     for extra in ({}, *(_spec_flags("ngram", args, k) for k in args.ngram_steps)):
         engine = Engine(model_path, **common, **extra)
         chats = [
-            engine.encode_chat([{"role": "user", "content": QUOTE_PROMPT.format(question=q)}])
-            for q in questions[: max(bs_list)]
+            engine.encode_chat([{"role": "user", "content": QUOTE_PROMPT.format(text=t)}])
+            for t in texts
         ]
         runs.append(_engine_runs(engine, chats, bs_list, params))
         engine.shutdown()
@@ -466,6 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ngram-model-path", default=None)
     parser.add_argument("--ngram-steps", nargs="+", type=int, default=[3, 5, 7])
+    parser.add_argument(
+        "--ngram-prompts", type=int, default=16, help="n-gram prompts per batch size, at least"
+    )
     parser.add_argument(
         "--parts",
         nargs="+",

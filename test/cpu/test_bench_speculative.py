@@ -85,6 +85,7 @@ def test_speculative_bench_runs_the_ngram_drafter_on_smollm2(tmp_path):
         ["--models", "--draft-model", "", "--head", "", "--ngram-model-path"]
         + [resolve_model_path("smollm2-135m-instruct")]
         + ["--device", "cpu", "--bs", "2", "--ngram-steps", "2", "4", "--output-len", "24"]
+        + ["--ngram-prompts", "2"]
         + ["--json", str(out)]
     )
     rows = json.loads(out.read_text())["summary"]
