@@ -69,7 +69,14 @@ def test_write_json_records_the_environment_beside_the_result(tmp_path):
 def test_configs_are_the_models_of_the_docs():
     common = import_script("benchmark/common.py")
     names = sorted(p.stem for p in common.CONFIGS.glob("*.json"))
-    assert names == ["llama-3.1-70b", "llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b", "smollm2-135m"]
+    assert names == [
+        "eagle3-llama-3.1-8b",
+        "llama-3.1-70b",
+        "llama-3.1-8b",
+        "llama-3.2-1b",
+        "qwen3-0.6b",
+        "smollm2-135m",
+    ]
     assert common.model_config("qwen3-0.6b")["num_hidden_layers"] == 28
     assert common.model_config("llama-3.1-8b")["hidden_size"] == 4096
     # the built-in model's shapes, as its GGUF gives them (speed work on dummy weights)
@@ -84,6 +91,15 @@ def test_configs_are_the_models_of_the_docs():
     draft = load_model_config(common.config_path("llama-3.2-1b").as_posix())
     assert (draft.vocab_size, draft.num_hidden_layers, draft.head_dim) == (128256, 16, 64)
     assert draft.tie_word_embeddings
+    # its EAGLE-3 head: the 8B's width and vocabulary, one layer, a 32k draft vocabulary
+    head = load_model_config(common.config_path("eagle3-llama-3.1-8b").as_posix())
+    assert (head.architecture, head.hidden_size, head.vocab_size, head.num_hidden_layers) == (
+        "LlamaForCausalLMEagle3",
+        4096,
+        128256,
+        1,
+    )
+    assert head.hf_config["draft_vocab_size"] == 32000
     big = common.model_config("llama-3.1-70b")
     assert (big["num_hidden_layers"], big["hidden_size"], big["num_key_value_heads"]) == (
         80,
