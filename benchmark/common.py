@@ -359,9 +359,10 @@ def dummy_runner(
     tp_rank: int = 0,
 ) -> ModelRunner:
     """A CUDA runner of `model`'s config with dummy bf16 weights under `--cuda-graph-mode modes`,
-    room for `max_bs` requests of `context` tokens, default decode shapes (up to 256) and prefill
-    buckets (up to 2048); `extra`: further ServerArgs fields (with `tp_size` and
-    `dist_init_addr`: the runner of rank `tp_rank`)."""
+    room for `max_bs` requests of `context` tokens, default decode shapes (up to 256 running
+    requests, unless `extra` says) and prefill buckets (up to 2048); `extra`: further ServerArgs
+    fields (with `tp_size` and `dist_init_addr`: the runner of rank `tp_rank`)."""
+    fields: dict[str, Any] = {"max_running_requests": 256, **(extra or {})}
     return load_model_runner(
         resolve_engine_config(
             ServerArgs(
@@ -369,13 +370,12 @@ def dummy_runner(
                 load_format="dummy",
                 device="cuda",
                 dtype="bfloat16",
-                max_running_requests=256,
                 context_length=max(context, 2048) + 64,
                 max_total_tokens=max_bs * (context + 64) + 4096,
                 cuda_graph_mode=modes,
                 chunked_prefill_size=2048,
                 mem_fraction_static=0.85,
-                **(extra or {}),
+                **fields,
             )
         ),
         tp_rank=tp_rank,

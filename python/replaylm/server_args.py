@@ -206,7 +206,7 @@ class ServerArgs:
         metadata=_opt(
             "Most requests running at once; further requests wait in the queue. Default: from "
             "the GPU's memory, 1024 from 60 GiB, 512 from 30 GiB, else 256 (256 on the CPU). "
-            "Decode batches up to 512 (or this, if lower) replay CUDA graphs by default."
+            "Decode batches up to this many replay CUDA graphs by default."
         ),
     )
     context_length: int | None = field(
@@ -409,16 +409,16 @@ class ServerArgs:
         default=None,
         metadata=_opt(
             "Decode batch sizes to capture; a batch runs the smallest captured size that fits "
-            "it. Default: 1 2 4 8, every multiple of 8 up to 256, then every 64 up to 512, cut "
-            "at --max-running-requests."
+            "it. Default: 1 2 4 8, every multiple of 8 up to 256, every 64 up to 512, then "
+            "every 128, up to --max-running-requests."
         ),
     )
     decode_cuda_graph_max_bs: int | None = field(
         default=None,
         metadata=_opt(
-            "Largest decode batch size to capture from the default list (default 512); lower it "
-            "to capture fewer graphs (a shorter start-up, less memory) when batches stay small, "
-            "raise it to capture batches up to --max-running-requests."
+            "Largest decode batch size to capture from the default list (default "
+            "--max-running-requests); lower it to capture fewer graphs (a shorter start-up, "
+            "less memory) when batches stay small."
         ),
     )
     prefill_cuda_graph_tokens: list[int] | None = field(

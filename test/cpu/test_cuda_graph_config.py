@@ -61,10 +61,12 @@ def test_defaults_on_cuda():
         448,
         512,
     )
-    # a larger cap leaves the larger batches eager; a flag captures them
-    assert resolve(max_running_requests=1024).decode.shapes[-1] == 512
-    wide = resolve(max_running_requests=1024, decode_cuda_graph_max_bs=1024)
-    assert wide.decode.shapes[-2:] == (512, 1024)
+    # a larger cap: graphs cover it, every 128 past 512; a flag stops them lower
+    wide = resolve(max_running_requests=1000)
+    assert wide.decode.shapes[-5:] == (512, 640, 768, 896, 1000)
+    assert resolve(max_running_requests=1024, decode_cuda_graph_max_bs=512).decode.shapes == (
+        cfg.decode.shapes
+    )
     assert cfg.prefill.shapes[0] == 16 and cfg.prefill.shapes[-1] == 2048  # chunked prefill
     assert not cfg.warnings
 

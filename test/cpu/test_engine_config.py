@@ -37,8 +37,8 @@ def test_auto_with_a_gpu_resolves_for_it(gpu, cap):
     assert config.attention.describe() == "triton"
     graphs = config.cuda_graphs
     assert (graphs.decode.mode, graphs.prefill.mode) == ("full", "breakable")
-    # decode graphs stop at 512 (or the cap, if lower): larger batches run eagerly
-    assert graphs.decode.shapes == default_decode_batch_sizes(min(cap, 512))
+    # decode graphs cover the running cap
+    assert graphs.decode.shapes == default_decode_batch_sizes(cap)
     assert any(f"a GPU of {gpu.memory_bytes // 2**30} GiB" in note for note in config.notes)
 
 

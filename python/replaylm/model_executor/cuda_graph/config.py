@@ -331,14 +331,17 @@ def _apply_rules(
 # ---- stage 4: validation and shapes ---------------------------------------------------------
 
 
-DEFAULT_DECODE_MAX_BS = 512  # larger decode batches run eagerly unless a flag captures them
+# decode graphs cover the running-request cap (every running request can decode in a graph);
+# this is the cap where none is known
+DEFAULT_DECODE_MAX_BS = 512
 
 
 def default_decode_batch_sizes(max_bs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then every 8 up to 256, every 64 up to 512, clipped to `max_bs` (which is
-    always included). Beyond 256 a padding row costs its matmul rows only (attention skips
-    empty rows, and KV reads dominate such a step), so coarser steps lose little."""
-    sizes = [1, 2, 4, 8, *range(16, 257, 8), *range(320, DEFAULT_DECODE_MAX_BS + 1, 64)]
+    """1, 2, 4, 8, then every 8 up to 256, every 64 up to 512, every 128 beyond, clipped to
+    `max_bs` (which is always included). Beyond 256 a padding row costs its matmul rows only
+    (attention skips empty rows, and KV reads dominate such a step), so coarser steps lose
+    little."""
+    sizes = [1, 2, 4, 8, *range(16, 257, 8), *range(320, 513, 64), *range(640, max_bs, 128)]
     return tuple(sorted({s for s in sizes if s < max_bs} | {max_bs}))
 
 
@@ -382,7 +385,7 @@ def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> 
         max_given = _check_max(args.decode_cuda_graph_max_bs, max_flag)
         limit = args.max_running_requests or DEFAULT_DECODE_MAX_BS
         limit_flag = "--max-running-requests"
-        default_max = DEFAULT_DECODE_MAX_BS
+        default_max = limit
         make_default: Callable[[int], tuple[int, ...]] = default_decode_batch_sizes
     else:
         list_flag, max_flag = "--prefill-cuda-graph-tokens", "--prefill-cuda-graph-max-tokens"
