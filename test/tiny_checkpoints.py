@@ -64,6 +64,11 @@ TINY_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     ),
     # SmolLM-style: tied embeddings, plain rope, MHA
     "llama_tied": (LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    # SmolLM2's vocabulary, so that the built-in model's tokenizer serves it text (load tests)
+    "llama_smollm2_vocab": (
+        LlamaConfig,
+        dict(tie_word_embeddings=True, num_key_value_heads=4, vocab_size=49152),
+    ),
     "qwen2": (Qwen2Config, dict(rope_theta=1e6)),
     # Qwen3: q/k norm, head_dim independent of hidden/heads, tied
     "qwen3": (Qwen3Config, dict(head_dim=32, tie_word_embeddings=True, num_key_value_heads=1)),

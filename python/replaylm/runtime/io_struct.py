@@ -9,6 +9,7 @@ those into `GenerateOutput`s (text deltas) for the HTTP layer.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,19 @@ class GenerateOutput:
     cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
     spec_verify_ct: int = 0  # speculative decoding: verify steps of the choice so far
     spec_accepted: int = 0  # and the draft tokens accepted in them
+
+    def then(self, later: GenerateOutput) -> GenerateOutput:
+        """This increment and the next one of the same choice, as one."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return dataclasses.replace(
+            later,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
 
 
 # ---- main process -> scheduler process ----------------------------------------------------

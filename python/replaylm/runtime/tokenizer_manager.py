@@ -252,12 +252,10 @@ class TokenizerManager:
             )
             unfinished = req.n
             while unfinished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                # choices past the first run under rids of their own
-                yield item if item.rid == req.rid else dataclasses.replace(item, rid=req.rid)
-                unfinished -= item.finish_reason is not None
+                for item in _coalesced(await queue.get(), queue):
+                    # choices past the first run under rids of their own
+                    yield item if item.rid == req.rid else dataclasses.replace(item, rid=req.rid)
+                    unfinished -= item.finish_reason is not None
         finally:
             for rid, state in zip(rids, states, strict=True):
                 self._states.pop(rid, None)
@@ -511,3 +509,19 @@ class TokenizerManager:
             spec_verify_ct=out.spec_verify_ct,
             spec_accepted=out.spec_accepted,
         )
+
+
+def _coalesced(first: GenerateOutput | Exception, queue: asyncio.Queue) -> list[GenerateOutput]:
+    """`first` and whatever else waits in the request's queue, each choice's increments joined
+    into one: a consumer that falls behind the scheduler then sends one chunk (one write) for
+    several steps' tokens, instead of falling further behind. Raises a queued exception."""
+    joined: dict[int, GenerateOutput] = {}
+    item = first
+    while True:
+        if isinstance(item, Exception):
+            raise item
+        earlier = joined.get(item.index)
+        joined[item.index] = item if earlier is None else earlier.then(item)
+        if queue.empty():
+            return list(joined.values())
+        item = queue.get_nowait()
