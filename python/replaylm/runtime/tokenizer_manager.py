@@ -463,10 +463,17 @@ class TokenizerManager:
     def _on_batch(self, batch: BatchTokenOut) -> None:
         self.metrics.set_scheduler_stats(batch.stats)
         now = time.perf_counter()
+        gaps: list[float] = []  # the per-token series, observed once per batch
+        generated = 0
         for out in batch.outputs:
             state = self._states.get(out.rid)
             if state is not None:
+                if out.new_token_ids and state.last_token is not None:
+                    gaps.append(now - state.last_token)
+                generated += len(out.new_token_ids)
                 state.queue.put_nowait(self._increment(state, out, now))
+        self.metrics.itl.observe_many(gaps)
+        self.metrics.generation_tokens.inc(generated)
 
     def _observe_end(self, state: _ReqState, finish_reason: str, now: float) -> None:
         decode = now - state.first_token if state.first_token is not None else None
@@ -480,11 +487,8 @@ class TokenizerManager:
             if state.last_token is None:
                 state.first_token = now
                 self.metrics.first_token(now - state.created, state.created_wall, out.admitted_at)
-            else:
-                self.metrics.itl.observe(now - state.last_token)
             state.last_token = now
             state.completion_tokens += len(out.new_token_ids)
-            self.metrics.generation_tokens.inc(len(out.new_token_ids))
         reason = out.finish_reason
         text = ""
         if state.detok is not None:
