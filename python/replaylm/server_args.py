@@ -93,6 +93,16 @@ class ServerArgs:
             server_only=True,
         ),
     )
+    enable_vllm_metrics: bool = field(
+        default=False,
+        metadata=_opt(
+            "Also serve the /metrics series that have a vLLM equivalent under vLLM's names "
+            "(vllm:num_requests_running, vllm:time_to_first_token_seconds, ...), labelled with "
+            "model_name (--served-model-name), so dashboards and autoscalers written for vLLM "
+            "work unchanged. The replaylm_* series are served either way.",
+            server_only=True,
+        ),
+    )
     # model and loading
     model_path: str = field(
         default=DEFAULT_MODEL,

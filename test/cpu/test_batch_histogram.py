@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from replaylm.runtime.metrics import BatchHistogram
 
-BUCKETS = (0.005, 0.01, 0.1, 1.0)
+BUCKETS = (0.005, 0.01, 0.1, 1, 2.5)  # an int bound renders as prometheus_client's
 
 
 def test_batch_histogram_renders_as_a_prometheus_histogram():
@@ -23,4 +23,5 @@ def test_batch_histogram_renders_as_a_prometheus_histogram():
     rendered = generate_latest(ours).decode()
     assert rendered == generate_latest(theirs).decode()
     assert 'x_seconds_bucket{le="0.005"} 2.0' in rendered
+    assert 'x_seconds_bucket{le="1.0"} 7.0' in rendered
     assert 'x_seconds_bucket{le="+Inf"} 8.0' in rendered and "x_seconds_count 8.0" in rendered

@@ -220,9 +220,9 @@ def test_fields_the_engine_cannot_honour_are_refused_by_name(http, http_server):
     assert complete(http, **defaults)["choices"][0]["text"] == complete(http)["choices"][0]["text"]
     assert "ignored unknown field(s): use_beam_search" not in http_server.stderr_tail()
     native = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
-    start_at_0 = http.post("/generate", json={**native, "logprob_start_len": 0})
-    assert start_at_0.status_code == 400
-    assert start_at_0.json()["error"]["param"] == "logprob_start_len"
+    below = http.post("/generate", json={**native, "return_logprob": True, "logprob_start_len": -2})
+    assert below.status_code == 400
+    assert below.json()["error"]["param"] == "logprob_start_len"
     assert http.post("/generate", json={**native, "logprob_start_len": -1}).status_code == 200
 
 

@@ -423,12 +423,13 @@ class NativeGenerateRequest(RequestModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
-    logprob_start_len: int | None = None  # SGLang's -1: output logprobs only
+    # SGLang's: with return_logprob, k >= 0 adds the prompt's logprobs from token k on; -1 none
+    logprob_start_len: int | None = None
 
     def check(self) -> None:
-        if self.logprob_start_len not in (None, -1):
+        if self.logprob_start_len is not None and self.logprob_start_len < -1:
             raise RequestError(
-                "logprob_start_len is not supported: /generate returns no prompt logprobs",
+                f"logprob_start_len must be -1 or >= 0, got {self.logprob_start_len}",
                 "logprob_start_len",
             )
 

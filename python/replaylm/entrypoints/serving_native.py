@@ -46,21 +46,70 @@ class NativeGenerateRoute:
             field = f"sampling_params.{name}" if name in _SAMPLING_FIELDS else "sampling_params"
             raise APIError(400, str(err), field) from err
         top_k = body.top_logprobs_num if body.return_logprob else None
-        req = GenerateRequest(ids, params, top_logprobs=top_k)
+        inputs = _InputLogprobs.asked(body, ids)
+        prompt_k = body.top_logprobs_num if inputs is not None else None
+        req = GenerateRequest(ids, params, top_logprobs=top_k, prompt_logprobs=prompt_k)
         stream = await start_choices(self.ctx.tm, request, [req], param)
         if body.stream:
-            return EventStream(_chunks(stream, req.rid))
+            return EventStream(_chunks(stream, req.rid, inputs))
         results, _ = await unless_disconnected(request, collect(stream))
         res = results[0]
         meta = _meta(req.rid, res.last, res.logprobs if top_k is not None else None)
+        if inputs is not None and res.prompt_logprobs is not None:
+            meta.update(inputs.meta(res.prompt_logprobs))
         return JSONResponse({"text": res.text, "output_ids": res.token_ids, "meta_info": meta})
 
 
+@dataclasses.dataclass(frozen=True)
+class _InputLogprobs:
+    """SGLang's prompt logprobs, asked by `logprob_start_len`: those of prompt tokens `start`
+    on, with the `k` most likely tokens at each."""
+
+    ids: list[int]
+    start: int
+    k: int
+
+    @classmethod
+    def asked(cls, body: NativeGenerateRequest, ids: list[int]) -> _InputLogprobs | None:
+        start = body.logprob_start_len
+        if not body.return_logprob or start is None or start == -1:
+            return None
+        if start >= len(ids):
+            raise APIError(
+                400,
+                f"logprob_start_len ({start}) must be smaller than the prompt's length "
+                f"({len(ids)} tokens)",
+                "logprob_start_len",
+            )
+        return cls(ids, start, body.top_logprobs_num)
+
+    def meta(self, lps: list[TokenLogprob | None]) -> dict[str, Any]:
+        """`input_token_logprobs` ([logprob, token id, text] each; the text is null, as SGLang's
+        without `return_text_in_logprobs`; the first prompt token, which nothing predicts, has
+        a null logprob) and, when k > 0, `input_top_logprobs` (null for that first token)."""
+        lps = lps[self.start :]
+        ids = self.ids[self.start :]
+        meta: dict[str, Any] = {
+            "input_token_logprobs": [
+                [lp.logprob if lp is not None else None, token_id, None]
+                for token_id, lp in zip(ids, lps, strict=True)
+            ]
+        }
+        if self.k > 0:
+            meta["input_top_logprobs"] = [
+                [[v, t, None] for t, v in lp.top] if lp is not None else None for lp in lps
+            ]
+        return meta
+
+
 async def _chunks(
-    stream: AsyncIterator[ChoiceOutput], rid: str
+    stream: AsyncIterator[ChoiceOutput], rid: str, inputs: _InputLogprobs | None
 ) -> AsyncGenerator[dict[str, Any], None]:
+    """The prompt logprobs ride on the first chunk, the one they arrive with."""
     async for c in stream:
         meta = _meta(rid, c.out, c.out.logprobs)
+        if inputs is not None and c.out.prompt_logprobs is not None:
+            meta.update(inputs.meta(c.out.prompt_logprobs))
         yield {"text": c.out.text, "output_ids": c.out.token_ids, "meta_info": meta}
 
 

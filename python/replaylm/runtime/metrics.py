@@ -3,7 +3,8 @@
 Request, token and latency series are observed by the tokenizer manager as outputs arrive, once
 per request (per choice) when its first token arrives and when it ends; the scheduler's gauges
 (queue, running, KV usage) and counters (preemptions) are refreshed from the stats it sends every
-step. The README's metrics table documents every series; a test keeps the two equal.
+step. The README's metrics table documents every series; a test keeps the two equal. With
+--enable-vllm-metrics, those with a vLLM equivalent are served again under vLLM's names.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from replaylm.runtime.io_struct import SchedulerStats
 from replaylm.speculative.stats import SpeculationStats
@@ -55,16 +58,17 @@ class BatchHistogram(Collector):
         cumulative, total = [], 0
         for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
             total += count
-            cumulative.append(("+Inf" if bound == float("inf") else str(bound), total))
+            cumulative.append((floatToGoString(bound), total))
         yield HistogramMetricFamily(
             self.name, self.documentation, buckets=cumulative, sum_value=self.sum
         )
 
 
 class ServerMetrics:
-    """One registry per server, so several servers (tests) never share series."""
+    """One registry per server, so several servers (tests) never share series. `vllm_model_name`:
+    also serve vLLM's names (`VllmNames`), labelled with this model name."""
 
-    def __init__(self) -> None:
+    def __init__(self, vllm_model_name: str | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "replaylm_requests",
@@ -177,6 +181,8 @@ class ServerMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+        if vllm_model_name is not None:
+            r.register(VllmNames(self, vllm_model_name))
 
     def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
         return Gauge(f"replaylm_{name}", doc, list(labels), registry=self.registry)
@@ -247,3 +253,54 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# replaylm's label names that vLLM spells otherwise
+_VLLM_LABELS = {"finish_reason": "finished_reason"}
+
+
+class VllmNames(Collector):
+    """The series that have a vLLM equivalent, under vLLM's (v0.12) names and labels, for
+    dashboards and autoscalers written for vLLM. Renamed at scrape time from the same values:
+    observing costs nothing more, only a scrape does."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
+        m = metrics
+        self.labels = {"model_name": model_name, "engine": "0"}  # vLLM's engine: its DP rank
+        # (series, vLLM's name, vLLM's type where it differs: a gauge of a running total)
+        self.sources: list[tuple[Collector, str, str | None]] = [
+            (m.running, "vllm:num_requests_running", None),
+            (m.waiting, "vllm:num_requests_waiting", None),
+            (m.kv_usage, "vllm:kv_cache_usage_perc", None),
+            (m.prefix_prompt_tokens, "vllm:prefix_cache_queries", "counter"),
+            (m.prefix_hit_tokens, "vllm:prefix_cache_hits", "counter"),
+            (m.preemptions, "vllm:num_preemptions", None),
+            (m.prompt_tokens, "vllm:prompt_tokens", None),
+            (m.generation_tokens, "vllm:generation_tokens", None),
+            (m.requests, "vllm:request_success", None),
+            (m.request_prompt_tokens, "vllm:request_prompt_tokens", None),
+            (m.request_generation_tokens, "vllm:request_generation_tokens", None),
+            (m.ttft, "vllm:time_to_first_token_seconds", None),
+            (m.itl, "vllm:inter_token_latency_seconds", None),
+            (m.e2e, "vllm:e2e_request_latency_seconds", None),
+            (m.queue_time, "vllm:request_queue_time_seconds", None),
+            (m.prefill_time, "vllm:request_prefill_time_seconds", None),
+            (m.decode_time, "vllm:request_decode_time_seconds", None),
+            (m.spec_draft_tokens, "vllm:spec_decode_num_draft_tokens", "counter"),
+            (m.spec_accepted_tokens, "vllm:spec_decode_num_accepted_tokens", "counter"),
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        for source, name, typ in self.sources:
+            for family in source.collect():
+                renamed = Metric(name, family.documentation, typ or family.type)
+                as_counter = renamed.type != family.type  # a gauge's value, as `name_total`
+                renamed.samples = [
+                    sample._replace(
+                        name=name + ("_total" if as_counter else sample.name[len(family.name) :]),
+                        labels=self.labels
+                        | {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()},
+                    )
+                    for sample in family.samples
+                ]
+                yield renamed

@@ -120,7 +120,9 @@ class TokenizerManager:
             raise
         with contextlib.suppress(OSError):  # a child that failed already says why in _wait_ready
             self._scheduler.conn.send(info)
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(
+            self.served_model_name if server_args.enable_vllm_metrics else None
+        )
         self._states: dict[str, _ReqState] = {}
         self._flushes: deque[asyncio.Future[int]] = deque()  # flush_cache calls awaiting answers
         self._loop: asyncio.AbstractEventLoop | None = None
