@@ -110,7 +110,13 @@ CASES = {
     ),
     "top_k below -1": ("/v1/completions", _completion(top_k=-2), 400, "top_k", "-1"),
     "min_p above one": ("/v1/completions", _completion(min_p=2), 400, "min_p", "1"),
-    "seed negative": ("/v1/completions", _completion(seed=-1), 400, "seed", "0"),
+    "seed below int64": (
+        "/v1/completions",
+        _completion(seed=-(2**63) - 1),
+        400,
+        "seed",
+        "greater than or equal to -9223372036854775808",
+    ),
     "seed above int64": (
         "/v1/chat/completions",
         _chat(seed=2**63),

@@ -31,6 +31,7 @@ from replaylm.sampling_params import SamplingParams
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 PositiveInt = Annotated[int, Field(ge=1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenId = Annotated[int, Field(ge=0)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
@@ -182,9 +183,12 @@ class SamplingRequest(RequestModel):
     `guided_regex`, `guided_grammar`, `guided_choice` or `structural_tag`
     (`guided_decoding_backend` picks an engine, not an output: it is taken and left alone;
     `guided_whitespace_pattern` is refused). vLLM's output options: `include_stop_str_in_output`,
-    `truncate_prompt_tokens` (`truncated_prompt()`), `return_token_ids`; its sampling options
+    `truncate_prompt_tokens` (`truncated_prompt()`), `return_token_ids`,
+    `return_tokens_as_token_ids` (logprobs' tokens as `token_id:{id}`); its sampling options
     `allowed_token_ids` (empty: any token) and `bad_words` (single-token words); its
-    `use_beam_search` is refused when it asks for something.
+    `use_beam_search` is refused when it asks for something. `seed` takes any int64, as OpenAI's
+    and vLLM's do; the engine's seeds are non-negative, so a negative one is taken modulo 2**63
+    (-5 samples as 2**63 - 5 does, not as 5), which keeps it reproducible.
     """
 
     model: str | None = None
@@ -192,7 +196,7 @@ class SamplingRequest(RequestModel):
     presence_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     n: PositiveInt | None = None  # the tokenizer manager bounds it
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -213,6 +217,7 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None  # vLLM: keep the last N (-1: the context's worth)
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: str | list[str] | None = None
     use_beam_search: bool | None = None  # refused when true (`_check_unsupported`)
@@ -336,7 +341,7 @@ class SamplingRequest(RequestModel):
             top_p=_or(self.top_p, 1.0),
             top_k=-1 if self.top_k in (None, 0) else self.top_k,
             min_p=_or(self.min_p, 0.0),
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed % 2**63,
             stop=self.stop_strings,
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=_or(self.ignore_eos, False),

@@ -191,7 +191,8 @@ class _ChatView:
 
     def _logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs | None:
         k = self.body.top_logprobs_k
-        return None if k is None else chat_logprobs(lps, k, self.ctx.token_text)
+        as_ids = bool(self.body.return_tokens_as_token_ids)
+        return None if k is None else chat_logprobs(lps, k, self.ctx.token_text, as_ids)
 
     def response(self, results: list[ChoiceResult], usage: UsageInfo) -> ChatCompletionResponse:
         choices = [

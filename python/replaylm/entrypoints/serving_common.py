@@ -12,6 +12,7 @@ from typing import Any
 
 import replaylm
 from replaylm.entrypoints.http_errors import APIError
+from replaylm.entrypoints.logprob_format import token_id_label
 from replaylm.entrypoints.openai_responses import ModelCard
 from replaylm.entrypoints.tool_calls import ChatTools
 from replaylm.runtime.request_limits import check_context, output_room
@@ -55,7 +56,7 @@ class ServingContext:
 
     def _decode_token(self, token_id: int) -> str:
         if self.tm.tokenizer is None:
-            return f"token_id:{token_id}"
+            return token_id_label(token_id)
         return self.tm.tokenizer.decode([token_id])
 
     def check_model(self, name: str | None) -> None:

@@ -155,7 +155,13 @@ class _CompletionView:
     def _logprobs(self, entries: Entries, offset: int) -> tuple[CompletionLogprobs | None, int]:
         if self.body.logprobs is None:
             return None, offset
-        return completion_logprobs(entries, self.body.logprobs, offset, self.ctx.token_text)
+        return completion_logprobs(
+            entries,
+            self.body.logprobs,
+            offset,
+            self.ctx.token_text,
+            bool(self.body.return_tokens_as_token_ids),
+        )
 
     def response(self, results: list[ChoiceResult], usage: UsageInfo) -> CompletionResponse:
         choices = []
