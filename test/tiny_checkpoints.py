@@ -32,36 +32,23 @@ _COMMON = dict(
     eos_token_id=2,
 )
 
+# Llama 3.1-style rope scaling
+_LLAMA3_ROPE = dict(
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    rope_theta=50000.0,
+)
+
 TINY_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     # Llama 3.1-style rope scaling, untied LM head
-    "llama3": (
-        LlamaConfig,
-        dict(
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            rope_theta=50000.0,
-        ),
-    ),
+    "llama3": (LlamaConfig, _LLAMA3_ROPE),
     # the same with four layers: room for an EAGLE-3 head's three distinct layers
-    "llama3_deep": (
-        LlamaConfig,
-        dict(
-            num_hidden_layers=4,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            rope_theta=50000.0,
-        ),
-    ),
+    "llama3_deep": (LlamaConfig, dict(_LLAMA3_ROPE, num_hidden_layers=4)),
     # SmolLM-style: tied embeddings, plain rope, MHA
     "llama_tied": (LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=4)),
     # SmolLM2's vocabulary, so that the built-in model's tokenizer serves it text (load tests)

@@ -8,13 +8,10 @@ import logging
 import torch
 
 from replaylm.layers.feature_capture import FeatureStore
-from replaylm.models.eagle import EAGLE_ARCHITECTURES, EagleHead, LlamaEagle3Head
+from replaylm.models.eagle import EAGLE_HEADS, EagleHead
 from replaylm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
-
-# the head's architecture for each algorithm
-HEAD_ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
 
 
 def check_draft(
@@ -31,18 +28,18 @@ def check_draft(
             f"{flag} has a vocabulary of {theirs} tokens, the target {ours}: a draft model "
             "must share the target's vocabulary"
         )
-    wanted = HEAD_ARCHITECTURES.get(algorithm)
+    head = EAGLE_HEADS.get(algorithm)
     arch = draft.config.architecture
-    if wanted is None:
-        if arch in EAGLE_ARCHITECTURES:
+    if head is None:
+        if isinstance(draft, EagleHead):
             raise ValueError(
-                f"{flag} is an EAGLE head ({arch}): use --speculative-algorithm "
-                f"{'eagle3' if arch.endswith('3') else 'eagle'}"
+                f"{flag} is an EAGLE head ({arch}): use --speculative-algorithm {draft.algorithm}"
             )
         return
-    if arch != wanted or not isinstance(draft, EagleHead):
+    if not isinstance(draft, head):
         raise ValueError(
-            f"{flag} is a {arch}; --speculative-algorithm {algorithm} takes a {wanted} head"
+            f"{flag} is a {arch}; --speculative-algorithm {algorithm} takes a "
+            f"{head.architecture} head"
         )
     layers = draft.target_feature_layers(target.config.num_hidden_layers)
     needed = draft.feature_width // (len(layers) if layers else 1)
@@ -76,10 +73,9 @@ def attach_head(
     store = FeatureStore(len(layers) if layers else 1, slots, hidden, dtype, device)
     target.model.tap_features(store, layers)
     head.attach_target(target, rows)
-    kind = "eagle3" if isinstance(head, LlamaEagle3Head) else "eagle"
     logger.info(
         "%s head: reads the target's %s (%.2f GiB kept by KV slot)",
-        kind,
+        head.algorithm,
         "final-norm hidden states"
         if layers is None
         else f"residual stream entering layers {layers}",

@@ -45,8 +45,6 @@ from replaylm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
 
-EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
-
 
 def eagle3_layers(head: ModelConfig, target_layers: int) -> list[int]:
     """The target layers whose input an EAGLE-3 head reads: its config's
@@ -61,8 +59,11 @@ def eagle3_layers(head: ModelConfig, target_layers: int) -> list[int]:
 
 class EagleHead(LlamaForCausalLM):
     """What both heads share: the rope, the features buffer, the target's embedding, the
-    checkpoint's names and `compute_logits` keeping each request's output feature."""
+    checkpoint's names and `compute_logits` keeping each request's output feature. It reads
+    the target's final-norm hidden states unless a head says otherwise."""
 
+    algorithm: str  # its --speculative-algorithm
+    architecture: str  # its config's `architectures[0]`
     features: torch.Tensor
     target_embed: torch.Tensor
 
@@ -83,11 +84,11 @@ class EagleHead(LlamaForCausalLM):
     @property
     def feature_width(self) -> int:
         """Values per token of the target's features it reads."""
-        raise NotImplementedError
+        return self.config.hidden_size
 
     def target_feature_layers(self, target_layers: int) -> list[int] | None:
         """The target layers whose input it reads (None: the target's final-norm output)."""
-        raise NotImplementedError
+        return None
 
     def attach_target(self, target: LlamaForCausalLM, rows: int) -> None:
         """Take `target`'s embedding (and what else the head shares) and make the features
@@ -143,6 +144,7 @@ class LlamaEagleHead(EagleHead):
     """EAGLE: `fc(cat(embed, feature))`, a decoder layer without an input norm, the target's
     LM head."""
 
+    algorithm, architecture = "eagle", "LlamaForCausalLMEagle"
     target_lm_head: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
@@ -153,13 +155,6 @@ class LlamaEagleHead(EagleHead):
         self.self_attn = LlamaAttention(config, 0, self.rotary, config.attention_bias, False, place)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = LlamaMLP(h, config.intermediate_size, place)
-
-    @property
-    def feature_width(self) -> int:
-        return self.config.hidden_size
-
-    def target_feature_layers(self, target_layers: int) -> list[int] | None:
-        return None
 
     def attach_target(self, target: LlamaForCausalLM, rows: int) -> None:
         super().attach_target(target, rows)
@@ -191,6 +186,7 @@ class LlamaEagle3Head(EagleHead):
     """EAGLE-3: the fused three-layer feature through `fc`, a layer attending over the
     normed embedding and feature side by side, a final norm and a draft-vocabulary LM head."""
 
+    algorithm, architecture = "eagle3", "LlamaForCausalLMEagle3"
     d2t: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
@@ -257,3 +253,9 @@ class LlamaEagle3Head(EagleHead):
 
     def _rename(self, name: str) -> str:
         return name.removeprefix("midlayer.")
+
+
+# the heads by --speculative-algorithm
+EAGLE_HEADS: dict[str, type[EagleHead]] = {
+    head.algorithm: head for head in (LlamaEagleHead, LlamaEagle3Head)
+}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from replaylm.models.eagle import LlamaEagle3Head, LlamaEagleHead
+from replaylm.models.eagle import EAGLE_HEADS
 from replaylm.models.llama import LlamaForCausalLM
 from replaylm.models.qwen2 import Qwen2ForCausalLM
 from replaylm.models.qwen3 import Qwen3ForCausalLM
@@ -13,8 +13,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     # EAGLE draft heads (--speculative-algorithm eagle / eagle3 only)
-    "LlamaForCausalLMEagle": LlamaEagleHead,
-    "LlamaForCausalLMEagle3": LlamaEagle3Head,
+    **{head.architecture: head for head in EAGLE_HEADS.values()},
 }
 
 

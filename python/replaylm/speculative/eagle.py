@@ -44,7 +44,7 @@ class EagleDrafter(DraftModelDrafter):
         super().__init__(head)
         assert isinstance(head.model, EagleHead)
         self.head: EagleHead = head.model
-        self.name = "eagle3" if self.head.config.architecture.endswith("3") else "eagle"
+        self.name = self.head.algorithm
         self.store = store
         self.target_table = target_table
         self.chunk = chunk
