@@ -33,6 +33,15 @@ seconds at every rate of a sweep.
 `--endpoint generate` sends them to the native `POST /generate` (replaylm, SGLang) with
 `sampling_params`.
 
+The client is aiohttp, one session per run. Its CPU time per streamed token (tens of
+microseconds) still caps the throughput one client process can measure: `--client-processes K`
+splits each run over K processes. Request i goes to process i mod K (multi_turn: conversation
+i, whole); each sends its requests at rate / K (their sum is Poisson at the rate), at most
+C / K in flight under `--max-concurrency C` (rounded, adding up to C; C >= K), from a common
+start on the wall clock. This process sends the warm-up and merges their results: the run's
+time is from the common start to the last request's end, TTFT, ITL and latencies each
+process's own measurements.
+
 Workloads (`--workload`, several: a run of each): `plain` sampling, and `json_schema`,
 structured output where every request asks for the same JSON schema (`--json-schema PATH`, default
 a small record schema): in `sampling_params.json_schema` on `/generate`, as an OpenAI
@@ -70,17 +79,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
+import multiprocessing
 import random
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
@@ -90,6 +103,10 @@ DATASET_FIELDS = ("question", "prompt", "text")
 PERCENTILES = (50, 90, 99)
 LENGTH_DISTS = ("uniform", "lognormal")
 MIN_RATE_PROMPTS = 100  # --rate-seconds: enough requests at a low rate for its percentiles
+START_DELAY_S = 1.0  # --client-processes: a run's common start, this far ahead of its shares
+LATE_START_S = 0.1  # a client process that starts its share later than this warns of it
+POOL_START_TIMEOUT_S = 300.0  # for the client processes to start (import this script)
+ROUTES = {"chat": "v1/chat/completions", "completions": "v1/completions", "generate": "generate"}
 SWEEP_COLUMNS = (  # the closing table: (summary key, heading)
     ("tp_size", "TP"),
     ("workload", "workload"),
@@ -181,7 +198,8 @@ def run_prompts(args: argparse.Namespace, rate: float) -> int:
 def dataset_specs(args: argparse.Namespace, rng: random.Random, num: int) -> list[RequestSpec]:
     """Text prompts from a JSON-lines / JSON-list file or URL, shuffled, cycled to `num`."""
     if args.dataset.startswith(("http://", "https://")):
-        raw = httpx.get(args.dataset, follow_redirects=True, timeout=60).raise_for_status().text
+        with urllib.request.urlopen(args.dataset, timeout=60) as response:
+            raw = response.read().decode("utf-8")
     else:
         raw = Path(args.dataset).read_text(encoding="utf-8")
     stripped = raw.lstrip()
@@ -361,23 +379,47 @@ def _parses(text: str) -> bool:
     return True
 
 
+def base_url(args: argparse.Namespace) -> str:
+    return args.base_url.rstrip("/")
+
+
+def open_session(
+    args: argparse.Namespace, connections: int, timeout: float | None = None
+) -> aiohttp.ClientSession:
+    """A session of at most `connections` keep-alive connections, sending the API key; each
+    request given `timeout` seconds in all (default `--timeout`). Opened in a running loop."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=0),
+        timeout=aiohttp.ClientTimeout(total=args.timeout if timeout is None else timeout),
+        headers=headers,
+    )
+
+
 async def send(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], spec: RequestSpec, structured: bool
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    spec: RequestSpec,
+    structured: bool,
 ) -> RequestResult:
     """Stream one request; TTFT is the first chunk with text, ITL the gaps between such chunks.
-    `structured`: check that the whole text parses as JSON."""
+    `structured`: check that the whole text parses as JSON. Any failure is the result's error."""
     res = RequestResult(ok=False, input_len=spec.input_len)
     start = last = time.perf_counter()
     chunks, usage, texts = 0, None, []
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                res.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                res.error = f"HTTP {response.status}: {(await response.read())[:300]!r}"
                 return res
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in response.content:  # SSE: `data: {...}` lines, blank ones between
+                if not line.startswith(b"data: "):
                     continue
-                event = json.loads(line[len("data: ") :])
+                data = line[len(b"data: ") :].strip()
+                if data == b"[DONE]":
+                    continue
+                event = json.loads(data)
                 if "error" in event:
                     res.error = str(event["error"])
                     return res
@@ -391,7 +433,7 @@ async def send(
                     else:
                         res.itl.append(now - last)
                     last, chunks = now, chunks + 1
-    except (httpx.HTTPError, json.JSONDecodeError) as err:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
         res.error = f"{type(err).__name__}: {err}"
         return res
     res.latency = time.perf_counter() - start
@@ -405,17 +447,31 @@ async def send(
     return res
 
 
-async def grammar_counters(client: httpx.AsyncClient, base_url: str) -> tuple[float, float] | None:
+async def warm_up(
+    session: aiohttp.ClientSession,
+    args: argparse.Namespace,
+    model: str,
+    specs: list[RequestSpec],
+    schema: dict[str, Any] | None,
+) -> None:
+    """Send `specs` one at a time, untimed."""
+    url = f"{base_url(args)}/{ROUTES[args.endpoint]}"
+    for spec in specs:
+        await send(session, url, payload(args, model, spec, schema), spec, schema is not None)
+
+
+async def grammar_counters(session: aiohttp.ClientSession, base: str) -> tuple[float, float] | None:
     """(steps, host seconds) of the server's grammar engine so far; None when its /metrics
     has no such series (another server)."""
     try:
-        response = await client.get(f"{base_url}/metrics")
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
+        async with session.get(f"{base}/metrics") as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
     values = {}
-    for line in response.text.splitlines():
+    for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name in GRAMMAR_METRICS:
             values[name] = float(value)
@@ -436,7 +492,105 @@ class RunResult:
     grammar_host_s: float | None = None  # and its host time
 
 
-async def run(
+Turn = list[tuple[int, RequestResult]]  # a turn's results, each with its request's conversation
+
+
+async def send_turns(
+    session: aiohttp.ClientSession,
+    args: argparse.Namespace,
+    model: str,
+    plan: RunPlan,
+    rate: float,
+    concurrency: int | None,
+    rng: random.Random,
+    schema: dict[str, Any] | None,
+    on_done: Callable[[], object],
+) -> list[Turn]:
+    """Send the plan's requests (not its warm-up), a turn once the previous one has finished:
+    Poisson arrivals at `rate`, at most `concurrency` in flight when set, asking for `schema`
+    when given; `on_done()` after each request."""
+    url = f"{base_url(args)}/{ROUTES[args.endpoint]}"
+    gate = asyncio.Semaphore(concurrency or len(plan.first))
+
+    async def one(spec: RequestSpec) -> RequestResult:
+        async with gate:
+            body = payload(args, model, spec, schema)
+            result = await send(session, url, body, spec, schema is not None)
+        on_done()
+        return result
+
+    async def turn(specs: list[RequestSpec]) -> Turn:
+        tasks = []
+        for spec in specs:
+            tasks.append(asyncio.create_task(one(spec)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return [(s.conversation, r) for s, r in zip(specs, results, strict=True)]
+
+    specs = plan.first
+    turns = [await turn(specs)]
+    for messages in plan.follow_ups:
+        specs = next_turn(specs, [r for _, r in turns[-1]], messages)
+        turns.append(await turn(specs))
+    return turns
+
+
+def merge_turns(parts: list[list[Turn]]) -> list[RequestResult]:
+    """The results of every client process's turns in one list, turn by turn, each turn's in
+    the order of its conversations (a stable sort: one process's stay in its order)."""
+    return [
+        result
+        for turn in zip(*parts, strict=True)
+        for _, result in sorted(itertools.chain(*turn), key=lambda pair: pair[0])
+    ]
+
+
+def run_result(
+    results: list[RequestResult],
+    duration: float,
+    before: tuple[float, float] | None,
+    after: tuple[float, float] | None,
+) -> RunResult:
+    """The run's result, the grammar engine's work read from its counters `before` and
+    `after` the run (None where the server has none)."""
+    out = RunResult(results, duration)
+    if before is not None and after is not None:
+        out.grammar_steps = after[0] - before[0]
+        out.grammar_host_s = after[1] - before[1]
+    return out
+
+
+def progress_bar(
+    args: argparse.Namespace, plan: RunPlan, rate: float, concurrency: int | None
+) -> tqdm:
+    return tqdm(
+        total=len(plan.first) * (1 + len(plan.follow_ups)),
+        desc=f"rate {rate}, max concurrency {concurrency}",
+        disable=args.disable_tqdm,
+    )
+
+
+def run(
+    args: argparse.Namespace,
+    model: str,
+    plan: RunPlan,
+    rate: float,
+    concurrency: int | None,
+    rng: random.Random,
+    schema: dict[str, Any] | None,
+    pool: ProcessPoolExecutor | None,
+) -> RunResult:
+    """Send the plan's requests, turn by turn (Poisson arrivals at `rate`, at most `concurrency`
+    in flight when set), asking for `schema` when given: from this process (`rng` drawing the
+    arrivals), or from the client processes of `pool`; the results, the wall time and the
+    grammar engine's work."""
+    if pool is None:
+        return asyncio.run(run_here(args, model, plan, rate, concurrency, rng, schema))
+    return run_split(pool, args, model, plan, rate, concurrency, schema)
+
+
+async def run_here(
     args: argparse.Namespace,
     model: str,
     plan: RunPlan,
@@ -445,58 +599,136 @@ async def run(
     rng: random.Random,
     schema: dict[str, Any] | None,
 ) -> RunResult:
-    """Send the plan's requests, turn by turn (Poisson arrivals at `rate`, at most `concurrency`
-    in flight when set), asking for `schema` when given; the results, the wall time and the
-    grammar engine's work."""
-    base = args.base_url.rstrip("/")
-    path = {"chat": "v1/chat/completions", "completions": "v1/completions", "generate": "generate"}
-    url = f"{base}/{path[args.endpoint]}"
-    structured = schema is not None
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    width = len(plan.first)
-    limits = httpx.Limits(max_connections=concurrency or width + 1)
-    gate = asyncio.Semaphore(concurrency or width)
-    async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
-        for spec in plan.warmup:
-            await send(client, url, payload(args, model, spec, schema), spec, structured)
-        counters = await grammar_counters(client, base)
-        bar = tqdm(
-            total=width * (1 + len(plan.follow_ups)),
-            desc=f"rate {rate}, max concurrency {concurrency}",
-            disable=args.disable_tqdm,
+    """A run from this process (--client-processes 1), in one session: the warm-up, the grammar
+    counters, the timed requests, the counters again."""
+    async with open_session(args, concurrency or len(plan.first) + 1) as session:
+        await warm_up(session, args, model, plan.warmup, schema)
+        before = await grammar_counters(session, base_url(args))
+        with progress_bar(args, plan, rate, concurrency) as bar:
+            start = time.perf_counter()
+            turns = await send_turns(
+                session, args, model, plan, rate, concurrency, rng, schema, bar.update
+            )
+            duration = time.perf_counter() - start
+        after = await grammar_counters(session, base_url(args))
+    return run_result(merge_turns([turns]), duration, before, after)
+
+
+@dataclass
+class Share:
+    """One client process's part of a run: its requests, at its rate and concurrency, from the
+    common start (time.time())."""
+
+    index: int
+    plan: RunPlan
+    rate: float
+    concurrency: int | None
+    start: float
+
+
+@dataclass
+class ShareResult:
+    turns: list[Turn]
+    end: float  # time.time() once its last request ended
+    late_s: float  # how long after the common start it started (negative: it waited)
+
+
+def split_plan(plan: RunPlan, k: int) -> list[RunPlan]:
+    """The K client processes' parts of a run (the warm-up is this process's): request i to
+    process i % K as conversation i, which merge_turns orders the results by. multi_turn's
+    conversation i (numbered so already) stays in its process, its turns built from the run's
+    user messages."""
+    first = [replace(spec, conversation=i) for i, spec in enumerate(plan.first)]
+    return [RunPlan([], first[i::k], plan.follow_ups) for i in range(k)]
+
+
+def client_process(
+    args: argparse.Namespace, model: str, share: Share, schema: dict[str, Any] | None
+) -> ShareResult:
+    """What each client process runs: its share of the run, in an event loop of its own."""
+    return asyncio.run(send_share(args, model, share, schema))
+
+
+async def send_share(
+    args: argparse.Namespace, model: str, share: Share, schema: dict[str, Any] | None
+) -> ShareResult:
+    """Wait for the common start, then send the share's requests, with arrivals from a seed of
+    the process's own (every process drawing the same gaps would send in lockstep)."""
+    rng = random.Random(f"{args.seed}:{share.index}")
+    async with open_session(args, share.concurrency or len(share.plan.first) + 1) as session:
+        late_s = time.time() - share.start
+        await asyncio.sleep(max(0.0, -late_s))
+        plan, rate, concurrency = share.plan, share.rate, share.concurrency
+        turns = await send_turns(
+            session, args, model, plan, rate, concurrency, rng, schema, lambda: None
         )
+        return ShareResult(turns, time.time(), late_s)
 
-        async def one(spec: RequestSpec) -> RequestResult:
-            async with gate:
-                body = payload(args, model, spec, schema)
-                result = await send(client, url, body, spec, structured)
-            bar.update(1)
-            return result
 
-        async def turn(specs: list[RequestSpec]) -> list[RequestResult]:
-            tasks = []
-            for spec in specs:
-                tasks.append(asyncio.create_task(one(spec)))
-                if math.isfinite(rate):
-                    await asyncio.sleep(rng.expovariate(rate))
-            return list(await asyncio.gather(*tasks))
+async def warmed_up_counters(
+    args: argparse.Namespace,
+    model: str,
+    specs: list[RequestSpec],
+    schema: dict[str, Any] | None,
+) -> tuple[float, float] | None:
+    """This process's part of a split run, before it (the warm-up `specs`, then the grammar
+    counters) and after it (no specs: the counters)."""
+    async with open_session(args, 1) as session:
+        await warm_up(session, args, model, specs, schema)
+        return await grammar_counters(session, base_url(args))
 
-        start = time.perf_counter()
-        specs = plan.first
-        results = await turn(specs)
-        every = list(results)
-        for messages in plan.follow_ups:
-            specs = next_turn(specs, results, messages)
-            results = await turn(specs)
-            every += results
-        duration = time.perf_counter() - start
-        bar.close()
-        after = await grammar_counters(client, base)
-    out = RunResult(every, duration)
-    if counters is not None and after is not None:
-        out.grammar_steps = after[0] - counters[0]
-        out.grammar_host_s = after[1] - counters[1]
-    return out
+
+@contextlib.contextmanager
+def client_pool(k: int) -> Iterator[ProcessPoolExecutor | None]:
+    """None for K = 1 (the runs send from this process); else K spawned client processes for
+    every run, started before the first: each imports this script again, and with it torch
+    (seconds), which a run's common start would otherwise have to wait for."""
+    if k == 1:
+        yield None
+        return
+    context = multiprocessing.get_context("spawn")
+    started = context.Barrier(k + 1)
+    with ProcessPoolExecutor(k, mp_context=context, initializer=started.wait) as pool:
+        for _ in range(k):  # a task each: the processes start as the tasks come
+            pool.submit(int)
+        started.wait(POOL_START_TIMEOUT_S)
+        yield pool
+
+
+def run_split(
+    pool: ProcessPoolExecutor,
+    args: argparse.Namespace,
+    model: str,
+    plan: RunPlan,
+    rate: float,
+    concurrency: int | None,
+    schema: dict[str, Any] | None,
+) -> RunResult:
+    """A run from the K = `--client-processes` processes of `pool`, each sending its share from
+    a common start a little ahead (time for the shares to reach them); the run's time is from
+    that start to the last request's end, on the wall clock that they share."""
+    k = args.client_processes
+    before = asyncio.run(warmed_up_counters(args, model, plan.warmup, schema))
+    start = time.time() + START_DELAY_S
+    shares = [
+        Share(i, part, rate / k, _share_of(concurrency, k, i), start)
+        for i, part in enumerate(split_plan(plan, k))
+    ]
+    with progress_bar(args, plan, rate, concurrency) as bar:
+        futures = [pool.submit(client_process, args, model, share, schema) for share in shares]
+        for future in as_completed(futures):  # progress: a process's requests once it is done
+            bar.update(sum(len(turn) for turn in future.result().turns))
+        outs = [future.result() for future in futures]
+    after = asyncio.run(warmed_up_counters(args, model, [], schema))
+    if (late_s := max(out.late_s for out in outs)) > LATE_START_S:
+        print(f"warning: a client process started {late_s:.2f} s late; the run's time counts it")
+    duration = max(out.end for out in outs) - start
+    return run_result(merge_turns([out.turns for out in outs]), duration, before, after)
+
+
+def _share_of(concurrency: int | None, k: int, i: int) -> int | None:
+    """Process `i`'s part of `concurrency` split over `k` (they add up to it)."""
+    return None if concurrency is None else concurrency // k + (i < concurrency % k)
 
 
 def _stats(name: str, values_s: list[float]) -> dict[str, float | None]:
@@ -539,6 +771,7 @@ def summarize(
         "dataset": prompt_source(args, workload),
         "request_rate": shown_rate,
         "max_concurrency": concurrency,
+        "client_processes": args.client_processes,
         "num_prompts": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -593,16 +826,17 @@ def sweep_table(summary: list[dict[str, Any]]) -> str:
 async def resolve_server(args: argparse.Namespace) -> tuple[str, int | None]:
     """(the model to ask for: `--model`, else the server's first, the tensor-parallel size
     the server reports at /get_server_info, as replaylm and SGLang do; None where it does not)."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    base = args.base_url.rstrip("/")
-    async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+    base = base_url(args)
+    async with open_session(args, 1, timeout=30) as session:
         model = args.model
         if not model:
-            response = await client.get(f"{base}/v1/models")
-            model = response.raise_for_status().json()["data"][0]["id"]
-        info = await client.get(f"{base}/get_server_info")
+            async with session.get(f"{base}/v1/models") as response:
+                response.raise_for_status()
+                model = json.loads(await response.read())["data"][0]["id"]
+        async with session.get(f"{base}/get_server_info") as info:
+            ok, body = info.status == 200, await info.read()
     try:
-        tp_size = info.json().get("tp_size") if info.status_code == 200 else None
+        tp_size = json.loads(body).get("tp_size") if ok else None
     except (ValueError, AttributeError):  # not JSON, or not an object
         tp_size = None
     return model, tp_size if isinstance(tp_size, int) else None
@@ -700,6 +934,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each run")
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        metavar="K",
+        help="split each run's requests over K client processes (rate / K and C / K in "
+        "flight each), so that the client does not cap the server (default 1: this one)",
+    )
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
@@ -714,6 +956,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--random-sigma must be positive")
     if args.rate_seconds is not None and args.rate_seconds <= 0:
         parser.error("--rate-seconds must be positive")
+    if args.client_processes < 1:
+        parser.error("--client-processes must be at least 1")
+    if any(c is not None and c < args.client_processes for c in args.max_concurrency):
+        parser.error("--max-concurrency must be at least --client-processes (one each)")
     if args.dataset == "random" and args.endpoint == "chat" and "plain" in args.workload:
         parser.error("--dataset random sends token-id prompts: use --endpoint completions")
     if "multi_turn" in args.workload and args.endpoint != "generate":
@@ -736,28 +982,29 @@ def main(argv: list[str] | None = None) -> None:
     structured = json_schema_specs(specs, schema, random.Random(args.seed))  # leaves `rng` be
     model, tp_size = asyncio.run(resolve_server(args))
     summary, requests = [], []
-    runs = itertools.product(args.workload, args.request_rate, args.max_concurrency)
-    for workload, rate, concurrency in runs:
-        wanted = schema if workload == "json_schema" else None
-        sent = structured if workload == "json_schema" else specs
-        plan = run_plan(args, workload, rng, run_prompts(args, rate), sent)
-        result = asyncio.run(run(args, model, plan, rate, concurrency, rng, wanted))
-        row = summarize(args, model, workload, rate, concurrency, result, tp_size)
-        print_table(row)
-        errors = [r.error for r in result.results if not r.ok]
-        if errors:
-            print(f"{len(errors)} requests failed; the first: {errors[0]}")
-        summary.append(row)
-        requests += [
-            {
-                "workload": workload,
-                "request_rate": row["request_rate"],
-                "max_concurrency": concurrency,
-                # the generated ids are left out: the counts say enough
-                **{k: v for k, v in asdict(r).items() if k != "output_ids"},
-            }
-            for r in result.results
-        ]
+    with client_pool(args.client_processes) as pool:  # None: from this process
+        runs = itertools.product(args.workload, args.request_rate, args.max_concurrency)
+        for workload, rate, concurrency in runs:
+            wanted = schema if workload == "json_schema" else None
+            sent = structured if workload == "json_schema" else specs
+            plan = run_plan(args, workload, rng, run_prompts(args, rate), sent)
+            result = run(args, model, plan, rate, concurrency, rng, wanted, pool)
+            row = summarize(args, model, workload, rate, concurrency, result, tp_size)
+            print_table(row)
+            errors = [r.error for r in result.results if not r.ok]
+            if errors:
+                print(f"{len(errors)} requests failed; the first: {errors[0]}")
+            summary.append(row)
+            requests += [
+                {
+                    "workload": workload,
+                    "request_rate": row["request_rate"],
+                    "max_concurrency": concurrency,
+                    # the generated ids are left out: the counts say enough
+                    **{k: v for k, v in asdict(r).items() if k != "output_ids"},
+                }
+                for r in result.results
+            ]
     print(f"\n{sweep_table(summary)}")
     if args.json:
         config = {

@@ -13,7 +13,6 @@ given in the REPLAYLM_API_KEY environment variable instead of --api-key.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import logging
@@ -21,34 +20,35 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+import tempfile
 from multiprocessing.connection import wait
+from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-import uvicorn
-
+from replaylm.entrypoints.api_servers import (
+    FrontEndProcesses,
+    GracefulServer,
+    listening_socket,
+    uvicorn_config,
+)
 from replaylm.model_executor.engine_config import EngineConfig, resolve_engine_config
+from replaylm.runtime.errors import one_line_error
 from replaylm.runtime.scheduler_process import (
     SchedulerProcess,
-    one_line_error,
     spawn_followers,
     stop_processes,
 )
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
 
-if TYPE_CHECKING:
-    from replaylm.runtime.tokenizer_manager import TokenizerManager
-
 logger = logging.getLogger("replaylm.launch_server")
 API_KEY_ENV = "REPLAYLM_API_KEY"
 EXIT_CANNOT_START = 2
 EXIT_SCHEDULER_DIED = 1
-# idle keep-alive connections outlive clients' pools (httpx and the OpenAI SDK expire theirs after
-# 5 s, aiohttp after 15 s): at uvicorn's default of 5 s, a client reusing a connection just as the
-# server closes it loses that request (a ReadError under load)
-KEEP_ALIVE_S = 75
+# prometheus_client's multiprocess mode, for several front ends: their values in files of this
+# folder, each scrape summing them. Read when prometheus_client is imported.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def _http_stack() -> str:
@@ -96,54 +96,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, bool]:
     return args, ns.print_cuda_graph_config
 
 
-class GracefulServer(uvicorn.Server):
-    """uvicorn's server, stopping gracefully on SIGINT/SIGTERM (a second one forces the exit)
-    without re-raising the signal afterwards, so launch_server can stop the scheduler process
-    and exit with code 0; it also stops when `manager`'s scheduler process is gone, for
-    launch_server to exit non-zero (a server without one can only answer 503)."""
-
-    def __init__(self, config: uvicorn.Config, manager: TokenizerManager) -> None:
-        super().__init__(config)
-        self.manager = manager
-        self.signalled = False
-        self.scheduler_gone = False
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.signalled = True
-        super().handle_exit(sig, frame)
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's start-up (binding the port); its end is the last stage of the start."""
-        await super().startup(sockets)
-        if not self.should_exit:
-            self.manager.startup.mark("HTTP ready")
-            self.manager.startup.log_summary()
-            self.manager.prepare_structured_output()
-
-    async def on_tick(self, counter: int) -> bool:
-        """uvicorn's main-loop check, every 0.1 s."""
-        if not self.manager.healthy():
-            self.scheduler_gone = True
-            return True
-        return await super().on_tick(counter)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        previous = {
-            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Start-up runs in parallel: the scheduler process starts loading the model first, while
-    this process loads the tokenizer. This process resolves the settings for the machine once
-    (the GPUs probed through the driver: torch is the scheduler's to import) and hands them to
-    the scheduler. Each stage of the start is logged as it ends (`startup stage ...`)."""
+    this process (and any other front end) loads the tokenizer. This process resolves the
+    settings for the machine once (the GPUs probed through the driver: torch is the scheduler's
+    to import) and hands them to the scheduler. Each stage of the start is logged as it ends
+    (`startup stage ...`)."""
     stages = StartupStages.from_process_start("http")
     args, print_only = parse_args(argv)
     logging.basicConfig(
@@ -158,8 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     config.log()
     if args.node_rank > 0:
         return serve_other_node(config)
-    stages.mark("imports and arguments")
-    scheduler = SchedulerProcess.start(config)
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as err:
+        _usage_error(str(err))
+    with tempfile.TemporaryDirectory(prefix="replaylm-") as shared:
+        if args.api_server_count > 1:  # before prometheus_client is imported, here and there
+            os.environ[METRICS_DIR_ENV] = shared
+        return _serve(config, sock, Path(shared), stages)
+
+
+def _serve(
+    config: EngineConfig, sock: socket.socket, shared_dir: Path, stages: StartupStages
+) -> int:
+    """Start the scheduler and the front ends, serve until a signal (0) or until the scheduler
+    or a front end exits (1)."""
+    args = config.args
+    scheduler = SchedulerProcess.start(config, args.api_server_count)
+    others = FrontEndProcesses.start(config, scheduler.front_end_conns, sock, shared_dir)
     stages.mark("spawn scheduler")
     logger.info("server args: %s", config.args)
     from replaylm.entrypoints.http_server import create_app
@@ -170,34 +144,29 @@ def main(argv: list[str] | None = None) -> int:
         manager = TokenizerManager(config, scheduler, stages)
     except Exception as err:  # the tokenizer or the model failed to load; the child is stopped
         logger.debug("start-up failed", exc_info=True)
+        others.stop()
         _usage_error(one_line_error(err))
     try:
-        app = create_app(manager)
-        http_config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
-            timeout_keep_alive=KEEP_ALIVE_S,
+        server = GracefulServer(
+            uvicorn_config(create_app(manager, shared_dir), args), manager, others
         )
-        server = GracefulServer(http_config, manager)
         stages.mark("HTTP app")
         logger.info(
-            "serving %s at http://%s:%d (OpenAI API under /v1; %s)",
+            "serving %s at http://%s:%d (OpenAI API under /v1; %s; %d HTTP front-end %s)",
             manager.served_model_name,
             args.host,
             args.port,
             _http_stack(),
+            args.api_server_count,
+            "process" if args.api_server_count == 1 else "processes",
         )
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        others.stop()
         manager.shutdown()
-    if server.scheduler_gone and not server.signalled:
+    if server.stop_reason is not None and not server.signalled:
         logger.error(
-            "stopping the server (exit code %d): %s",
-            EXIT_SCHEDULER_DIED,
-            manager.scheduler_exit_reason(),
+            "stopping the server (exit code %d): %s", EXIT_SCHEDULER_DIED, server.stop_reason
         )
         return EXIT_SCHEDULER_DIED
     return 0

@@ -62,6 +62,16 @@ class ServerArgs:
     port: int = field(
         default=30000, metadata=_opt("TCP port the HTTP server listens on.", server_only=True)
     )
+    api_server_count: int = field(
+        default=1,
+        metadata=_opt(
+            "HTTP front-end processes, sharing the port and the scheduler (as vLLM's flag of "
+            "this name). Each parses, tokenizes, detokenizes and streams its own requests, so "
+            "several keep up with a fast engine where one process's CPU would cap the tokens "
+            "per second streamed. With more than one, /metrics sums them all.",
+            server_only=True,
+        ),
+    )
     served_model_name: str | None = field(
         default=None,
         metadata=_opt(
@@ -537,6 +547,7 @@ class ServerArgs:
             "max_prefill_tokens",
             "max_running_requests",
             "max_request_body_bytes",
+            "api_server_count",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -2,19 +2,26 @@
 distributions, how many requests a run at each rate sends, the requests each prefix-cache run
 builds, the next turn of a conversation from the previous answers, the cached tokens read from
 both usage shapes into the summary, the closing table of every run, and the json_schema
-workload's prompts. (Runs against a real server: test_http_api.py,
-test_structured_output_http.py.)"""
+workload's prompts; its client against a stub server's streams and failures; and runs split over
+`--client-processes` against the tiny keyed server. (Other runs against a real server:
+test_http_api.py, test_structured_output_http.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
 import statistics
+import time
+from collections.abc import Awaitable, Callable
 
 import pytest
+from aiohttp import web
 
+from http_helpers import TINY_API_KEY, run_bench_serving
 from script_import import import_script
+from server_process import free_port
 
 bench = import_script("benchmark/bench_serving.py")
 SIZES = ["--prefix-len", "6", "--suffix-len", "2", "--turns", "3", "--user-len", "4"]
@@ -65,9 +72,15 @@ def test_random_prompts_follow_the_distribution_up_to_the_longest():
 
 
 @pytest.mark.parametrize(
-    "argv", [["--random-sigma", "0"], ["--rate-seconds", "0"], ["--rate-seconds", "-1"]]
+    "argv",
+    [
+        ["--random-sigma", "0"],
+        ["--rate-seconds", "0"],
+        ["--rate-seconds", "-1"],
+        ["--client-processes", "0"],
+    ],
 )
-def test_nonpositive_sigma_or_rate_seconds_are_refused(argv, capsys):
+def test_nonpositive_sigma_rate_seconds_or_client_processes_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
     assert argv[0] in capsys.readouterr().err
@@ -245,3 +258,213 @@ def test_every_run_s_row_and_the_closing_table_give_throughput_and_latency_perce
     counts = ["-", "plain", "4.00", "-", "2", "0"]
     assert table[2].split() == [*counts, *throughput, *ttft, *itl, *tpot]
     assert table[3].split()[2:6] == ["inf", "32", "1", "1"]
+
+
+# ---- the client ----------------------------------------------------------------------------------
+
+
+def sse(*events: str) -> bytes:
+    return "".join(f"data: {event}\n\n" for event in events).encode()
+
+
+STUB_STREAMS = {  # path -> (status, body) of the stub server
+    "/ok": (
+        200,
+        sse(
+            json.dumps({"choices": [{"text": '{"a"'}]}),
+            json.dumps({"choices": [{"text": ""}]}),  # no text: neither TTFT nor a gap
+            json.dumps({"choices": [{"text": ": 1}"}]}),
+            json.dumps(
+                {
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": 7,
+                        "completion_tokens": 3,
+                        "prompt_tokens_details": {"cached_tokens": 4},
+                    },
+                }
+            ),
+            "[DONE]",
+        ),
+    ),
+    "/generate": (
+        200,
+        sse(
+            json.dumps({"text": "x", "output_ids": [5, 6]}),
+            json.dumps(
+                {
+                    "text": "y",
+                    "output_ids": [7],
+                    "meta_info": {"prompt_tokens": 2, "completion_tokens": 3},
+                }
+            ),
+        ),
+    ),
+    "/error_event": (200, sse(json.dumps({"choices": [{"text": "a"}]}), '{"error": "boom"}')),
+    "/bad_json": (200, sse("{not json")),
+    "/refused": (422, b"x" * 400),
+    "/slow": (200, sse("[DONE]")),  # after longer than the client's --timeout
+}
+
+
+async def with_stub_server(check: Callable[[str], Awaitable[None]]) -> None:
+    """Run `check(base_url)` against a server answering STUB_STREAMS' paths."""
+
+    async def answer(request: web.Request) -> web.Response:
+        status, body = STUB_STREAMS[request.path]
+        if request.path == "/slow":
+            await asyncio.sleep(2)
+        return web.Response(status=status, body=body, content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_post("/{path}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        await check(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    finally:
+        await runner.cleanup()
+
+
+def test_the_client_times_streamed_chunks_and_reports_each_failure_as_its_error():
+    spec = bench.RequestSpec([1, 2], 3, 2)
+    got: dict[str, bench.RequestResult] = {}
+
+    async def send_each(base: str) -> None:
+        async with bench.open_session(args_for("--timeout", "0.5"), 4) as session:
+            for path in STUB_STREAMS:
+                got[path] = await bench.send(session, base + path, {}, spec, path == "/ok")
+            closed = f"http://127.0.0.1:{free_port()}/ok"
+            got["closed"] = await bench.send(session, closed, {}, spec, False)
+
+    asyncio.run(with_stub_server(send_each))
+    ok = got["/ok"]
+    assert ok.ok and ok.error == "" and ok.valid_json is True
+    assert (ok.input_len, ok.output_len, ok.cached_len) == (7, 3, 4)
+    assert 0 < ok.ttft <= ok.latency and len(ok.itl) == 1  # two chunks with text
+    native = got["/generate"]
+    assert native.ok and native.output_ids == [5, 6, 7] and native.valid_json is None
+    assert (native.input_len, native.output_len, len(native.itl)) == (2, 3, 1)
+    assert not got["/error_event"].ok and got["/error_event"].error == "boom"
+    assert got["/bad_json"].error.startswith("JSONDecodeError: ")
+    assert got["/refused"].error == f"HTTP 422: {b'x' * 300!r}"  # the body's first 300 bytes
+    assert got["closed"].error.startswith("ClientConnectorError: ")
+    assert got["/slow"].error.startswith("TimeoutError")
+    assert not any(r.ok for path, r in got.items() if path not in ("/ok", "/generate"))
+
+
+def answer(conversation: int, input_len: int | None = None) -> tuple[int, bench.RequestResult]:
+    """A client process's result of a request of `conversation` (failed without `input_len`)."""
+    return conversation, bench.RequestResult(ok=input_len is not None, input_len=input_len)
+
+
+def test_a_split_run_sends_request_i_from_process_i_mod_k_and_merges_back_in_order():
+    specs = [bench.RequestSpec([i], 2, 1) for i in range(5)]  # conversation 0: a plain run's
+    parts = bench.split_plan(bench.RunPlan(specs[:1], specs), 2)
+    assert all(part.warmup == [] for part in parts)  # the parent warms up
+    assert [[s.prompt[0] for s in part.first] for part in parts] == [[0, 2, 4], [1, 3]]
+    assert [[s.conversation for s in part.first] for part in parts] == [[0, 2, 4], [1, 3]]
+    assert all(s.conversation == 0 for s in specs)  # the run's own specs stay as they were
+    answered = [[[answer(s.conversation, s.prompt[0]) for s in part.first]] for part in parts]
+    assert [r.input_len for r in bench.merge_turns(answered)] == [0, 1, 2, 3, 4]
+
+    plan = bench.prefix_plan(args_for("--endpoint", "generate"), "multi_turn", random.Random(0), 3)
+    split = bench.split_plan(plan, 2)
+    assert [[s.prompt for s in part.first] for part in split] == [
+        [plan.first[0].prompt, plan.first[2].prompt],
+        [plan.first[1].prompt],
+    ]
+    assert all(part.follow_ups == plan.follow_ups for part in split)  # indexed by conversation
+    # process 0 holds conversations 0 and 2 (2 fails in turn 0, so it has no turn 1), process 1
+    # conversation 1: the merge goes turn by turn, each in the order of its conversations
+    process_0 = [[answer(0, 0), answer(2)], [answer(0, 10)]]
+    process_1 = [[answer(1, 1)], [answer(1, 11)]]
+    merged = bench.merge_turns([process_0, process_1])
+    assert [r.input_len for r in merged] == [0, 1, None, 10, 11]
+
+
+# ---- against the tiny keyed server: runs split over two client processes -------------------------
+
+
+TINY_ARGS = (
+    "--api-key",
+    TINY_API_KEY,
+    "--random-token-range",
+    "5",
+    "300",
+    "--random-range-ratio",
+    "1",
+)
+
+
+def test_two_client_processes_send_every_request_and_time_the_run_from_their_common_start(
+    tiny_keyed_server, tmp_path
+):
+    began = time.perf_counter()
+    doc = run_bench_serving(
+        tiny_keyed_server.base_url,
+        tmp_path / "split.json",
+        *TINY_ARGS,
+        "--client-processes",
+        "2",
+        "--endpoint",
+        "generate",
+        "--workload",
+        "plain",
+        "multi_turn",
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "6",
+        "--random-output-len",
+        "4",
+        "--turns",
+        "2",
+        "--user-len",
+        "3",
+        "--request-rate",
+        "40",
+        "--max-concurrency",
+        "4",
+        "--json-requests",
+    )
+    wall = time.perf_counter() - began
+    assert doc["config"]["client_processes"] == 2
+    plain, turns = doc["summary"]
+    for row in (plain, turns):
+        assert row["client_processes"] == 2 and row["model"] == "tiny" and row["failed"] == 0
+        # a run starts START_DELAY_S after its shares are sent: a wait that is not its time
+        assert 0 < row["duration_s"] <= wall - bench.START_DELAY_S
+    assert plain["completed"] == 8 and plain["total_input_tokens"] == 8 * 6
+    assert plain["total_output_tokens"] == 8 * 4  # ignore_eos: every request its asked length
+    assert turns["completed"] == 2 * 8 and turns["total_output_tokens"] == 2 * 8 * 4
+    # merged turn by turn: a conversation's second prompt, its first, the answer and a message
+    lens = [r["input_len"] for r in doc["requests"] if r["workload"] == "multi_turn"]
+    assert lens == [3] * 8 + [3 + 4 + 3] * 8
+
+
+def test_a_failing_request_is_a_failed_result_with_its_message_under_two_client_processes(
+    tiny_keyed_server, tmp_path
+):
+    doc = run_bench_serving(
+        tiny_keyed_server.base_url,
+        tmp_path / "unserved.json",
+        *TINY_ARGS,
+        "--model",
+        "unserved",
+        "--client-processes",
+        "2",
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        "2",
+        "--json-requests",
+    )
+    (row,) = doc["summary"]
+    assert row["completed"] == 0 and row["failed"] == 3 and row["duration_s"] > 0
+    errors = [r["error"] for r in doc["requests"]]
+    assert len(errors) == 3
+    assert all(e.startswith("HTTP 404: ") and "unserved" in e for e in errors)

@@ -77,7 +77,7 @@ def test_the_server_runs_on_uvloop_and_httptools(server_factory, tiny_model):
         "--model-path", str(tiny_model), "--max-total-tokens", "256", "--log-level", "info"
     )  # fmt: skip
     log = server.stderr_tail(chars=10_000_000)
-    assert "(OpenAI API under /v1; uvloop event loop, httptools HTTP parser)" in log
+    assert "(OpenAI API under /v1; uvloop event loop, httptools HTTP parser; 1 HTTP" in log
 
 
 def test_an_idle_connection_outlives_a_clients_pool_expiry(http_server):

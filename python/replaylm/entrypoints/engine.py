@@ -23,8 +23,8 @@ from replaylm.runtime.model_setup import load_runner_and_tokenizer
 from replaylm.runtime.request import Req, truncate_at_stop
 from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
 from replaylm.runtime.scheduler import Scheduler
+from replaylm.runtime.scheduler_loop import request_of
 from replaylm.runtime.scheduler_process import (
-    request_of,
     spawn_followers,
     stop_processes,
     with_dist_init_addr,
@@ -154,7 +154,7 @@ class Engine:
         rank 0's messages, then steps while there is work; so does this loop."""
         from replaylm.distributed.communication import broadcast_objects
 
-        broadcast_objects(list(msgs))
+        broadcast_objects([(0, msg) for msg in msgs])  # all from front end 0
         while self.scheduler.has_work:
             self.scheduler.step()
             if self.scheduler.has_work:
@@ -166,7 +166,7 @@ class Engine:
         if self._followers:
             from replaylm.distributed.communication import broadcast_objects
 
-            broadcast_objects([FlushCacheReq()])
+            broadcast_objects([(0, FlushCacheReq())])
         return self.scheduler.prefix_cache.flush()
 
     def shutdown(self) -> None:
@@ -175,7 +175,7 @@ class Engine:
         if self._followers:
             from replaylm.distributed.communication import broadcast_objects, part_together
 
-            broadcast_objects([ShutdownReq()])
+            broadcast_objects([(0, ShutdownReq())])
             self.runner.free_cuda_graphs()  # as the followers do on the shutdown message
             part_together()
             stop_processes(list(self._followers.values()), timeout_s=10)

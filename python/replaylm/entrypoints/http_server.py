@@ -23,6 +23,7 @@ With `--api-key`, every route except /health and /metrics needs `Authorization: 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI
@@ -30,6 +31,7 @@ from fastapi.responses import Response
 
 from replaylm.entrypoints.http_errors import install_error_handlers
 from replaylm.entrypoints.http_guards import BodySizeLimit, require_api_key
+from replaylm.entrypoints.responses_store import ResponseStore, SharedResponseStore
 from replaylm.entrypoints.serving_chat import ChatRoute
 from replaylm.entrypoints.serving_common import ServingContext
 from replaylm.entrypoints.serving_completions import CompletionsRoute
@@ -40,19 +42,21 @@ from replaylm.entrypoints.serving_responses import ResponsesRoute
 from replaylm.entrypoints.serving_tokenize import TokenizeRoutes
 
 
-def create_app(tokenizer_manager: Any) -> FastAPI:
+def create_app(tokenizer_manager: Any, shared_dir: Path | None = None) -> FastAPI:
     """The app serving `tokenizer_manager` (a replaylm TokenizerManager, or any object with its
     interface: served_model_name, context_len, max_total_tokens, vocab_size, tokenizer,
     server_args (api_key, max_request_body_bytes, model_path), metrics, healthy, encode,
     encode_chat, generate, health_generate, server_info, flush_cache). `encode` and `encode_chat`
-    run in worker threads."""
+    run in worker threads. `shared_dir`: a folder every front end of this server shares (with
+    several), where the stored responses live."""
     app = FastAPI(title="replaylm", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=tokenizer_manager.server_args.max_request_body_bytes)
     ctx = ServingContext(tokenizer_manager)
     ops, tokenize = OpsRoutes(ctx), TokenizeRoutes(ctx)
     chat, completions = ChatRoute(ctx), CompletionsRoute(ctx)
-    responses = ResponsesRoute(ctx)
+    store = SharedResponseStore(shared_dir / "responses.sqlite") if shared_dir else ResponseStore()
+    responses = ResponsesRoute(ctx, store)
     app.add_api_route("/health", ops.health, methods=["GET"])
     app.add_api_route("/metrics", ops.metrics, methods=["GET"])
     auth = [Depends(require_api_key(tokenizer_manager.server_args.api_key))]

@@ -1,11 +1,16 @@
-"""The stored responses of `/v1/responses`, in memory: each with the conversation it closed
-(input and output as chat messages), so that a later request can continue it. Bounded: past
-`capacity`, the oldest is dropped (memory stays fixed however long the server runs)."""
+"""The stored responses of `/v1/responses`: each with the conversation it closed (input and
+output as chat messages), so that a later request can continue it. In memory, or with several
+front ends (`--api-server-count`) in an SQLite file they share, since a conversation's next
+request may reach another front end. Bounded: past `capacity`, the oldest is dropped (memory
+stays fixed however long the server runs)."""
 
 from __future__ import annotations
 
+import pickle
+import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 from replaylm.entrypoints.openai_chat_protocol import ChatMessage
 from replaylm.entrypoints.responses_output import ResponseObject
@@ -34,3 +39,35 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         return self._items.pop(response_id, None) is not None
+
+
+class SharedResponseStore:
+    """ResponseStore's interface over an SQLite file at `path`, which every front end opens."""
+
+    def __init__(self, path: Path, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.capacity = capacity
+        # autocommit; several processes write: wait for each other's locks
+        self._db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS responses "
+            "(seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, item BLOB)"
+        )
+
+    def put(self, stored: StoredResponse) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO responses (id, item) VALUES (?, ?)",
+            (stored.response.id, pickle.dumps(stored)),
+        )
+        self._db.execute(
+            "DELETE FROM responses WHERE seq <= (SELECT MAX(seq) FROM responses) - ?",
+            (self.capacity,),
+        )
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        row = self._db.execute("SELECT item FROM responses WHERE id = ?", (response_id,)).fetchone()
+        return pickle.loads(row[0]) if row else None
+
+    def delete(self, response_id: str) -> bool:
+        cursor = self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+        return cursor.rowcount > 0

@@ -32,7 +32,11 @@ from replaylm.entrypoints.responses_output import (
     new_id,
 )
 from replaylm.entrypoints.responses_protocol import ResponsesRequest, ToolChoiceFunction
-from replaylm.entrypoints.responses_store import ResponseStore, StoredResponse
+from replaylm.entrypoints.responses_store import (
+    ResponseStore,
+    SharedResponseStore,
+    StoredResponse,
+)
 from replaylm.entrypoints.serving_chat import StartedChat, start_chat
 from replaylm.entrypoints.serving_common import ServingContext
 from replaylm.entrypoints.tool_call_parser import Delta, ToolCallParser
@@ -64,9 +68,9 @@ def _responses_params() -> Iterator[None]:
 
 
 class ResponsesRoute:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, store: ResponseStore | SharedResponseStore) -> None:
         self.ctx = ctx
-        self.store = ResponseStore()
+        self.store = store
 
     async def create(self, request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest)
@@ -117,7 +121,7 @@ class _Turn:
     def __init__(
         self,
         ctx: ServingContext,
-        store: ResponseStore,
+        store: ResponseStore | SharedResponseStore,
         body: ResponsesRequest,
         chat: StartedChat,
         conversation: list[ChatMessage],

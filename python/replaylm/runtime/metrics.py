@@ -1,10 +1,13 @@
-"""Prometheus metrics of the server (`GET /metrics`), kept in the main process.
+"""Prometheus metrics of the server (`GET /metrics`), kept by the front ends.
 
-Request, token and latency series are observed by the tokenizer manager as outputs arrive, once
-per request (per choice) when its first token arrives and when it ends; the scheduler's gauges
-(queue, running, KV usage) and counters (preemptions) are refreshed from the stats it sends every
-step. The README's metrics table documents every series; a test keeps the two equal. With
---enable-vllm-metrics, those with a vLLM equivalent are served again under vLLM's names.
+Request, token and latency series are observed by each front end's tokenizer manager as outputs
+arrive, once per request (per choice) when its first token arrives and when it ends; the
+scheduler's gauges (queue, running, KV usage, running totals such as preemptions) are set from the
+stats it sends every step. With several front ends (`--api-server-count`) prometheus_client runs
+in multiprocess mode: each process's values live in files of a shared folder, and a scrape of any
+front end sums them (the scheduler's gauges: the latest). The README's metrics table documents
+every series; a test keeps the two equal. With --enable-vllm-metrics, those with a vLLM
+equivalent are served again under vLLM's names.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
     generate_latest,
+    values,
 )
-from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from replaylm.runtime.io_struct import SchedulerStats
 from replaylm.speculative.stats import SpeculationStats
@@ -37,31 +40,28 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1 .. 500k
 
 
-class BatchHistogram(Collector):
-    """A histogram observed a batch at a time, without locks (one thread observes it): what
-    the per-token series cost, next to prometheus_client's lock per bucket per observation."""
+class BatchHistogram:
+    """A prometheus_client Histogram observed a batch at a time: a batch is binned here, then
+    added with one increment per bucket it reaches, where `Histogram.observe` takes a lock per
+    value. prometheus_client has no public batch observe, so this adds to the Histogram's own
+    values (`_buckets`, `_sum`), which also live in its shared files in multiprocess mode."""
 
     def __init__(
         self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
     ) -> None:
-        self.name, self.documentation, self.bounds = name, documentation, list(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
-        self.sum = 0.0
-        registry.register(self)
+        self.histogram = Histogram(name, documentation, buckets=buckets, registry=registry)
+        self.bounds = list(self.histogram._upper_bounds)  # the last is +Inf
 
     def observe_many(self, values: Sequence[float]) -> None:
+        if not values:
+            return
+        counts = [0] * len(self.bounds)
         for value in values:
-            self.counts[bisect.bisect_left(self.bounds, value)] += 1
-            self.sum += value
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        cumulative, total = [], 0
-        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
-            total += count
-            cumulative.append((floatToGoString(bound), total))
-        yield HistogramMetricFamily(
-            self.name, self.documentation, buckets=cumulative, sum_value=self.sum
-        )
+            counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.histogram._sum.inc(sum(values))
+        for bucket, count in zip(self.histogram._buckets, counts, strict=True):
+            if count:
+                bucket.inc(count)
 
 
 class ServerMetrics:
@@ -87,12 +87,10 @@ class ServerMetrics:
         )
         self.kv_total = self._gauge("kv_total_tokens", "KV cache slots")
         self.kv_usage = self._gauge("kv_usage_ratio", "KV slots in use / all")
-        self.preemptions = Counter(
-            "replaylm_num_preemptions",
-            "requests retracted (preempted) to free KV slots, to be recomputed",
-            registry=r,
+        self.preemptions = self._gauge(
+            "num_preemptions",
+            "requests retracted (preempted) to free KV slots, to be recomputed, so far",
         )
-        self._preemptions_seen = 0
         self.forward_batches = self._gauge(
             "forward_batches",
             "forward passes so far, by phase and by path "
@@ -181,11 +179,22 @@ class ServerMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
-        if vllm_model_name is not None:
-            r.register(VllmNames(self, vllm_model_name))
+        # what a scrape reads: this registry, or every front end's files in multiprocess mode
+        self.source: Collector = r
+        if values.ValueClass is not values.MutexValue:  # multiprocess mode (launch_server)
+            self.source = MultiProcessCollector(None)
+        self.vllm = VllmNames(self.source, vllm_model_name) if vllm_model_name else None
 
     def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
-        return Gauge(f"replaylm_{name}", doc, list(labels), registry=self.registry)
+        """A gauge of the scheduler's: every front end sets it from the stats it receives, and
+        in multiprocess mode the latest setting is served."""
+        return Gauge(
+            f"replaylm_{name}",
+            doc,
+            list(labels),
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
 
     def _seconds(self, name: str, documentation: str) -> Histogram:
         return Histogram(
@@ -222,8 +231,7 @@ class ServerMetrics:
         self.kv_used.set(stats.kv_used_tokens)
         self.kv_total.set(stats.kv_total_tokens)
         self.kv_usage.set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
-        self.preemptions.inc(stats.num_retractions - self._preemptions_seen)
-        self._preemptions_seen = stats.num_retractions
+        self.preemptions.set(stats.num_retractions)
         self.grammar_steps.set(stats.grammar_steps)
         self.grammar_host_seconds.set(stats.grammar_host_s)
         self.prefix_prompt_tokens.set(stats.prefix_prompt_tokens)
@@ -252,55 +260,65 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        text = generate_latest(self.source)  # type: ignore[arg-type]  # any collector does
+        if self.vllm is not None:
+            text += generate_latest(self.vllm)  # type: ignore[arg-type]
+        return text, CONTENT_TYPE_LATEST
 
 
 # replaylm's label names that vLLM spells otherwise
 _VLLM_LABELS = {"finish_reason": "finished_reason"}
 
 
+# replaylm's series with a vLLM (v0.12) equivalent: {family: (vLLM's name, vLLM's type where it
+# differs: a gauge of a running total that vLLM counts)}
+_VLLM_NAMES: dict[str, tuple[str, str | None]] = {
+    "replaylm_num_running_requests": ("vllm:num_requests_running", None),
+    "replaylm_num_waiting_requests": ("vllm:num_requests_waiting", None),
+    "replaylm_kv_usage_ratio": ("vllm:kv_cache_usage_perc", None),
+    "replaylm_prefix_cache_prompt_tokens": ("vllm:prefix_cache_queries", "counter"),
+    "replaylm_prefix_cache_hit_tokens": ("vllm:prefix_cache_hits", "counter"),
+    "replaylm_num_preemptions": ("vllm:num_preemptions", "counter"),
+    "replaylm_prompt_tokens": ("vllm:prompt_tokens", None),
+    "replaylm_generation_tokens": ("vllm:generation_tokens", None),
+    "replaylm_requests": ("vllm:request_success", None),
+    "replaylm_request_prompt_tokens": ("vllm:request_prompt_tokens", None),
+    "replaylm_request_generation_tokens": ("vllm:request_generation_tokens", None),
+    "replaylm_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", None),
+    "replaylm_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", None),
+    "replaylm_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds", None),
+    "replaylm_request_queue_time_seconds": ("vllm:request_queue_time_seconds", None),
+    "replaylm_request_prefill_time_seconds": ("vllm:request_prefill_time_seconds", None),
+    "replaylm_request_decode_time_seconds": ("vllm:request_decode_time_seconds", None),
+    "replaylm_spec_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "counter"),
+    "replaylm_spec_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "counter"),
+}
+# replaylm's label names that vLLM spells otherwise
+_VLLM_LABELS = {"finish_reason": "finished_reason"}
+
+
 class VllmNames(Collector):
     """The series that have a vLLM equivalent, under vLLM's (v0.12) names and labels, for
-    dashboards and autoscalers written for vLLM. Renamed at scrape time from the same values:
-    observing costs nothing more, only a scrape does."""
+    dashboards and autoscalers written for vLLM. Renamed at scrape time from what `source`
+    collects: observing costs nothing more, only a scrape does."""
 
-    def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
-        m = metrics
+    def __init__(self, source: Collector, model_name: str) -> None:
+        self.source = source
         self.labels = {"model_name": model_name, "engine": "0"}  # vLLM's engine: its DP rank
-        # (series, vLLM's name, vLLM's type where it differs: a gauge of a running total)
-        self.sources: list[tuple[Collector, str, str | None]] = [
-            (m.running, "vllm:num_requests_running", None),
-            (m.waiting, "vllm:num_requests_waiting", None),
-            (m.kv_usage, "vllm:kv_cache_usage_perc", None),
-            (m.prefix_prompt_tokens, "vllm:prefix_cache_queries", "counter"),
-            (m.prefix_hit_tokens, "vllm:prefix_cache_hits", "counter"),
-            (m.preemptions, "vllm:num_preemptions", None),
-            (m.prompt_tokens, "vllm:prompt_tokens", None),
-            (m.generation_tokens, "vllm:generation_tokens", None),
-            (m.requests, "vllm:request_success", None),
-            (m.request_prompt_tokens, "vllm:request_prompt_tokens", None),
-            (m.request_generation_tokens, "vllm:request_generation_tokens", None),
-            (m.ttft, "vllm:time_to_first_token_seconds", None),
-            (m.itl, "vllm:inter_token_latency_seconds", None),
-            (m.e2e, "vllm:e2e_request_latency_seconds", None),
-            (m.queue_time, "vllm:request_queue_time_seconds", None),
-            (m.prefill_time, "vllm:request_prefill_time_seconds", None),
-            (m.decode_time, "vllm:request_decode_time_seconds", None),
-            (m.spec_draft_tokens, "vllm:spec_decode_num_draft_tokens", "counter"),
-            (m.spec_accepted_tokens, "vllm:spec_decode_num_accepted_tokens", "counter"),
-        ]
 
     def collect(self) -> Iterator[Metric]:
-        for source, name, typ in self.sources:
-            for family in source.collect():
-                renamed = Metric(name, family.documentation, typ or family.type)
-                as_counter = renamed.type != family.type  # a gauge's value, as `name_total`
-                renamed.samples = [
-                    sample._replace(
-                        name=name + ("_total" if as_counter else sample.name[len(family.name) :]),
-                        labels=self.labels
-                        | {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()},
-                    )
-                    for sample in family.samples
-                ]
-                yield renamed
+        for family in self.source.collect():
+            if family.name not in _VLLM_NAMES:
+                continue
+            name, typ = _VLLM_NAMES[family.name]
+            renamed = Metric(name, family.documentation, typ or family.type)
+            as_counter = renamed.type != family.type  # a gauge's value, as `name_total`
+            renamed.samples = [
+                sample._replace(
+                    name=name + ("_total" if as_counter else sample.name[len(family.name) :]),
+                    labels=self.labels
+                    | {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()},
+                )
+                for sample in family.samples
+            ]
+            yield renamed

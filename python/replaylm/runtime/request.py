@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -33,7 +34,7 @@ class Req:
     `shared_len` of them belong to the prefix cache (locked at `prefix_node` while the request
     holds them); the request frees only the rest."""
 
-    rid: str
+    rid: Hashable  # compared only; the scheduler process's are (front end, its id)
     input_ids: list[int]
     sampling_params: SamplingParams
     seed: int
@@ -47,7 +48,7 @@ class Req:
     prompt_logprobs: int | None = None
     prompt_logprob_chunks: list[PromptLogprobChunk] = field(default_factory=list)
     # the other choices of an `n > 1` request, (rid, seed) each: forked once the prompt is cached
-    forks: list[tuple[str, int]] = field(default_factory=list)
+    forks: list[tuple[Hashable, int]] = field(default_factory=list)
     admitted_at: float | None = None  # time.time() of its first admission to a prefill batch
     grammar: RequestGrammar | None = None  # structured output: the grammar the output follows
     prefix_node: TreeNode | None = None  # the prefix cache's node its shared slots end at
@@ -63,7 +64,7 @@ class Req:
         chunks = self.prompt_logprob_chunks
         return chunks[-1].end if chunks else 0
 
-    def fork(self, rid: str, seed: int) -> Req:
+    def fork(self, rid: Hashable, seed: int) -> Req:
         """A new choice of this request: same prompt and settings, its own id and seed."""
         return Req(
             rid,

@@ -12,9 +12,9 @@ launch_server). A child that fails to load the model raises SchedulerStartError 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
+import os
 import random
 import threading
 import time
@@ -30,7 +30,7 @@ from replaylm.model_loader.tokenizer import (
     tokenizer_info,
 )
 from replaylm.runtime.detokenizer import IncrementalDetokenizer
-from replaylm.runtime.errors import RequestError, ServiceUnavailableError
+from replaylm.runtime.errors import RequestError, ServiceUnavailableError, one_line_error
 from replaylm.runtime.io_struct import (
     MAX_TOP_LOGPROBS,
     AbortReq,
@@ -47,9 +47,9 @@ from replaylm.runtime.io_struct import (
 from replaylm.runtime.metrics import ServerMetrics
 from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
 from replaylm.runtime.scheduler_process import (
+    SchedulerLink,
     SchedulerProcess,
     SchedulerStartError,
-    one_line_error,
 )
 from replaylm.sampling_params import SamplingParams
 from replaylm.startup_stages import StartupStages
@@ -95,7 +95,7 @@ class TokenizerManager:
     def __init__(
         self,
         config: EngineConfig,
-        scheduler: SchedulerProcess | None = None,
+        scheduler: SchedulerLink | None = None,
         stages: StartupStages | None = None,
     ) -> None:
         """`config`: the server's settings, resolved for this machine. `scheduler`: a child
@@ -118,8 +118,7 @@ class TokenizerManager:
         except BaseException:
             self._scheduler.stop()
             raise
-        with contextlib.suppress(OSError):  # a child that failed already says why in _wait_ready
-            self._scheduler.conn.send(info)
+        self._scheduler.introduce(info)  # a child that failed already says why in _wait_ready
         self.metrics = ServerMetrics(
             self.served_model_name if server_args.enable_vllm_metrics else None
         )
@@ -303,8 +302,8 @@ class TokenizerManager:
         return True
 
     def server_info(self) -> dict[str, Any]:
-        """Resolved ServerArgs (API key redacted), the sizes the server runs with and the
-        start-up stages of both processes (`startup`)."""
+        """Resolved ServerArgs (API key redacted), the sizes the server runs with, the
+        start-up stages of this front end and the scheduler (`startup`)."""
         return {
             **self.server_args.redacted(),
             "served_model_name": self.served_model_name,
@@ -314,6 +313,8 @@ class TokenizerManager:
             "cuda_graph": self.cuda_graphs.to_dict(),
             "cuda_graph_capture": self.cuda_graph_capture,
             "startup": {"http": self.startup.to_dict(), "scheduler": self.scheduler_startup},
+            # which front end answered (of --api-server-count)
+            "api_server": {"index": self._scheduler.index, "pid": os.getpid()},
             "healthy": self.healthy(),
         }
 
