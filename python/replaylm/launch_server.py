@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         _usage_error(str(err))
     with tempfile.TemporaryDirectory(prefix="replaylm-") as shared:
-        if args.api_server_count > 1:  # before prometheus_client is imported, here and there
+        if config.api_server_count > 1:  # before prometheus_client is imported, here and there
             os.environ[METRICS_DIR_ENV] = shared
         return _serve(config, sock, Path(shared), stages)
 
@@ -130,15 +130,19 @@ def _serve(
     config: EngineConfig, sock: socket.socket, shared_dir: Path, stages: StartupStages
 ) -> int:
     """Start the scheduler and the front ends, serve until a signal (0) or until the scheduler
-    or a front end exits (1)."""
+    or a front end exits (1). Several front ends share `shared_dir` (their stored responses)."""
     args = config.args
-    scheduler = SchedulerProcess.start(config, args.api_server_count)
-    others = FrontEndProcesses.start(config, scheduler.front_end_conns, sock, shared_dir)
+    shared = shared_dir if config.api_server_count > 1 else None
+    scheduler = SchedulerProcess.start(config, config.api_server_count)
     stages.mark("spawn scheduler")
     logger.info("server args: %s", config.args)
-    from replaylm.entrypoints.http_server import create_app
+    from replaylm.entrypoints.http_server import RESPONSES_DB, create_app
+    from replaylm.entrypoints.responses_store import SharedResponseStore
     from replaylm.runtime.tokenizer_manager import TokenizerManager
 
+    if shared is not None:  # before the front ends start: they would race for its schema
+        SharedResponseStore.create(shared / RESPONSES_DB)
+    others = FrontEndProcesses.start(config, scheduler.front_end_conns, sock, shared)
     stages.mark("front-end imports")
     try:
         manager = TokenizerManager(config, scheduler, stages)
@@ -147,9 +151,7 @@ def _serve(
         others.stop()
         _usage_error(one_line_error(err))
     try:
-        server = GracefulServer(
-            uvicorn_config(create_app(manager, shared_dir), args), manager, others
-        )
+        server = GracefulServer(uvicorn_config(create_app(manager, shared), args), manager, others)
         stages.mark("HTTP app")
         logger.info(
             "serving %s at http://%s:%d (OpenAI API under /v1; %s; %d HTTP front-end %s)",
@@ -157,8 +159,8 @@ def _serve(
             args.host,
             args.port,
             _http_stack(),
-            args.api_server_count,
-            "process" if args.api_server_count == 1 else "processes",
+            config.api_server_count,
+            "process" if config.api_server_count == 1 else "processes",
         )
         server.run(sockets=[sock])
     finally:

@@ -62,13 +62,14 @@ class ServerArgs:
     port: int = field(
         default=30000, metadata=_opt("TCP port the HTTP server listens on.", server_only=True)
     )
-    api_server_count: int = field(
-        default=1,
+    api_server_count: int | None = field(
+        default=None,
         metadata=_opt(
             "HTTP front-end processes, sharing the port and the scheduler (as vLLM's flag of "
             "this name). Each parses, tokenizes, detokenizes and streams its own requests, so "
             "several keep up with a fast engine where one process's CPU would cap the tokens "
-            "per second streamed. With more than one, /metrics sums them all.",
+            "per second streamed; each holds its own tokenizer. With more than one, /metrics "
+            "sums them all. Default: on a GPU half the CPU cores, at most 8; 1 on the CPU.",
             server_only=True,
         ),
     )
@@ -722,6 +723,18 @@ def _optional_type(annotation: str) -> type:
 # "Scale")
 RUNNING_REQUESTS_BY_GPU_GIB = ((60, 1024), (30, 512))
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # the CPU, and GPUs under 30 GiB
+
+
+MAX_DEFAULT_API_SERVERS = 8  # past it a 16-core host's clients and scheduler lose their cores
+
+
+def default_api_server_count(device_type: str, cpu_count: int | None) -> int:
+    """The front ends for a `device_type` server on `cpu_count` cores: on a GPU, half of them
+    (the scheduler and the clients want the rest), at most MAX_DEFAULT_API_SERVERS; one on the
+    CPU, whose cores the model needs."""
+    if device_type != "cuda":
+        return 1
+    return max(1, min(MAX_DEFAULT_API_SERVERS, (cpu_count or 1) // 2))
 
 
 def default_max_running_requests(gpu_memory_bytes: int | None) -> int:

@@ -14,7 +14,7 @@ from replaylm.model_executor.cuda_graph.config import (
     default_decode_batch_sizes,
 )
 from replaylm.model_executor.engine_config import resolve_engine_config
-from replaylm.server_args import ServerArgs
+from replaylm.server_args import ServerArgs, default_api_server_count
 
 H200 = GpuFacts(1, 141 * 2**30)
 SMALL_GPU = GpuFacts(1, 24 * 2**30)
@@ -44,8 +44,24 @@ def test_auto_with_a_gpu_resolves_for_it(gpu, cap):
 
 def test_a_given_cap_is_kept_and_cuts_the_decode_shapes():
     config = resolve_engine_config(ServerArgs(max_running_requests=12), gpus=H200)
-    assert config.args.max_running_requests == 12 and not config.notes
+    assert config.args.max_running_requests == 12
+    assert not any("max running requests" in note for note in config.notes)
     assert config.cuda_graphs.decode.shapes == (1, 2, 4, 8, 12)
+
+
+@pytest.mark.parametrize(
+    ("device", "cores", "front_ends"),
+    [("cuda", 16, 8), ("cuda", 64, 8), ("cuda", 6, 3), ("cuda", 1, 1), ("cpu", 64, 1)],
+)
+def test_the_front_ends_default_to_half_the_cores_on_a_gpu(device, cores, front_ends):
+    assert default_api_server_count(device, cores) == front_ends
+
+
+def test_a_given_front_end_count_is_kept_and_a_default_is_logged():
+    assert resolve_engine_config(ServerArgs(api_server_count=3), gpus=H200).api_server_count == 3
+    config = resolve_engine_config(ServerArgs(device="cpu"))
+    assert config.api_server_count == 1
+    assert "HTTP front-end processes: 1 (the default for cpu)" in config.notes
 
 
 def test_a_named_gpu_this_machine_lacks_resolves_for_printing_only():

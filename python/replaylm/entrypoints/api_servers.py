@@ -133,7 +133,11 @@ class FrontEndProcesses:
 
     @classmethod
     def start(
-        cls, config: EngineConfig, conns: list[Connection], sock: socket.socket, shared_dir: Path
+        cls,
+        config: EngineConfig,
+        conns: list[Connection],
+        sock: socket.socket,
+        shared_dir: Path | None,
     ) -> FrontEndProcesses:
         """Spawn a front end for each of `conns` (its pipe to the scheduler), serving `sock`;
         the pipes' ends here are closed, so that a front end's exit closes its pipe."""
@@ -182,7 +186,7 @@ def run_front_end(
     conn: Connection,
     sock: socket.socket,
     index: int,
-    shared_dir: Path,
+    shared_dir: Path | None,
     spawned_at: float,
 ) -> None:
     """A front end's process: wait for the model as the main process does, then serve `sock`

@@ -41,21 +41,23 @@ from replaylm.entrypoints.serving_ops import OpsRoutes
 from replaylm.entrypoints.serving_responses import ResponsesRoute
 from replaylm.entrypoints.serving_tokenize import TokenizeRoutes
 
+RESPONSES_DB = "responses.sqlite"
+
 
 def create_app(tokenizer_manager: Any, shared_dir: Path | None = None) -> FastAPI:
     """The app serving `tokenizer_manager` (a replaylm TokenizerManager, or any object with its
     interface: served_model_name, context_len, max_total_tokens, vocab_size, tokenizer,
     server_args (api_key, max_request_body_bytes, model_path), metrics, healthy, encode,
     encode_chat, generate, health_generate, server_info, flush_cache). `encode` and `encode_chat`
-    run in worker threads. `shared_dir`: a folder every front end of this server shares (with
-    several), where the stored responses live."""
+    run in worker threads. `shared_dir`: with several front ends, the folder they share, where
+    the stored responses live (`RESPONSES_DB`, made before they start)."""
     app = FastAPI(title="replaylm", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=tokenizer_manager.server_args.max_request_body_bytes)
     ctx = ServingContext(tokenizer_manager)
     ops, tokenize = OpsRoutes(ctx), TokenizeRoutes(ctx)
     chat, completions = ChatRoute(ctx), CompletionsRoute(ctx)
-    store = SharedResponseStore(shared_dir / "responses.sqlite") if shared_dir else ResponseStore()
+    store = SharedResponseStore(shared_dir / RESPONSES_DB) if shared_dir else ResponseStore()
     responses = ResponsesRoute(ctx, store)
     app.add_api_route("/health", ops.health, methods=["GET"])
     app.add_api_route("/metrics", ops.metrics, methods=["GET"])

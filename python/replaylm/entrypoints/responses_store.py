@@ -6,6 +6,7 @@ stays fixed however long the server runs)."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sqlite3
 from collections import OrderedDict
@@ -42,17 +43,23 @@ class ResponseStore:
 
 
 class SharedResponseStore:
-    """ResponseStore's interface over an SQLite file at `path`, which every front end opens."""
+    """ResponseStore's interface over an SQLite file at `path`, which every front end opens
+    once `create` has made it (before they start: they would race for its schema's lock)."""
 
     def __init__(self, path: Path, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity
         # autocommit; several processes write: wait for each other's locks
         self._db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS responses "
-            "(seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, item BLOB)"
-        )
+
+    @staticmethod
+    def create(path: Path) -> None:
+        """Make the store's file, its table and its write-ahead log (readers never wait)."""
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS responses "
+                "(seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, item BLOB)"
+            )
 
     def put(self, stored: StoredResponse) -> None:
         self._db.execute(

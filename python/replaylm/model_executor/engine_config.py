@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 from replaylm.device.gpu_probe import GpuFacts, probe_gpus
@@ -22,6 +23,7 @@ from replaylm.model_executor.cuda_graph.config import CudaGraphConfig, resolve_c
 from replaylm.server_args import (
     DRAFT_MODEL_ALGORITHMS,
     ServerArgs,
+    default_api_server_count,
     default_max_running_requests,
 )
 
@@ -30,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """`args` with `device` and `max_running_requests` resolved (the cap stays None only for
-    a CUDA device that this machine lacks, which only --print-cuda-graph-config asks about)."""
+    """`args` with `device`, `api_server_count` and `max_running_requests` resolved (the cap
+    stays None only for a CUDA device that this machine lacks, which only
+    --print-cuda-graph-config asks about)."""
 
     args: ServerArgs
     attention: PhaseAttentionBackends
@@ -43,6 +46,12 @@ class EngineConfig:
     @property
     def device_type(self) -> str:
         return self.args.device.partition(":")[0]
+
+    @property
+    def api_server_count(self) -> int:
+        """The HTTP front ends (always resolved)."""
+        assert self.args.api_server_count is not None
+        return self.args.api_server_count
 
     def log(self) -> None:
         """What was chosen and why, and the CUDA-graph config's warnings."""
@@ -79,9 +88,15 @@ def resolve_engine_config(args: ServerArgs, gpus: GpuFacts | None = None) -> Eng
         running = default_max_running_requests(memory)
         where = f"a GPU of {memory / 2**30:.0f} GiB" if memory is not None else device
         notes.append(f"max running requests: {running} (the default for {where})")
+    front_ends = args.api_server_count
+    if front_ends is None:
+        front_ends = default_api_server_count(device_type, os.cpu_count())
+        notes.append(f"HTTP front-end processes: {front_ends} (the default for {device_type})")
     if args.enable_pdl and device_type != "cuda":
         raise ValueError(f"--enable-pdl needs a CUDA GPU of compute capability 9.0+, not {device}")
-    resolved = dataclasses.replace(args, device=device, max_running_requests=running)
+    resolved = dataclasses.replace(
+        args, device=device, max_running_requests=running, api_server_count=front_ends
+    )
     attention = resolve_phase_backends(
         args.attention_backend, args.prefill_attention_backend, device_type
     )

@@ -260,9 +260,9 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
-        text = generate_latest(self.source)  # type: ignore[arg-type]  # any collector does
+        text = generate_latest(self.source)  # any collector does
         if self.vllm is not None:
-            text += generate_latest(self.vllm)  # type: ignore[arg-type]
+            text += generate_latest(self.vllm)
         return text, CONTENT_TYPE_LATEST
 
 
