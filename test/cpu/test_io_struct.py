@@ -1,6 +1,6 @@
 """The messages between the scheduler process and the front end survive the pipe: a step's
 outputs, pickled as rows, come back equal, finish reasons, logprobs and optional fields
-included."""
+included, and tokens sent alone stay tokens alone."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from replaylm.runtime.request import FinishReason
 def test_a_step_of_outputs_comes_back_equal():
     outputs = [
         ReqTokenOut("a", [5], None, None, 12),
+        ("a", [6]),  # a PlainTokenOut: tokens alone
         ReqTokenOut(
             "b",
             [7, 8, 9],
@@ -30,5 +31,6 @@ def test_a_step_of_outputs_comes_back_equal():
     stats = SchedulerStats(2, 0, 100, 1000, 0, ForwardStats())
     batch = BatchTokenOut(outputs, stats)
     back = pickle.loads(pickle.dumps(batch))
-    assert back == batch and all(isinstance(o, ReqTokenOut) for o in back.outputs)
-    assert back.outputs[1].finish_reason.matched == "END"
+    assert back == batch
+    assert [type(o) for o in back.outputs] == [ReqTokenOut, tuple, ReqTokenOut]
+    assert back.outputs[2].finish_reason.matched == "END"

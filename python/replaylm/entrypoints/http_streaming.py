@@ -33,7 +33,7 @@ class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(
-        self, payloads: AsyncGenerator[BaseModel | dict[str, Any], None], named: bool = False
+        self, payloads: AsyncGenerator[BaseModel | dict[str, Any] | str, None], named: bool = False
     ) -> None:
         self._body = _sse(payloads, named)
         super().__init__(self._body)
@@ -46,7 +46,7 @@ class EventStream(StreamingResponse):
 
 
 async def _sse(
-    payloads: AsyncGenerator[BaseModel | dict[str, Any], None], named: bool
+    payloads: AsyncGenerator[BaseModel | dict[str, Any] | str, None], named: bool
 ) -> AsyncGenerator[str, None]:
     try:
         async for payload in payloads:
@@ -61,12 +61,17 @@ async def _sse(
         yield "data: [DONE]\n\n"
 
 
-def _event_line(payload: BaseModel | dict[str, Any]) -> str:
+def _event_line(payload: BaseModel | dict[str, Any] | str) -> str:
+    if isinstance(payload, str):
+        return f"event: {json.loads(payload)['type']}\n"
     fields = payload if isinstance(payload, dict) else vars(payload)  # a model's own fields
     return f"event: {fields['type']}\n"
 
 
-def _dump(payload: BaseModel | dict[str, Any]) -> str:
+def _dump(payload: BaseModel | dict[str, Any] | str) -> str:
+    """`payload` as JSON (a str: already JSON)."""
+    if isinstance(payload, str):
+        return payload
     if isinstance(payload, BaseModel):
         return payload.model_dump_json()
     return json.dumps(payload, ensure_ascii=False)

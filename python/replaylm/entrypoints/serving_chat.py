@@ -4,6 +4,7 @@ logprobs, vLLM's `echo` and `prompt_logprobs`, tool calls (`tool_calls`); whole 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from replaylm.entrypoints.choices import (
     start_choices,
     with_stop_strings,
 )
+from replaylm.entrypoints.chunk_frames import ChunkFrames
 from replaylm.entrypoints.http_parsing import parse_body, prompt_param
 from replaylm.entrypoints.http_streaming import EventStream, json_response, unless_disconnected
 from replaylm.entrypoints.logprob_format import chat_logprobs, prompt_logprobs
@@ -181,6 +183,7 @@ class _ChatView:
         tools: ToolRequest | None,
     ) -> None:
         self.ctx, self.body, self.rid, self.prompt_ids = ctx, body, rid, prompt_ids
+        self.created = int(time.time())  # every chunk of a stream shares it
         # vLLM's return_token_ids: the prompt's ids on the response, the output's on each choice
         self.token_ids = bool(body.return_token_ids)
         # calls are parsed out of the text where tools are offered
@@ -240,6 +243,7 @@ class _ChatView:
     ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.rid,
+            created=self.created,
             model=self.ctx.model_name,
             system_fingerprint=self.ctx.fingerprint,
             choices=choices,
@@ -249,7 +253,9 @@ class _ChatView:
 
     async def chunks(
         self, stream: AsyncIterator[ChoiceOutput]
-    ) -> AsyncGenerator[ChatCompletionChunk, None]:
+    ) -> AsyncGenerator[ChatCompletionChunk | str, None]:
+        """The stream's chunks; one that only brings text comes from `ChunkFrames`."""
+        frames = ChunkFrames(self._chunk([]), _text_choice)
         # no output yet: its usage is the prompt's alone
         prompt_len = len(self.prompt_ids)
         start = UsageInfo(prompt_tokens=prompt_len, completion_tokens=0, total_tokens=prompt_len)
@@ -259,6 +265,7 @@ class _ChatView:
             choice = ChatStreamChoice(index=index, delta=opening)
             yield self._chunk([choice], start if self.body.continuous_usage else None, prompt_ids)
         usage = UsageCounter()
+        plain = self.tools is None and not self.body.continuous_usage
         parsers: dict[int, ToolCallParser] = {}
         called: set[int] = set()  # choices that called a tool
         async for c in stream:
@@ -275,6 +282,9 @@ class _ChatView:
                 if reason == "stop" and c.index in called:
                     reason = "tool_calls"
             token_ids = c.out.token_ids if self.token_ids else None
+            if plain and c.out.text and logprobs is None and reason is None and token_ids is None:
+                yield frames.text(c.index, c.out.text)
+                continue
             if c.out.text or (logprobs and logprobs.content) or reason or token_ids:
                 last = len(deltas) - 1
                 for i, delta in enumerate(deltas):  # logprobs and ids first, the finish last
@@ -290,6 +300,10 @@ class _ChatView:
                     yield self._chunk([choice], chunk_usage)
         if self.body.include_usage:
             yield self._chunk([], usage.total())
+
+
+def _text_choice(index: int, text: str) -> ChatStreamChoice:
+    return ChatStreamChoice(index=index, delta=DeltaMessage(content=text))
 
 
 def _delta(piece: dict[str, Any]) -> DeltaMessage:

@@ -3,6 +3,7 @@ logprobs, vLLM's `prompt_logprobs`; whole or streamed."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
@@ -19,6 +20,7 @@ from replaylm.entrypoints.choices import (
     start_choices,
     with_stop_strings,
 )
+from replaylm.entrypoints.chunk_frames import ChunkFrames
 from replaylm.entrypoints.http_parsing import parse_body, prompt_param
 from replaylm.entrypoints.http_streaming import EventStream, json_response, unless_disconnected
 from replaylm.entrypoints.logprob_format import completion_logprobs, prompt_logprobs
@@ -110,12 +112,14 @@ class _CompletionView:
         self.ctx, self.body, self.rid = ctx, body, rid
         self.prompt_ids, self.prompt_texts = prompt_ids, prompt_texts
         self.n = body.num_choices
+        self.created = int(time.time())  # every chunk of a stream shares it
 
     def _response(
         self, choices: list[CompletionChoice], usage: UsageInfo | None = None
     ) -> CompletionResponse:
         return CompletionResponse(
             id=self.rid,
+            created=self.created,
             model=self.ctx.model_name,
             system_fingerprint=self.ctx.fingerprint,
             choices=choices,
@@ -191,7 +195,10 @@ class _CompletionView:
 
     async def chunks(
         self, stream: AsyncIterator[ChoiceOutput]
-    ) -> AsyncGenerator[CompletionResponse, None]:
+    ) -> AsyncGenerator[CompletionResponse | str, None]:
+        """The stream's chunks; one that only brings text comes from `ChunkFrames`."""
+        frames = ChunkFrames(self._response([]), lambda i, t: CompletionChoice(index=i, text=t))
+        plain = not self.body.continuous_usage
         usage = UsageCounter()
         offsets: dict[int, int] = {}  # choice index -> characters sent so far
         opened: set[int] = set()  # choices with a chunk sent
@@ -208,6 +215,9 @@ class _CompletionView:
             )
             if text or entries or reason or token_ids:
                 opened.add(c.index)
+                if plain and logprobs is None and reason is None and token_ids is None:
+                    yield frames.text(c.index, text)
+                    continue
                 choice = CompletionChoice(
                     index=c.index,
                     text=text,

@@ -182,19 +182,27 @@ class FlushCacheOut:
     freed_tokens: int
 
 
+# a step's tokens for a request past its first ones, with nothing else to say: (rid, new ids);
+# its front end takes the rest from the request's last ReqTokenOut
+PlainTokenOut = tuple[str, list[int]]
+
+
 @dataclass
 class BatchTokenOut:
-    """One step's outputs, sent to the front end every step: it pickles each output as a plain
-    tuple of its fields, which costs both processes about half of what a list of dataclasses
-    does."""
+    """One step's outputs, sent to each front end every step. Most are PlainTokenOut (a decode
+    step's token); a ReqTokenOut pickles as a plain tuple of its fields. Both cost a fraction of
+    what a list of dataclasses does, in the scheduler and in the front end."""
 
-    outputs: list[ReqTokenOut]
+    outputs: list[ReqTokenOut | PlainTokenOut]
     stats: SchedulerStats
 
     def __reduce__(self) -> tuple[Any, ...]:
-        rows = [tuple(vars(out).values()) for out in self.outputs]
+        rows = [
+            out if isinstance(out, tuple) else tuple(vars(out).values()) for out in self.outputs
+        ]
         return _batch_from_rows, (rows, self.stats)
 
 
 def _batch_from_rows(rows: list[tuple[Any, ...]], stats: SchedulerStats) -> BatchTokenOut:
-    return BatchTokenOut([ReqTokenOut(*row) for row in rows], stats)
+    outputs = [row if len(row) == 2 else ReqTokenOut(*row) for row in rows]
+    return BatchTokenOut(outputs, stats)  # the 2-tuples are PlainTokenOut

@@ -39,6 +39,7 @@ from replaylm.runtime.io_struct import (
     BatchTokenOut,
     FlushCacheOut,
     FlushCacheReq,
+    PlainTokenOut,
     ReqTokenOut,
     SchedulerFailed,
     SchedulerReady,
@@ -51,7 +52,8 @@ from replaylm.structured.loader import GrammarLoader
 
 if TYPE_CHECKING:
     from replaylm.model_executor.engine_config import EngineConfig
-    from replaylm.runtime.scheduler import Scheduler
+    from replaylm.runtime.io_struct import TokenLogprob
+    from replaylm.runtime.scheduler import Scheduler, StepOutput
     from replaylm.structured.grammar import RequestGrammar
 
 logger = logging.getLogger(__name__)
@@ -286,38 +288,52 @@ def _loop(scheduler: Scheduler, front: FrontEnds | None) -> None:
             if scheduler.has_work:
                 scheduler.step()
             continue
-        outputs = [
-            (r, ReqTokenOut(_rid(r), [], None, r.finish_reason, len(r.input_ids))) for r in aborted
-        ]
+        outputs: list[tuple[Req, ReqTokenOut | PlainTokenOut]]
+        outputs = [(r, _full_output(r, [])) for r in aborted]
         if scheduler.has_work:
-            outputs += [
-                (
-                    o.req,
-                    ReqTokenOut(
-                        _rid(o.req),
-                        o.new_token_ids,
-                        o.logprobs,
-                        o.req.finish_reason,
-                        len(o.req.input_ids),
-                        prompt_logprobs=o.prompt_logprobs,
-                        cached_tokens=o.req.cached_tokens,
-                        spec_verify_ct=o.req.spec_verify_ct,
-                        spec_accepted=o.req.spec_accepted,
-                        admitted_at=o.req.admitted_at,
-                    ),
-                )
-                for o in scheduler.step()
-            ]
+            outputs += [(o.req, _output(o)) for o in scheduler.step()]
         if outputs:
             _send_outputs(front, outputs, scheduler)
 
 
+def _output(o: StepOutput) -> ReqTokenOut | PlainTokenOut:
+    """A step's output for a request's front end: a PlainTokenOut when it only brings tokens
+    after the request's first (the front end keeps the rest from its last ReqTokenOut)."""
+    req = o.req
+    plain = o.logprobs is None and o.prompt_logprobs is None and req.finish_reason is None
+    if plain and len(req.output_ids) > len(o.new_token_ids):
+        return _rid(req), o.new_token_ids
+    return _full_output(req, o.new_token_ids, o.logprobs, o.prompt_logprobs)
+
+
+def _full_output(
+    req: Req,
+    new_token_ids: list[int],
+    logprobs: list[TokenLogprob] | None = None,
+    prompt_logprobs: list[TokenLogprob | None] | None = None,
+) -> ReqTokenOut:
+    return ReqTokenOut(
+        _rid(req),
+        new_token_ids,
+        logprobs,
+        req.finish_reason,
+        len(req.input_ids),
+        prompt_logprobs=prompt_logprobs,
+        cached_tokens=req.cached_tokens,
+        spec_verify_ct=req.spec_verify_ct,
+        spec_accepted=req.spec_accepted,
+        admitted_at=req.admitted_at,
+    )
+
+
 def _send_outputs(
-    front: FrontEnds, outputs: list[tuple[Req, ReqTokenOut]], scheduler: Scheduler
+    front: FrontEnds,
+    outputs: list[tuple[Req, ReqTokenOut | PlainTokenOut]],
+    scheduler: Scheduler,
 ) -> None:
     """One BatchTokenOut to each front end with outputs in this step, with the step's stats."""
     stats = scheduler.stats()
-    by_front: dict[int, list[ReqTokenOut]] = {}
+    by_front: dict[int, list[ReqTokenOut | PlainTokenOut]] = {}
     for req, out in outputs:
         by_front.setdefault(_front_end(req), []).append(out)
     for index, outs in by_front.items():

@@ -87,6 +87,7 @@ class _ReqState:
     completion_tokens: int = 0
     sent_chars: int = 0
     finished: bool = False
+    last_full: ReqTokenOut | None = None  # the scheduler's last whole output for the choice
 
 
 class TokenizerManager:
@@ -469,12 +470,20 @@ class TokenizerManager:
         gaps: list[float] = []  # the per-token series, observed once per batch
         generated = 0
         for out in batch.outputs:
-            state = self._states.get(out.rid)
+            if isinstance(out, tuple):  # tokens alone: the rest is the last full output's
+                rid, ids = out
+                state = self._states.get(rid)
+                full = None
+            else:
+                rid, ids, full = out.rid, out.new_token_ids, out
+                state = self._states.get(rid)
+                if state is not None:
+                    state.last_full = out
             if state is not None:
-                if out.new_token_ids and state.last_token is not None:
+                if ids and state.last_token is not None:
                     gaps.append(now - state.last_token)
-                generated += len(out.new_token_ids)
-                state.queue.put_nowait(self._increment(state, out, now))
+                generated += len(ids)
+                state.queue.put_nowait(self._increment(state, ids, full, now))
         self.metrics.itl.observe_many(gaps)
         self.metrics.generation_tokens.inc(generated)
 
@@ -484,37 +493,42 @@ class TokenizerManager:
             finish_reason, state.prompt_tokens, state.completion_tokens, now - state.created, decode
         )
 
-    def _increment(self, state: _ReqState, out: ReqTokenOut, now: float) -> GenerateOutput:
-        """Advance one request by one scheduler output; observe latencies; build the delta."""
-        if out.new_token_ids:
+    def _increment(
+        self, state: _ReqState, ids: list[int], full: ReqTokenOut | None, now: float
+    ) -> GenerateOutput:
+        """Advance one request by one scheduler output (`ids`, with `full` the whole output
+        when the scheduler sent one); observe latencies; build the delta."""
+        last = state.last_full
+        assert last is not None  # a request's first output is always whole
+        if ids:
             if state.last_token is None:
                 state.first_token = now
-                self.metrics.first_token(now - state.created, state.created_wall, out.admitted_at)
+                self.metrics.first_token(now - state.created, state.created_wall, last.admitted_at)
             state.last_token = now
-            state.completion_tokens += len(out.new_token_ids)
-        reason = out.finish_reason
+            state.completion_tokens += len(ids)
+        reason = full.finish_reason if full is not None else None
         text = ""
         if state.detok is not None:
-            state.detok.add(out.new_token_ids)
+            state.detok.add(ids)
             matched = reason.matched if reason and isinstance(reason.matched, str) else None
-            full = state.detok.final_text(matched) if reason else state.detok.releasable()
-            text, state.sent_chars = full[state.sent_chars :], max(state.sent_chars, len(full))
+            whole = state.detok.final_text(matched) if reason else state.detok.releasable()
+            text, state.sent_chars = whole[state.sent_chars :], max(state.sent_chars, len(whole))
         if reason is not None:
             state.finished = True
             self._observe_end(state, reason.type, now)
         return GenerateOutput(
-            rid=out.rid,
+            rid=last.rid,
             text=text,
-            token_ids=list(out.new_token_ids),
-            logprobs=out.logprobs,
+            token_ids=list(ids),
+            logprobs=full.logprobs if full is not None else None,
             finish_reason=reason,
-            prompt_tokens=out.prompt_tokens,
+            prompt_tokens=last.prompt_tokens,
             completion_tokens=state.completion_tokens,
             index=state.index,
-            prompt_logprobs=out.prompt_logprobs,
-            cached_tokens=out.cached_tokens,
-            spec_verify_ct=out.spec_verify_ct,
-            spec_accepted=out.spec_accepted,
+            prompt_logprobs=full.prompt_logprobs if full is not None else None,
+            cached_tokens=last.cached_tokens,
+            spec_verify_ct=last.spec_verify_ct,
+            spec_accepted=last.spec_accepted,
         )
 
 
