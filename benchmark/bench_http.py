@@ -15,9 +15,9 @@ seconds the front-end processes spent per streamed token (read from /proc before
 run, for the processes `/get_server_info` names). The Engine's row gives its mean step: the run's
 seconds over its output length, what a decode step costs with the prefills spread over it.
 
-On the CPU (`--device cpu`, the default model then a tiny one with the built-in model's
-vocabulary and tokenizer) the scheduler is the slow part, every chunk carries one token, and the
-CPU per streamed token is the front end's cost alone. `--json` writes `{"config", "rows"}`.
+On the CPU (`--device cpu`, the default model then SmolLM2's vocabulary on a tiny body, with
+the built-in model's tokenizer) the scheduler is the slow part, every chunk carries one token,
+and the CPU per streamed token is the front end's cost alone. `--json` writes `{"config", "rows"}`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,16 @@ from replaylm.model_loader.builtin_models import resolve_model_path
 
 from common import BENCHMARK_DIR, CONFIGS, launched_server, write_json
 
-TINY_CONFIG = CONFIGS / "tiny-smollm2-vocab.json"
+# the CPU's model: SmolLM2's vocabulary (its tokenizer detokenizes every token) on a tiny body
+TINY_SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "torch_dtype": "float32",
+}
 IDLE_CPU_S = 0.05  # CPU seconds a second of an idle front end stays under
 PIDS_TRIES = 200  # fresh connections asked which front end answers, to find every process
 
@@ -165,9 +174,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.model_path is None:
-        args.model_path = str(
-            TINY_CONFIG if args.device == "cpu" else CONFIGS / "smollm2-135m.json"
-        )
+        args.model_path = str(CONFIGS / "smollm2-135m.json")
     if args.tokenizer_path is None and args.load_format == "dummy":
         args.tokenizer_path = resolve_model_path("smollm2-135m-instruct")
     return args
@@ -178,6 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         folder = Path(tmp)
+        if args.device == "cpu" and args.model_path == str(CONFIGS / "smollm2-135m.json"):
+            tiny = folder / "smollm2-135m-tiny.json"
+            tiny.write_text(json.dumps(json.loads(Path(args.model_path).read_text()) | TINY_SIZES))
+            args.model_path = str(tiny)
         engine = None if args.no_engine else engine_row(args, folder)
         if engine is not None:
             rows.append(engine)
@@ -188,11 +199,11 @@ def main(argv: list[str] | None = None) -> None:
                 row["itl_p50_vs_step"] = round(row["p50_itl_ms"] / engine["mean_step_ms"], 2)
             rows.append(row)
             print(json.dumps(row))
-    model = Path(args.model_path).stem
-    rows = [{"model": model, **row} for row in rows]
-    if args.json:
-        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        write_json(args.json, {"config": config, "rows": rows})
+        model = Path(args.model_path).stem
+        rows = [{"model": model, **row} for row in rows]
+        if args.json:  # here, where a made config's path still names a file (written by its name)
+            config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+            write_json(args.json, {"config": config, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -363,6 +363,32 @@ def startup_table(sources: list[Source]) -> Table:
     )
 
 
+# ---- bench_http ----------------------------------------------------------------------------------
+
+
+def http_table(sources: list[Source]) -> Table:
+    """Per model: the in-process Engine, then the server per front-end count."""
+    table = []
+    for row in rows_of(sources, "rows"):
+        if row["setting"] == "engine":
+            table.append([row["model"], "Engine", num(row["output_tok_s"], 0), "", ""])
+            table[-1] += [num(row["mean_step_ms"]), "", ""]
+            continue
+        count = row["api_server_count"]
+        table.append(
+            [row["model"], f"HTTP, {count} front end{'s' if count > 1 else ''}"]
+            + [num(row["output_tok_s"], 0), ratio(row.get("vs_engine"))]
+            + [num(row["p50_ttft_ms"] / 1e3, 2), num(row["p50_itl_ms"]), num(row["p99_itl_ms"])]
+            + [num(row["front_end_cpu_us_per_token"])]
+        )
+    return Table(
+        ["model", "run", "output tok/s", "of the Engine", "TTFT p50 s"]
+        + ["ITL p50 ms (Engine: mean step)", "ITL p99 ms", "front-end CPU us/token"],
+        table,
+        labels=2,
+    )
+
+
 # ---- the accuracy suite --------------------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ from doc_tables import (
     backends_table,
     capture_table,
     decode_host_table,
+    http_table,
     modes_table,
     offline_table,
     prefix_table,
@@ -151,6 +152,29 @@ SECTIONS = (
         "turn's prompt the last one, its answer and a new message.",
         rates_table,
         Plot("--serving-rates", "serving_rates.png", ("serving_rates_defaults",)),
+    ),
+    Section(
+        "HTTP server against the Engine (`bench_http.py`)",
+        ("http",),
+        "1,024 requests of 512 random prompt tokens and 128 output tokens (EOS ignored) sent at "
+        "once: through the in-process Engine, then streamed from `launch_server` per "
+        "`--api-server-count` (bench_serving from 6 client processes). Dummy weights; Qwen3-0.6B "
+        "and Llama-3.1-8B with their vocabulary cut to SmolLM2's 49,152, so that SmolLM2's "
+        "tokenizer detokenizes every token. *front-end CPU*: the front-end processes' CPU "
+        "seconds per streamed token; the Engine's *mean step*: its seconds over the output "
+        "length.",
+        http_table,
+    ),
+    Section(
+        "HTTP front end on the CPU (`bench_http.py --device cpu`)",
+        ("http",),
+        "The front end's own cost: 256 requests of 32 random prompt tokens and 128 output tokens "
+        "at once, SmolLM2's vocabulary on a tiny body served on the CPU with the built-in "
+        "tokenizer; the scheduler is the slow part, so every chunk carries one token. *front-end "
+        "CPU*: the front-end processes' CPU seconds per streamed token (the client and the "
+        "scheduler share the machine's cores).",
+        http_table,
+        folders=(CPU,),
     ),
     Section(
         "Speculative decoding (`bench_speculative.py`)",

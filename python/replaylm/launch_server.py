@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     config.log()
     if args.node_rank > 0:
         return serve_other_node(config)
+    stages.mark("imports and arguments")
     try:
         sock = listening_socket(args.host, args.port)
     except OSError as err:
