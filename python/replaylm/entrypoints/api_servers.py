@@ -198,6 +198,8 @@ def run_front_end(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [http{index}] %(name)s: %(message)s",
     )
+    # the main process's start-up stages tell the start; N copies of them would bury it
+    logging.getLogger("replaylm.startup_stages").setLevel(logging.WARNING)
     from replaylm.entrypoints.http_server import create_app
     from replaylm.runtime.scheduler_process import SchedulerPipe
     from replaylm.runtime.tokenizer_manager import TokenizerManager
