@@ -1,6 +1,7 @@
-"""SGLang's `logprob_start_len` on `/generate`: the prompt's logprobs from token k on, in
-`meta_info.input_token_logprobs` / `input_top_logprobs`, checked against the same server's
-completions route (vLLM's `prompt_logprobs`)."""
+"""SGLang's logprobs on `/generate`: the output's in `meta_info.output_token_logprobs` /
+`output_top_logprobs`, and with `logprob_start_len` the prompt's from token k on in
+`input_token_logprobs` / `input_top_logprobs`, each `[logprob, token id, text]`, checked against
+the same server's completions route (its `logprobs`, vLLM's `prompt_logprobs`)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,24 @@ def test_a_stream_carries_them_once_on_its_first_chunk(http, prompt_ids):
     assert [("input_token_logprobs" in m) for m in metas] == [True] + [False] * (len(metas) - 1)
     assert "input_top_logprobs" in metas[0]
     assert metas[0]["input_token_logprobs"] == whole["input_token_logprobs"]
+
+
+def test_output_logprobs_take_sglangs_shape_and_equal_the_completions_route(http, prompt_ids):
+    response = _generate(http, prompt_ids, top_logprobs_num=TOP)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    meta = result["meta_info"]
+    tokens, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert [t for _, t, _ in tokens] == result["output_ids"]
+    assert all(text is None for _, _, text in tokens)
+    body = {"prompt": prompt_ids, "max_tokens": 2, "temperature": 0, "logprobs": TOP}
+    reference = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert [v for v, _, _ in tokens] == pytest.approx(reference["token_logprobs"], abs=1e-5)
+    for top, expected in zip(tops, reference["top_logprobs"], strict=True):
+        assert len(top) == TOP and top[0][0] >= top[-1][0]  # most likely first
+        assert sorted(v for v, _, _ in top) == pytest.approx(sorted(expected.values()), abs=1e-5)
+
+
+def test_no_output_top_lists_without_top_logprobs_num(http, prompt_ids):
+    meta = _generate(http, prompt_ids).json()["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 2 and "output_top_logprobs" not in meta

@@ -51,10 +51,11 @@ class NativeGenerateRoute:
         req = GenerateRequest(ids, params, top_logprobs=top_k, prompt_logprobs=prompt_k)
         stream = await start_choices(self.ctx.tm, request, [req], param)
         if body.stream:
-            return EventStream(_chunks(stream, req.rid, inputs))
+            return EventStream(_chunks(stream, req.rid, inputs, body.top_logprobs_num))
         results, _ = await unless_disconnected(request, collect(stream))
         res = results[0]
-        meta = _meta(req.rid, res.last, res.logprobs if top_k is not None else None)
+        logprobs = res.logprobs if top_k is not None else None
+        meta = _meta(req.rid, res.last, logprobs, body.top_logprobs_num)
         if inputs is not None and res.prompt_logprobs is not None:
             meta.update(inputs.meta(res.prompt_logprobs))
         return JSONResponse({"text": res.text, "output_ids": res.token_ids, "meta_info": meta})
@@ -103,17 +104,22 @@ class _InputLogprobs:
 
 
 async def _chunks(
-    stream: AsyncIterator[ChoiceOutput], rid: str, inputs: _InputLogprobs | None
+    stream: AsyncIterator[ChoiceOutput], rid: str, inputs: _InputLogprobs | None, top_k: int
 ) -> AsyncGenerator[dict[str, Any], None]:
     """The prompt logprobs ride on the first chunk, the one they arrive with."""
     async for c in stream:
-        meta = _meta(rid, c.out, c.out.logprobs)
+        meta = _meta(rid, c.out, c.out.logprobs, top_k)
         if inputs is not None and c.out.prompt_logprobs is not None:
             meta.update(inputs.meta(c.out.prompt_logprobs))
         yield {"text": c.out.text, "output_ids": c.out.token_ids, "meta_info": meta}
 
 
-def _meta(rid: str, out: GenerateOutput, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+def _meta(
+    rid: str, out: GenerateOutput, logprobs: list[TokenLogprob] | None, top_k: int
+) -> dict[str, Any]:
+    """SGLang's meta_info; with logprobs, `output_token_logprobs` ([logprob, token id, text]
+    each, the text null as SGLang's without `return_text_in_logprobs`) and, when `top_k` > 0,
+    `output_top_logprobs` (the k most likely of each position, in that shape)."""
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": out.prompt_tokens,
@@ -123,5 +129,7 @@ def _meta(rid: str, out: GenerateOutput, logprobs: list[TokenLogprob] | None) ->
         **spec_meta_info(out.spec_verify_ct, out.spec_accepted),
     }
     if logprobs is not None:
-        meta["output_token_logprobs"] = [dataclasses.asdict(lp) for lp in logprobs]
+        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in logprobs]
+        if top_k > 0:
+            meta["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in logprobs]
     return meta
