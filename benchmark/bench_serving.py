@@ -33,7 +33,7 @@ seconds at every rate of a sweep.
 `--endpoint generate` sends them to the native `POST /generate` (replaylm, SGLang) with
 `sampling_params`.
 
-The client is aiohttp, one session per run. Its CPU time per streamed token (tens of
+The client is aiohttp, one client per run. Its CPU time per streamed token (tens of
 microseconds) still caps the throughput one client process can measure: `--client-processes K`
 splits each run over K processes. Request i goes to process i mod K (multi_turn: conversation
 i, whole); each sends its requests at rate / K (their sum is Poisson at the rate), at most
@@ -383,10 +383,10 @@ def base_url(args: argparse.Namespace) -> str:
     return args.base_url.rstrip("/")
 
 
-def open_session(
+def open_client(
     args: argparse.Namespace, connections: int, timeout: float | None = None
 ) -> aiohttp.ClientSession:
-    """A session of at most `connections` keep-alive connections, sending the API key; each
+    """A client of at most `connections` keep-alive connections, sending the API key; each
     request given `timeout` seconds in all (default `--timeout`). Opened in a running loop."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     return aiohttp.ClientSession(
@@ -397,7 +397,7 @@ def open_session(
 
 
 async def send(
-    session: aiohttp.ClientSession,
+    client: aiohttp.ClientSession,
     url: str,
     body: dict[str, Any],
     spec: RequestSpec,
@@ -409,7 +409,7 @@ async def send(
     start = last = time.perf_counter()
     chunks, usage, texts = 0, None, []
     try:
-        async with session.post(url, json=body) as response:
+        async with client.post(url, json=body) as response:
             if response.status != 200:
                 res.error = f"HTTP {response.status}: {(await response.read())[:300]!r}"
                 return res
@@ -448,7 +448,7 @@ async def send(
 
 
 async def warm_up(
-    session: aiohttp.ClientSession,
+    client: aiohttp.ClientSession,
     args: argparse.Namespace,
     model: str,
     specs: list[RequestSpec],
@@ -457,14 +457,14 @@ async def warm_up(
     """Send `specs` one at a time, untimed."""
     url = f"{base_url(args)}/{ROUTES[args.endpoint]}"
     for spec in specs:
-        await send(session, url, payload(args, model, spec, schema), spec, schema is not None)
+        await send(client, url, payload(args, model, spec, schema), spec, schema is not None)
 
 
-async def grammar_counters(session: aiohttp.ClientSession, base: str) -> tuple[float, float] | None:
+async def grammar_counters(client: aiohttp.ClientSession, base: str) -> tuple[float, float] | None:
     """(steps, host seconds) of the server's grammar engine so far; None when its /metrics
     has no such series (another server)."""
     try:
-        async with session.get(f"{base}/metrics") as response:
+        async with client.get(f"{base}/metrics") as response:
             if response.status != 200:
                 return None
             text = await response.text()
@@ -496,7 +496,7 @@ Turn = list[tuple[int, RequestResult]]  # a turn's results, each with its reques
 
 
 async def send_turns(
-    session: aiohttp.ClientSession,
+    client: aiohttp.ClientSession,
     args: argparse.Namespace,
     model: str,
     plan: RunPlan,
@@ -515,7 +515,7 @@ async def send_turns(
     async def one(spec: RequestSpec) -> RequestResult:
         async with gate:
             body = payload(args, model, spec, schema)
-            result = await send(session, url, body, spec, schema is not None)
+            result = await send(client, url, body, spec, schema is not None)
         on_done()
         return result
 
@@ -599,18 +599,18 @@ async def run_here(
     rng: random.Random,
     schema: dict[str, Any] | None,
 ) -> RunResult:
-    """A run from this process (--client-processes 1), in one session: the warm-up, the grammar
+    """A run from this process (--client-processes 1), in one client: the warm-up, the grammar
     counters, the timed requests, the counters again."""
-    async with open_session(args, concurrency or len(plan.first) + 1) as session:
-        await warm_up(session, args, model, plan.warmup, schema)
-        before = await grammar_counters(session, base_url(args))
+    async with open_client(args, concurrency or len(plan.first) + 1) as client:
+        await warm_up(client, args, model, plan.warmup, schema)
+        before = await grammar_counters(client, base_url(args))
         with progress_bar(args, plan, rate, concurrency) as bar:
             start = time.perf_counter()
             turns = await send_turns(
-                session, args, model, plan, rate, concurrency, rng, schema, bar.update
+                client, args, model, plan, rate, concurrency, rng, schema, bar.update
             )
             duration = time.perf_counter() - start
-        after = await grammar_counters(session, base_url(args))
+        after = await grammar_counters(client, base_url(args))
     return run_result(merge_turns([turns]), duration, before, after)
 
 
@@ -655,12 +655,12 @@ async def send_share(
     """Wait for the common start, then send the share's requests, with arrivals from a seed of
     the process's own (every process drawing the same gaps would send in lockstep)."""
     rng = random.Random(f"{args.seed}:{share.index}")
-    async with open_session(args, share.concurrency or len(share.plan.first) + 1) as session:
+    async with open_client(args, share.concurrency or len(share.plan.first) + 1) as client:
         late_s = time.time() - share.start
         await asyncio.sleep(max(0.0, -late_s))
         plan, rate, concurrency = share.plan, share.rate, share.concurrency
         turns = await send_turns(
-            session, args, model, plan, rate, concurrency, rng, schema, lambda: None
+            client, args, model, plan, rate, concurrency, rng, schema, lambda: None
         )
         return ShareResult(turns, time.time(), late_s)
 
@@ -673,9 +673,9 @@ async def warmed_up_counters(
 ) -> tuple[float, float] | None:
     """This process's part of a split run, before it (the warm-up `specs`, then the grammar
     counters) and after it (no specs: the counters)."""
-    async with open_session(args, 1) as session:
-        await warm_up(session, args, model, specs, schema)
-        return await grammar_counters(session, base_url(args))
+    async with open_client(args, 1) as client:
+        await warm_up(client, args, model, specs, schema)
+        return await grammar_counters(client, base_url(args))
 
 
 @contextlib.contextmanager
@@ -827,13 +827,13 @@ async def resolve_server(args: argparse.Namespace) -> tuple[str, int | None]:
     """(the model to ask for: `--model`, else the server's first, the tensor-parallel size
     the server reports at /get_server_info, as replaylm and SGLang do; None where it does not)."""
     base = base_url(args)
-    async with open_session(args, 1, timeout=30) as session:
+    async with open_client(args, 1, timeout=30) as client:
         model = args.model
         if not model:
-            async with session.get(f"{base}/v1/models") as response:
+            async with client.get(f"{base}/v1/models") as response:
                 response.raise_for_status()
                 model = json.loads(await response.read())["data"][0]["id"]
-        async with session.get(f"{base}/get_server_info") as info:
+        async with client.get(f"{base}/get_server_info") as info:
             ok, body = info.status == 200, await info.read()
     try:
         tp_size = json.loads(body).get("tp_size") if ok else None

@@ -332,11 +332,11 @@ def test_the_client_times_streamed_chunks_and_reports_each_failure_as_its_error(
     got: dict[str, bench.RequestResult] = {}
 
     async def send_each(base: str) -> None:
-        async with bench.open_session(args_for("--timeout", "0.5"), 4) as session:
+        async with bench.open_client(args_for("--timeout", "0.5"), 4) as client:
             for path in STUB_STREAMS:
-                got[path] = await bench.send(session, base + path, {}, spec, path == "/ok")
+                got[path] = await bench.send(client, base + path, {}, spec, path == "/ok")
             closed = f"http://127.0.0.1:{free_port()}/ok"
-            got["closed"] = await bench.send(session, closed, {}, spec, False)
+            got["closed"] = await bench.send(client, closed, {}, spec, False)
 
     asyncio.run(with_stub_server(send_each))
     ok = got["/ok"]
