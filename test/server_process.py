@@ -70,6 +70,17 @@ class ServerProcess:
 def start_server(*args: str, device: str = "cpu") -> ServerProcess:
     """Start `launch_server` on `device` on a free loopback port with `args`; wait until
     healthy."""
+    server = launch_server(*args, device=device)
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def launch_server(*args: str, device: str = "cpu") -> ServerProcess:
+    """Start `launch_server` on `device` on a free loopback port with `args`, not waiting."""
     port = free_port()
     stderr = tempfile.TemporaryFile("w+", prefix="replaylm-server-")  # noqa: SIM115 (closed by stop)
     cmd = [
@@ -92,10 +103,4 @@ def start_server(*args: str, device: str = "cpu") -> ServerProcess:
         stderr=stderr,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
-    server = ServerProcess(proc, port, stderr)
-    try:
-        server.wait_healthy()
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return ServerProcess(proc, port, stderr)

@@ -24,7 +24,7 @@ import tempfile
 from multiprocessing.connection import wait
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from replaylm.entrypoints.api_servers import (
     FrontEndProcesses,
@@ -41,6 +41,9 @@ from replaylm.runtime.scheduler_process import (
 )
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
+
+if TYPE_CHECKING:
+    from replaylm.runtime.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("replaylm.launch_server")
 API_KEY_ENV = "REPLAYLM_API_KEY"
@@ -134,24 +137,29 @@ def _serve(
     or a front end exits (1). Several front ends share `shared_dir` (their stored responses)."""
     args = config.args
     shared = shared_dir if config.api_server_count > 1 else None
+    # until uvicorn's handlers take over, SIGTERM stops the start as Ctrl-C does: another front
+    # end may already answer, so a supervisor's SIGTERM can come before this one serves
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     scheduler = SchedulerProcess.start(config, config.api_server_count)
-    stages.mark("spawn scheduler")
-    logger.info("server args: %s", config.args)
-    from replaylm.entrypoints.http_server import RESPONSES_DB, create_app
-    from replaylm.entrypoints.responses_store import SharedResponseStore
-    from replaylm.runtime.tokenizer_manager import TokenizerManager
+    others: FrontEndProcesses | None = None
+    manager: TokenizerManager | None = None
+    server: GracefulServer | None = None
+    try:
+        stages.mark("spawn scheduler")
+        logger.info("server args: %s", config.args)
+        from replaylm.entrypoints.http_server import RESPONSES_DB, create_app
+        from replaylm.entrypoints.responses_store import SharedResponseStore
+        from replaylm.runtime.tokenizer_manager import TokenizerManager
 
-    if shared is not None:  # before the front ends start: they would race for its schema
-        SharedResponseStore.create(shared / RESPONSES_DB)
-    others = FrontEndProcesses.start(config, scheduler.front_end_conns, sock, shared)
-    stages.mark("front-end imports")
-    try:
-        manager = TokenizerManager(config, scheduler, stages)
-    except Exception as err:  # the tokenizer or the model failed to load; the child is stopped
-        logger.debug("start-up failed", exc_info=True)
-        others.stop()
-        _usage_error(one_line_error(err))
-    try:
+        if shared is not None:  # before the front ends start: they would race for its schema
+            SharedResponseStore.create(shared / RESPONSES_DB)
+        others = FrontEndProcesses.start(config, scheduler.front_end_conns, sock, shared)
+        stages.mark("front-end imports")
+        try:
+            manager = TokenizerManager(config, scheduler, stages)
+        except Exception as err:  # the tokenizer or the model failed to load
+            logger.debug("start-up failed", exc_info=True)
+            _usage_error(one_line_error(err))
         server = GracefulServer(uvicorn_config(create_app(manager, shared), args), manager, others)
         stages.mark("HTTP app")
         logger.info(
@@ -164,9 +172,18 @@ def _serve(
             "process" if config.api_server_count == 1 else "processes",
         )
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        logger.info("stopped by a signal before serving")
+        return 0
     finally:
-        others.stop()
-        manager.shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop below is already bounded
+        if others is not None:
+            others.stop()
+        if manager is not None:
+            manager.shutdown()  # the scheduler's end is then not an error
+        else:
+            scheduler.stop()
+    assert server is not None  # server.run returned
     if server.stop_reason is not None and not server.signalled:
         logger.error(
             "stopping the server (exit code %d): %s", EXIT_SCHEDULER_DIED, server.stop_reason

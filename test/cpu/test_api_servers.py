@@ -22,7 +22,7 @@ import pytest
 from replaylm.model_loader.builtin_models import resolve_model_path
 
 from http_helpers import TIMEOUT_S, metric
-from server_process import ServerProcess, start_server
+from server_process import ServerProcess, launch_server, start_server
 from tiny_checkpoints import write_tiny_checkpoint
 
 FRONT_ENDS = 3
@@ -159,6 +159,22 @@ def test_sigterm_stops_every_process(tiny_model):
     try:
         spawned = _spawned(server.proc.pid)
         assert len(spawned) == 2  # the scheduler and the second front end
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.stderr_tail()
+        _wait_gone(spawned)
+    finally:
+        server.stop()
+
+
+def test_sigterm_during_start_up_stops_every_process(tiny_model):
+    """Before the main process serves (another front end may already answer /health),
+    SIGTERM still ends the server with code 0 and no process left."""
+    server = launch_server("--model-path", str(tiny_model), "--api-server-count", "2")
+    try:
+        deadline = time.monotonic() + 60
+        while len(spawned := _spawned(server.proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(spawned) == 2, server.stderr_tail()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(60) == 0, server.stderr_tail()
         _wait_gone(spawned)
