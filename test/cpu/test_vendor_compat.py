@@ -2,7 +2,8 @@
 built-in SmolLM2 on CPU, conftest.py's `http_server`): `matched_stop`, the model card's `root` /
 `parent`, assistant prefill, custom roles, `truncate_prompt_tokens`, `return_token_ids`,
 `include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`, `bad_words`,
-`POST /invocations`, and the fields the engine cannot honour refused by name."""
+`POST /invocations`, `request_id`, `documents`, and the fields the engine cannot honour refused
+by name."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import json
 import httpx
 import pytest
 
-from replaylm.entrypoints.openai_chat_protocol import ChatMessage
+from replaylm.entrypoints.openai_chat_protocol import ChatCompletionRequest, ChatMessage
 from replaylm.entrypoints.serving_chat import template_errors
+from replaylm.model_loader.builtin_models import resolve_model_path
+from replaylm.model_loader.tokenizer import chat_input_ids, load_tokenizer
 from replaylm.runtime.errors import RequestError
 
 from http_helpers import CHAT, CONTEXT_LEN, MODEL, PROMPT, post_ok
@@ -127,6 +130,33 @@ def test_a_template_failing_on_a_custom_role_names_that_role():
     assert err.value.param == "messages"
 
 
+def test_documents_reach_the_chat_template():
+    tokenizer = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    tokenizer.chat_template = (
+        "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    docs = [{"title": "sky", "text": "blue"}, {"title": "grass", "text": "green"}]
+    body = ChatCompletionRequest(messages=CHAT, documents=docs, chat_template_kwargs={"x": 1})
+    assert body.template_options()["template_kwargs"] == {"x": 1, "documents": docs}
+    ids = chat_input_ids(tokenizer, CHAT, **body.template_options())
+    assert tokenizer.decode(ids).startswith("[sky: blue][grass: green]")
+
+
+def test_the_response_id_is_made_from_request_id_or_x_request_id(http):
+    assert complete(http, request_id="abc")["id"] == "cmpl-abc"
+    assert chat(http, request_id="abc")["id"] == "chatcmpl-abc"
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "request_id": "abc"}
+    headed = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "from-header"})
+    assert headed.json()["id"] == "chatcmpl-from-header"  # vLLM: the header wins
+    assert {
+        e["id"]
+        for e in events(
+            http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "request_id": "s"}
+        )
+    } == {"cmpl-s"}
+
+
 # ---- vLLM: truncate_prompt_tokens, return_token_ids ---------------------------------------------
 
 
@@ -219,6 +249,24 @@ def test_fields_the_engine_cannot_honour_are_refused_by_name(http, http_server):
     defaults = {"use_beam_search": False, "allowed_token_ids": [], "bad_words": []}
     assert complete(http, **defaults)["choices"][0]["text"] == complete(http)["choices"][0]["text"]
     assert "ignored unknown field(s): use_beam_search" not in http_server.stderr_tail()
+    vllm_only = {
+        "priority": 1,
+        "logits_processors": ["my_module.MyProcessor"],
+        "vllm_xargs": {"threshold": 0.5},
+        "cache_salt": "tenant-a",
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    for field, value in vllm_only.items():
+        refused(http, "/v1/completions", {**completion, field: value}, field)
+        refused(http, "/v1/chat/completions", {"messages": CHAT, field: value}, field)
+    assert "Priority scheduling is not enabled" in refused(
+        http, "/v1/completions", {**completion, "priority": -3}, "priority"
+    )
+    nothing_asked = {"priority": 0, "logits_processors": [], "cache_salt": "", "length_penalty": 1}
+    assert (
+        complete(http, **nothing_asked)["choices"][0]["text"]
+        == complete(http)["choices"][0]["text"]
+    )
     native = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
     below = http.post("/generate", json={**native, "return_logprob": True, "logprob_start_len": -2})
     assert below.status_code == 400

@@ -127,7 +127,8 @@ class ChatTemplateOptions(RequestModel):
     """How messages are rendered (vLLM / SGLang): `add_generation_prompt` (default: unless
     `continue_final_message`, which leaves the last message open for the model to continue),
     `add_special_tokens` (the tokenizer's BOS and the like on top of the template's),
-    `chat_template_kwargs` (further template variables), `tools` (offered to the model in its
+    `chat_template_kwargs` (further template variables), `documents` (for templates that cite
+    them, as transformers passes them), `tools` (offered to the model in its
     tool-call format: `tool_calls.ChatTools`). vLLM's `chat_template` (a template of the
     request's own) is refused: the tokenizer renders its own template only."""
 
@@ -136,6 +137,7 @@ class ChatTemplateOptions(RequestModel):
     add_special_tokens: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: JsonObject | None = None
+    documents: list[dict[str, str]] | None = None
     tools: list[Tool] | None = None
 
     def _check_messages(self, messages: list[ChatMessage]) -> None:
@@ -171,7 +173,11 @@ class ChatTemplateOptions(RequestModel):
             else self.add_generation_prompt,
             "continue_final_message": cont,
             "add_special_tokens": bool(self.add_special_tokens),
-            "template_kwargs": self.chat_template_kwargs,
+            "template_kwargs": {
+                **(self.chat_template_kwargs or {}),
+                **({"documents": self.documents} if self.documents is not None else {}),
+            }
+            or None,
         }
 
 

@@ -184,9 +184,11 @@ class SamplingRequest(RequestModel):
     (`guided_decoding_backend` picks an engine, not an output: it is taken and left alone;
     `guided_whitespace_pattern` is refused). vLLM's output options: `include_stop_str_in_output`,
     `truncate_prompt_tokens` (`truncated_prompt()`), `return_token_ids`,
-    `return_tokens_as_token_ids` (logprobs' tokens as `token_id:{id}`); its sampling options
-    `allowed_token_ids` (empty: any token) and `bad_words` (single-token words); its
-    `use_beam_search` is refused when it asks for something. `seed` takes any int64, as OpenAI's
+    `return_tokens_as_token_ids` (logprobs' tokens as `token_id:{id}`), `request_id` (the
+    response's id is made from it); its sampling options `allowed_token_ids` (empty: any token)
+    and `bad_words` (single-token words). Its `use_beam_search`, `priority`,
+    `logits_processors`, `vllm_xargs`, `cache_salt` and `kv_transfer_params` are refused when
+    they ask for something. `seed` takes any int64, as OpenAI's
     and vLLM's do; the engine's seeds are non-negative, so a negative one is taken modulo 2**63
     (-5 samples as 2**63 - 5 does, not as 5), which keeps it reproducible.
     """
@@ -221,6 +223,14 @@ class SamplingRequest(RequestModel):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: str | list[str] | None = None
     use_beam_search: bool | None = None  # refused when true (`_check_unsupported`)
+    length_penalty: float | None = None  # beam search's: vLLM leaves it alone without beams too
+    request_id: str | None = None  # the response's id is made from it
+    # refused when they ask for something (`_check_unsupported`)
+    priority: int | None = None
+    logits_processors: list[Any] | None = None
+    vllm_xargs: JsonObject | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: JsonObject | None = None
     # structured output: one constraint at most (`constraint()`)
     json_schema: str | JsonObject | None = None
     regex: str | None = None
@@ -289,9 +299,23 @@ class SamplingRequest(RequestModel):
         self.constraint()
 
     def _check_unsupported(self) -> None:
-        """vLLM's fields that change the output but that the engine cannot honour."""
+        """vLLM's fields that change the output, or what the server does, but that the engine
+        cannot honour."""
         if self.use_beam_search:
             raise RequestError("beam search is not implemented", "use_beam_search")
+        if self.priority:
+            raise RequestError(
+                f"Got priority {self.priority} but Priority scheduling is not enabled.", "priority"
+            )
+        refused = {
+            "logits_processors": "this server runs no custom logits processors",
+            "vllm_xargs": "this server runs no custom logits processors to take them",
+            "cache_salt": "every request shares this server's prefix cache",
+            "kv_transfer_params": "this server does not transfer KV caches between instances",
+        }
+        for field, why in refused.items():
+            if getattr(self, field):
+                raise RequestError(f"{field} is not supported: {why}", field)
 
     def truncated_prompt(self, ids: list[int], context_len: int) -> list[int]:
         """`ids` less all but their last `truncate_prompt_tokens`; RequestError naming it when it

@@ -46,7 +46,7 @@ from replaylm.entrypoints.openai_responses import (
     ToolCallOut,
     UsageInfo,
 )
-from replaylm.entrypoints.serving_common import ServingContext
+from replaylm.entrypoints.serving_common import ServingContext, response_id
 from replaylm.entrypoints.tool_call_parser import ToolCallParser
 from replaylm.entrypoints.tool_calls import ToolRequest, tool_request
 from replaylm.runtime.errors import RequestError
@@ -164,7 +164,13 @@ class ChatRoute:
         body = await parse_body(request, ChatCompletionRequest)
         self.ctx.check_model(body.model)
         chat = await start_chat(self.ctx, request, body)
-        view = _ChatView(self.ctx, body, f"chatcmpl-{chat.rid}", chat.prompt_ids, chat.tools)
+        view = _ChatView(
+            self.ctx,
+            body,
+            response_id("chatcmpl", request, body.request_id, chat.rid),
+            chat.prompt_ids,
+            chat.tools,
+        )
         if body.stream:
             return EventStream(view.chunks(chat.stream))
         results, usage = await unless_disconnected(request, collect(chat.stream))

@@ -1,5 +1,6 @@
 """What every route shares: the tokenizer manager, the served model's name and card, the system
-fingerprint, token decoding for logprobs, output budgets, and the model's tool-call format."""
+fingerprint, response ids, token decoding for logprobs, output budgets, and the model's tool-call
+format."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def system_fingerprint(tm: Any) -> str:
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
     return f"fp_{digest.hexdigest()[:12]}"
+
+
+def response_id(prefix: str, request: Any, request_id: str | None, rid: str) -> str:
+    """The response's id, as vLLM makes it: `prefix` and the X-Request-Id header's value, else
+    the body's `request_id`, else the request's own id."""
+    return f"{prefix}-{request.headers.get('x-request-id') or request_id or rid}"
 
 
 class ServingContext:

@@ -32,7 +32,7 @@ from replaylm.entrypoints.openai_responses import (
     CompletionResponse,
     UsageInfo,
 )
-from replaylm.entrypoints.serving_common import ServingContext
+from replaylm.entrypoints.serving_common import ServingContext, response_id
 from replaylm.runtime.io_struct import GenerateRequest, TokenLogprob
 
 Entries = list[tuple[int, TokenLogprob | None]]
@@ -54,7 +54,13 @@ class CompletionsRoute:
         if body.include_stop_str_in_output:
             stream = with_stop_strings(stream)
         texts = await run_in_threadpool(self._prompt_texts, body, prompt_ids) if body.echo else []
-        view = _CompletionView(self.ctx, body, prompt_ids, texts, f"cmpl-{reqs[0].rid}")
+        view = _CompletionView(
+            self.ctx,
+            body,
+            prompt_ids,
+            texts,
+            response_id("cmpl", request, body.request_id, reqs[0].rid),
+        )
         if body.stream:
             return EventStream(view.chunks(stream))
         results, usage = await unless_disconnected(request, collect(stream))

@@ -197,9 +197,8 @@ class FastTokenizer:
         rendered = _compiled_template(self.chat_template).render(
             messages=chat,
             tools=tools,
-            documents=None,
             add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens_map, **kwargs},
+            **{"documents": None, **self.special_tokens_map, **kwargs},
         )
         return rendered if final is None else _cut_at_tag(rendered, final)
 
