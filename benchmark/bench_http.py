@@ -1,19 +1,22 @@
 """The HTTP server against the in-process Engine: what the front end costs.
 
-    python benchmark/bench_http.py [--model-path benchmark/configs/smollm2-135m.json]
+    python benchmark/bench_http.py [--model-path benchmark/configs/smollm2-135m.json ...]
         [--load-format dummy] [--tokenizer-path PATH] [--num-prompts 1024] [--input-len 512]
         [--output-len 128] [--api-server-count 1 2 4] [--client-processes 4] [--no-engine]
         [--device auto] [--server-args ARG ...] [--json out.json]
 
-First (unless `--no-engine`) the in-process Engine generates for `--num-prompts` random prompts
-of `--input-len` tokens, `--output-len` tokens each (`bench_offline.py`, full decode graphs).
-Then, per `--api-server-count`, `launch_server` serves the same model and `bench_serving.py`
-sends as many such requests at once, streamed, from `--client-processes` client processes (one
-Python process cannot parse tens of thousands of chunks a second). A row: output tokens per
-second (and as a share of the Engine's), TTFT and inter-token latency percentiles, and the CPU
-seconds the front-end processes spent per streamed token (read from /proc before and after the
-run, for the processes `/get_server_info` names). The Engine's row gives its mean step: the run's
-seconds over its output length, what a decode step costs with the prefills spread over it.
+For each `--model-path`: first (unless `--no-engine`) the in-process Engine generates for
+`--num-prompts` random prompts of `--input-len` tokens, `--output-len` tokens each
+(`bench_offline.py`, full decode graphs). Then, per `--api-server-count`, `launch_server` serves
+the same model and `bench_serving.py` sends as many such requests at once, streamed, from
+`--client-processes` client processes (one Python process cannot parse tens of thousands of chunks
+a second). A row: output tokens per second (and as a share of the Engine's), TTFT and inter-token
+latency percentiles, and the CPU seconds the front-end processes spent per streamed token (read
+from /proc before and after the run, for the processes `/get_server_info` names). The Engine's row
+gives its mean step: the run's seconds over its output length, what a decode step costs with the
+prefills spread over it. A dummy config whose vocabulary is larger than the tokenizer's is served
+with the tokenizer's (a copy of the config; `vocab_size_cut_to` in the JSON), so that every sampled
+id detokenizes.
 
 On the CPU (`--device cpu`, the default model then SmolLM2's vocabulary on a tiny body, with
 the built-in model's tokenizer) the scheduler is the slow part, every chunk carries one token,
@@ -35,6 +38,7 @@ from typing import Any
 import httpx
 
 from replaylm.model_loader.builtin_models import resolve_model_path
+from replaylm.model_loader.tokenizer import load_tokenizer
 
 from common import BENCHMARK_DIR, CONFIGS, launched_server, write_json
 
@@ -52,12 +56,12 @@ IDLE_CPU_S = 0.05  # CPU seconds a second of an idle front end stays under
 PIDS_TRIES = 200  # fresh connections asked which front end answers, to find every process
 
 
-def engine_row(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+def engine_row(args: argparse.Namespace, model_path: str, folder: Path) -> dict[str, Any]:
     """The in-process Engine on the workload, through bench_offline.py."""
     out = folder / "engine.json"
     cmd = [
         sys.executable, str(BENCHMARK_DIR / "bench_offline.py"),
-        "--model-path", args.model_path, "--load-format", args.load_format,
+        "--model-path", model_path, "--load-format", args.load_format,
         "--num-seqs", str(args.num_prompts), "--min-len", str(args.input_len),
         "--max-len", str(args.input_len), "--output-len", str(args.output_len),
         "--modes", "full", "--device", args.device, "--json", str(out),
@@ -111,10 +115,10 @@ def wait_idle(pids: list[int], timeout_s: float = 120.0) -> None:
     raise RuntimeError(f"the front ends did not go idle in {timeout_s:.0f} s")
 
 
-def http_row(args: argparse.Namespace, count: int, folder: Path) -> dict[str, Any]:
+def http_row(args: argparse.Namespace, model_path: str, count: int, folder: Path) -> dict[str, Any]:
     """`launch_server` with `count` front ends under the workload, through bench_serving.py."""
     server_args = [
-        "--model-path", args.model_path, "--load-format", args.load_format,
+        "--model-path", model_path, "--load-format", args.load_format,
         "--device", args.device, "--api-server-count", str(count),
         "--max-running-requests", str(args.num_prompts), "--log-level", "warning",
         *(["--tokenizer-path", args.tokenizer_path] if args.tokenizer_path else []),
@@ -153,7 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M's config")
+    parser.add_argument(
+        "--model-path", nargs="+", default=None, help="default: SmolLM2-135M's config"
+    )
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument(
         "--tokenizer-path", default=None, help="default: the built-in model's, for dummy configs"
@@ -174,36 +180,68 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.model_path is None:
-        args.model_path = str(CONFIGS / "smollm2-135m.json")
+        args.model_path = [str(CONFIGS / "smollm2-135m.json")]
     if args.tokenizer_path is None and args.load_format == "dummy":
         args.tokenizer_path = resolve_model_path("smollm2-135m-instruct")
     return args
 
 
+def served_config(
+    args: argparse.Namespace, model_path: str, folder: Path
+) -> tuple[str, int | None]:
+    """The config to serve for `model_path`, and the vocabulary it was cut to (None: as it is).
+    On the CPU the default model is a tiny body; a dummy config with more ids than the tokenizer
+    has gets the tokenizer's vocabulary."""
+    if args.load_format != "dummy" or not model_path.endswith(".json"):
+        return model_path, None
+    config = json.loads(Path(model_path).read_text())
+    if args.device == "cpu" and model_path == str(CONFIGS / "smollm2-135m.json"):
+        config |= TINY_SIZES
+        model_path = str(folder / "smollm2-135m-tiny.json")
+    cut = None
+    if args.tokenizer_path is not None:
+        tokenizer = load_tokenizer(args.tokenizer_path)
+        if tokenizer is not None and config["vocab_size"] > len(tokenizer):
+            cut = config["vocab_size"] = len(tokenizer)
+            model_path = str(folder / f"{Path(model_path).stem}.json")
+    if model_path.startswith(str(folder)):
+        Path(model_path).write_text(json.dumps(config))
+    return model_path, cut
+
+
+def model_rows(args: argparse.Namespace, model_path: str, folder: Path) -> list[dict[str, Any]]:
+    """The Engine's row (unless --no-engine) and a row per front-end count, for one model."""
+    rows: list[dict[str, Any]] = []
+    engine = None if args.no_engine else engine_row(args, model_path, folder)
+    if engine is not None:
+        rows.append(engine)
+    for count in args.api_server_count:
+        row = http_row(args, model_path, count, folder)
+        if engine is not None:
+            row["vs_engine"] = round(row["output_tok_s"] / engine["output_tok_s"], 3)
+            row["itl_p50_vs_step"] = round(row["p50_itl_ms"] / engine["mean_step_ms"], 2)
+        rows.append(row)
+        print(json.dumps(row))
+    return [{"model": Path(model_path).stem, **row} for row in rows]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows: list[dict[str, Any]] = []
+    served: list[str] = []
+    cuts: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         folder = Path(tmp)
-        if args.device == "cpu" and args.model_path == str(CONFIGS / "smollm2-135m.json"):
-            tiny = folder / "smollm2-135m-tiny.json"
-            tiny.write_text(json.dumps(json.loads(Path(args.model_path).read_text()) | TINY_SIZES))
-            args.model_path = str(tiny)
-        engine = None if args.no_engine else engine_row(args, folder)
-        if engine is not None:
-            rows.append(engine)
-        for count in args.api_server_count:
-            row = http_row(args, count, folder)
-            if engine is not None:
-                row["vs_engine"] = round(row["output_tok_s"] / engine["output_tok_s"], 3)
-                row["itl_p50_vs_step"] = round(row["p50_itl_ms"] / engine["mean_step_ms"], 2)
-            rows.append(row)
-            print(json.dumps(row))
-        model = Path(args.model_path).stem
-        rows = [{"model": model, **row} for row in rows]
-        if args.json:  # here, where a made config's path still names a file (written by its name)
-            config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-            write_json(args.json, {"config": config, "rows": rows})
+        for given in args.model_path:
+            model_path, cut = served_config(args, given, folder)
+            served.append(Path(model_path).name)
+            if cut is not None:
+                cuts[Path(model_path).stem] = cut
+            rows += model_rows(args, model_path, folder)
+    if args.json:  # the served configs by file name: a made one's folder is gone
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        config |= {"model_path": served, "vocab_size_cut_to": cuts}
+        write_json(args.json, {"config": config, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@
 #   serving_rates_TAG.json and serving_multi_turn_TAG.json, TAG the flags (defaults,
 #   enable-mixed-chunk, ...); img/serving_rates.png plots the sweeps (ITL p99, TTFT p50, output
 #   tok/s per rate, a line per server) when matplotlib imports.
+#   http: bench_http.py, the HTTP server against the in-process Engine (SmolLM2-135M, Qwen3-0.6B
+#   and Llama-3.1-8B, dummy weights, the built-in model's tokenizer), 1,024 requests of 512 tokens
+#   at once, with GPU_CHECK_HTTP_COUNTS front ends (default "1 8").
 #   speculative: bench_speculative.py's verify-step costs and replay runs (Llama-3.1-8B and
 #   Qwen3-0.6B, dummy weights), a Llama-3.2-1B-shaped draft model for the 8B, and the n-gram
 #   drafter on the built-in SmolLM2.
@@ -185,6 +188,10 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
             serving) for modes in ${GPU_CHECK_SERVING_MODES:-full/breakable breakable/breakable \
                                    tc_piecewise/tc_piecewise}; do bench_serving_local "$modes"; done ;;
             serving_rates) serving_rates_local ;;
+            http) gguf=$(smollm2_gguf) || { bench_rc=1; continue; }
+                run_bench bench_http benchmark/bench_http.py --device cuda --tokenizer-path "$gguf" \
+                --model-path benchmark/configs/{smollm2-135m,qwen3-0.6b,llama-3.1-8b}.json \
+                --api-server-count ${GPU_CHECK_HTTP_COUNTS:-1 8} --client-processes 6 ;;
             startup) gguf=$(smollm2_gguf) || { bench_rc=1; continue; }
                 run_bench bench_startup benchmark/bench_startup.py --log-dir "$OUT/startup" \
                 --model-path "$gguf" --load-format auto \
