@@ -41,6 +41,13 @@ def use_triton_kernels(x: torch.Tensor) -> bool:
     )
 
 
+def use_opaque_kernel(x: torch.Tensor) -> bool:
+    """True when a layer whose torch code syncs with the host (so neither Inductor nor a CUDA
+    graph can take it) should run its Triton kernel: `use_triton_kernels`'s conditions, but
+    under torch.compile always, as an opaque custom op."""
+    return x.device.type == KERNEL_DEVICE_TYPE and _HAS_TRITON and not _native_only
+
+
 def pdl_supported(device: torch.device) -> bool:
     """PDL needs a CUDA GPU of compute capability 9.0 or newer (Hopper)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)

@@ -1,0 +1,28 @@
+"""The experts' computation: the fused Triton kernels on the GPU (under torch.compile too, as an
+opaque custom op: the torch code finds each expert's tokens with a host sync, which neither
+Inductor nor a CUDA graph can take), the torch code elsewhere and inside `native_only()`."""
+
+from __future__ import annotations
+
+import torch
+
+from replaylm.layers.kernels import use_opaque_kernel
+from replaylm.layers.moe.torch_experts import torch_experts
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`hidden` `[T, H]` through its routed experts (`torch_experts` gives the contract): the
+    fused Triton kernels where `use_opaque_kernel(hidden)` (no host sync: graph-capturable),
+    else the torch code."""
+    if use_opaque_kernel(hidden):
+        # imported here: triton is optional, and only this route needs it
+        from replaylm.layers.moe.triton_experts import triton_fused_experts
+
+        return triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids)
+    return torch_experts(hidden, w13, w2, topk_weights, topk_ids)

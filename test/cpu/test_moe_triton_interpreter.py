@@ -1,0 +1,214 @@
+"""The fused MoE kernels on the CPU, through Triton's interpreter, at tiny sizes.
+
+The block-aligned sort (`moe_align`) is checked for what the grouped GEMM relies on; the whole
+fused path (`triton_experts`) against `torch_experts`, with experts that get no token and ids of
+other ranks' experts; a token's output is shown not to depend on the rows beside it (a CUDA
+graph's padding rows). Then the dispatch: `fused_experts` takes the Triton route where
+the kernels' device is the input's, and traces as one custom op under torch.compile. float32 and
+float16 only: the interpreter's bf16 is not the GPU's (test_fused_kernels_interpreter.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpreter import require_triton_interpreter, scalar_loop_bounds
+
+require_triton_interpreter()
+
+from replaylm.layers import kernels  # noqa: E402
+from replaylm.layers.kernels import native_only  # noqa: E402
+from replaylm.layers.moe import triton_experts as triton_module  # noqa: E402
+from replaylm.layers.moe.block_configs import MoeBlockConfig  # noqa: E402
+from replaylm.layers.moe.experts import fused_experts  # noqa: E402
+from replaylm.layers.moe.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
+from replaylm.layers.moe.torch_experts import torch_experts  # noqa: E402
+from replaylm.layers.moe.triton_experts import triton_experts  # noqa: E402
+
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
+DTYPES = [torch.float32, torch.float16]
+# 16-row blocks over K in several steps, and column tiles that do not divide N
+SMALL_TILES = MoeBlockConfig(block_m=16, block_n=32, block_k=16, group_m=2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_scalar_index():
+    with scalar_loop_bounds():
+        yield
+
+
+def _routing(
+    tokens: int,
+    top_k: int,
+    experts: int,
+    seed: int,
+    unused: tuple[int, ...] = (),
+    foreign: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights `[T, k]` float32, ids `[T, k]` int32): k distinct experts per token drawn from
+    those not in `unused`, then `foreign` slots set to ids outside 0..E-1 (other ranks')."""
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(experts) if e not in unused])
+    picks = [allowed[torch.randperm(len(allowed), generator=gen)[:top_k]] for _ in range(tokens)]
+    ids = torch.stack(picks).to(torch.int32)
+    for i, flat in enumerate(torch.randperm(tokens * top_k, generator=gen)[:foreign].tolist()):
+        ids.view(-1)[flat] = (-1, experts, experts + 5)[i % 3]
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    return weights / weights.sum(dim=1, keepdim=True), ids
+
+
+def _weights(
+    experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random `w13` `[E, 2I, H]` and `w2` `[E, H, I]`, scaled for unit-size products."""
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _hidden(tokens: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _check_aligned(ids: torch.Tensor, experts: int, block_m: int) -> None:
+    """The sort of `ids` is a block-aligned permutation of its pairs of experts 0..E-1: each
+    such pair exactly once, in order within its expert, each block one expert's (ascending), each
+    expert's run padded with the sentinel T * k by less than a block."""
+    flat = ids.reshape(-1).long()
+    numel = flat.numel()
+    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(ids, experts, block_m)
+    rows = max_padded_rows(numel, experts, block_m)
+    assert sorted_ids.shape == (rows,) and expert_ids.shape == (rows // block_m,)
+    counts = torch.bincount(flat[(flat >= 0) & (flat < experts)], minlength=experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    total = int(num_post_pad.item())
+    assert total == padded.sum().item() <= rows
+    body = sorted_ids[:total].long()
+    real = body[body != numel]
+    mine = ((flat >= 0) & (flat < experts)).nonzero().view(-1)
+    assert torch.equal(real.sort().values, mine)
+    blocks = expert_ids[: total // block_m].long()
+    assert torch.equal(blocks, torch.repeat_interleave(torch.arange(experts), padded // block_m))
+    for expert in range(experts):
+        start = padded[:expert].sum().item()
+        run = body[start : start + padded[expert].item()]
+        count = counts[expert].item()
+        assert torch.equal(run[:count], (flat == expert).nonzero().view(-1))
+        assert (run[count:] == numel).all()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "block_m", "unused", "foreign"),
+    [
+        (1, 2, 4, 16, (), 0),
+        (7, 2, 4, 16, (1,), 3),
+        (40, 2, 3, 16, (), 5),  # several blocks per expert
+        (33, 4, 8, 32, (0, 5), 9),
+        (5, 3, 6, 16, (), 15),  # every pair another rank's: nothing to compute
+        (300, 4, 5, 64, (2,), 40),  # more pairs than one scan step
+    ],
+)
+def test_align_is_a_block_aligned_permutation(tokens, top_k, experts, block_m, unused, foreign):
+    _, ids = _routing(tokens, top_k, experts, seed=tokens, unused=unused, foreign=foreign)
+    _check_aligned(ids, experts, block_m)
+
+
+CASES = [  # tokens, experts, top_k, hidden, intermediate, unused experts, foreign slots
+    (1, 4, 2, 32, 16, (), 0),
+    (7, 4, 2, 48, 40, (), 0),  # tokens and N not multiples of the tiles
+    (40, 3, 2, 32, 24, (), 0),  # several blocks per expert
+    (9, 8, 3, 32, 32, (2, 5), 4),  # experts without a token, other ranks' ids
+    (6, 4, 2, 16, 16, (), 12),  # no pair of this rank: zeros
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["default", "small"])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "hidden", "inter", "unused", "foreign"), CASES
+)
+def test_fused_matches_torch_experts(
+    dtype, config, tokens, experts, top_k, hidden, inter, unused, foreign
+):
+    weights, ids = _routing(tokens, top_k, experts, seed=tokens, unused=unused, foreign=foreign)
+    w13, w2 = _weights(experts, hidden, inter, dtype, seed=experts)
+    x = _hidden(tokens, hidden, dtype, seed=hidden)
+    got = triton_experts(x, w13, w2, weights, ids, config=config)
+    want = torch_experts(x, w13, w2, weights, ids)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    if foreign == tokens * top_k:
+        assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_strided_hidden_and_empty_batch():
+    """A column slice of a wider tensor (a row stride above H) reads right; no tokens, no
+    launches."""
+    weights, ids = _routing(5, 2, 4, seed=3)
+    w13, w2 = _weights(4, 32, 16, torch.float32, seed=4)
+    wide = _hidden(5, 48, torch.float32, seed=5)
+    x = wide[:, 8:40]
+    got = triton_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, torch_experts(x, w13, w2, weights, ids), **TOL[torch.float32])
+    empty = triton_experts(x[:0], w13, w2, weights[:0], ids[:0])
+    assert empty.shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["default", "small"])
+def test_rows_do_not_depend_on_padding_rows(dtype, config):
+    """5 tokens alone and as the first rows of an 8-row batch (3 padding rows of other routes,
+    one of them another rank's): the 5 rows' outputs are bit-equal."""
+    experts, hidden, inter = 4, 32, 24
+    w13, w2 = _weights(experts, hidden, inter, dtype, seed=6)
+    weights, ids = _routing(8, 2, experts, seed=7, foreign=1)
+    x = _hidden(8, hidden, dtype, seed=8)
+    alone = triton_experts(x[:5], w13, w2, weights[:5], ids[:5], config=config)
+    batch = triton_experts(x, w13, w2, weights, ids, config=config)
+    assert torch.equal(alone, batch[:5])
+
+
+@pytest.fixture
+def triton_calls(monkeypatch) -> list[int]:
+    """Point the kernel device at the CPU and record each call of `triton_experts`."""
+    monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return triton_experts(*args, **kwargs)
+
+    monkeypatch.setattr(triton_module, "triton_experts", counted)
+    return calls
+
+
+def test_fused_experts_takes_the_triton_route(triton_calls):
+    """The Triton route on the kernels' device, the torch one inside native_only();
+    both give the same numbers."""
+    weights, ids = _routing(6, 2, 4, seed=9, foreign=2)
+    w13, w2 = _weights(4, 32, 16, torch.float32, seed=10)
+    x = _hidden(6, 32, torch.float32, seed=11)
+    fused = fused_experts(x, w13, w2, weights, ids)
+    assert triton_calls == [6]
+    with native_only():
+        native = fused_experts(x, w13, w2, weights, ids)
+    assert triton_calls == [6]
+    torch.testing.assert_close(fused, native, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kernels_switch", [False, True])
+def test_fused_experts_traces_as_one_custom_op(triton_calls, kernels_switch):
+    """Under torch.compile, with or without `kernels_in_compiled_code` (the torch code's host
+    sync cannot be traced), the Triton route is the custom op `replaylm::fused_experts`: one
+    graph (fullgraph), the eager numbers."""
+    weights, ids = _routing(3, 2, 4, seed=12)
+    w13, w2 = _weights(4, 16, 16, torch.float16, seed=13)
+    x = _hidden(3, 16, torch.float16, seed=14)
+    eager = fused_experts(x, w13, w2, weights, ids)
+    torch._dynamo.reset()
+    with kernels.kernels_in_compiled_code(kernels_switch):
+        compiled = torch.compile(fused_experts, backend="eager", fullgraph=True)
+        got = compiled(x, w13, w2, weights, ids)
+    assert triton_calls == [3, 3]
+    assert torch.equal(got, eager)
