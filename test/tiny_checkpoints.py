@@ -14,10 +14,13 @@ from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 _COMMON = dict(
@@ -61,10 +64,30 @@ TINY_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "qwen3": (Qwen3Config, dict(head_dim=32, tie_word_embeddings=True, num_key_value_heads=1)),
 }
 
+# mixture-of-experts models: 8 experts, top 2, sizes that split over 2 ranks. Kept apart from
+# TINY_CONFIGS, whose every entry the dense parity suites (CPU and CUDA) run.
+_QWEN_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    # q/k norm; top-k weights renormalised
+    "qwen3_moe": (Qwen3MoeConfig, dict(_QWEN_MOE, head_dim=32, norm_topk_prob=True)),
+    # QKV biases, a gated shared expert; layer 1 a dense MLP (`mlp_only_layers`); top-k weights
+    # as the softmax gives them
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        dict(_QWEN_MOE, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    ),
+    # experts of `intermediate_size`; block_sparse_moe.experts.{e}.w1/w2/w3 in the checkpoint
+    "mixtral": (
+        MixtralConfig,
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, rope_theta=1e6),
+    ),
+}
+
 
 def write_tiny_checkpoint(kind: str, folder: Path, seed: int = 0) -> PreTrainedModel:
-    """Write a random `kind` checkpoint to `folder`; return the HF model (float32, eval)."""
-    config_cls, overrides = TINY_CONFIGS[kind]
+    """Write a random `kind` checkpoint (of TINY_CONFIGS or TINY_MOE_CONFIGS) to `folder`;
+    return the HF model (float32, eval)."""
+    config_cls, overrides = {**TINY_CONFIGS, **TINY_MOE_CONFIGS}[kind]
     config = config_cls(**{**_COMMON, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")

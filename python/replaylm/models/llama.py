@@ -1,12 +1,13 @@
 """Llama-family decoder (Llama 2/3/3.1, SmolLM); Qwen2 and Qwen3 reuse it with two switches.
 
 `qkv_bias` adds biases to the fused QKV projection (Qwen2); `qk_norm` applies a per-head RMSNorm
-to q and k before rope (Qwen3).
+to q and k before rope (Qwen3); `make_mlp` builds each layer's MLP (the mixture-of-experts models
+of `moe` put their experts' block in their sparse layers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,7 @@ from replaylm.layers.logits_processor import (
     LogitsProcessor,
     VocabParallelLogitsProcessor,
 )
+from replaylm.layers.moe.layer import ExpertPiece, FusedMoE
 from replaylm.layers.rotary_embedding import RotaryEmbedding
 from replaylm.layers.vocab_embedding import VocabEmbedding, VocabParallelEmbedding, VocabRows
 from replaylm.models.config import ModelConfig
@@ -48,6 +50,9 @@ _FUSED_SHARDS = {
     "up_proj": ("gate_up_proj", "up"),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# what one checkpoint tensor fills of a model parameter (`_map_name`): a fused layer's shard
+# ("q", "gate", ...), one expert's projection, or None: all of it
+Piece = str | ExpertPiece | None
 
 
 def _row_linear(shard: Shard, output_size: int, place: TPPlace) -> Linear:
@@ -154,10 +159,12 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         place: TPPlace,
+        mlp: nn.Module,
     ) -> None:
+        """`mlp`: the layer's MLP, `[T, H] -> [T, H]` (partial sums under tensor parallelism)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary, qkv_bias, qk_norm, place)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, place)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # an EAGLE-3 head's feature: the residual stream entering this layer (summed over the
@@ -184,7 +191,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool, place: TPPlace) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        qkv_bias: bool,
+        qk_norm: bool,
+        place: TPPlace,
+        make_mlp: Callable[[int], nn.Module],
+    ) -> None:
+        """`make_mlp(i)`: layer i's MLP."""
         super().__init__()
         self.embed_tokens: VocabRows = (
             VocabEmbedding(config.vocab_size, config.hidden_size)
@@ -198,7 +213,7 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, qkv_bias, qk_norm, place)
+            LlamaDecoderLayer(config, i, rotary, qkv_bias, qk_norm, place, make_mlp(i))
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -221,8 +236,9 @@ class LlamaModel(nn.Module):
 
     def _number_sums(self) -> None:
         """Each RowParallelLinear's partial sums are summed by the norm after them: layer i's
-        attention output by its post-attention norm, its MLP output by the next layer's input
-        norm or the final norm. Sites in forward order, 2 x layers of them (even)."""
+        attention output by its post-attention norm, its MLP output (a mixture of experts' too,
+        see `layers.moe.layer`) by the next layer's input norm or the final norm. Sites in
+        forward order, 2 x layers of them (even)."""
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             if i:
@@ -254,7 +270,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         place = tp_place()
-        self.model = LlamaModel(config, self.uses_qkv_bias(config), self.uses_qk_norm(), place)
+        self.model = LlamaModel(
+            config,
+            self.uses_qkv_bias(config),
+            self.uses_qk_norm(),
+            place,
+            lambda layer_id: self.make_mlp(layer_id, place),
+        )
         vocab_rows = None if place.size == 1 else vocab_shard(config.vocab_size, place)
         self.lm_head = (
             None
@@ -274,6 +296,11 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def uses_qk_norm() -> bool:
         return False
+
+    def make_mlp(self, layer_id: int, place: TPPlace) -> nn.Module:
+        """Layer `layer_id`'s MLP: the dense SwiGLU one (a mixture-of-experts model's sparse
+        layers hold their experts instead)."""
+        return LlamaMLP(self.config.hidden_size, self.config.intermediate_size, place)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -307,48 +334,77 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (whole: each sharded layer keeps its rank's part). Raises
-        ValueError naming the tensor on a shape mismatch, an unexpected name, or parameters the
-        checkpoint did not provide."""
+        ValueError naming the tensor on a shape mismatch, an unexpected name, or parameters (or
+        their fused shards, or experts' projections) the checkpoint did not provide."""
         params = dict(self.named_parameters())
-        pending = {name: 1 for name in params}
-        for name, layer in self.named_modules():
-            if isinstance(layer, MergedLinear):
-                for suffix in ("weight", "bias"):
-                    if f"{name}.{suffix}" in pending:
-                        pending[f"{name}.{suffix}"] = len(layer.shard_sizes)
         modules = dict(self.named_modules())
+        pending: dict[str, set[Piece]] = {}
+        for name in params:
+            module_name, leaf = name.rsplit(".", 1)
+            pending[name] = _pieces(modules[module_name], leaf)
         for ckpt_name, tensor in weights:
             if ckpt_name.endswith(_IGNORED_SUFFIXES):
                 continue
             if ckpt_name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the LM head
-            target, shard = self._map_name(ckpt_name)
+            target, piece = self._map_name(ckpt_name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor '{ckpt_name}' has no parameter in the model")
-            param = params[target]
             module_name, leaf = target.rsplit(".", 1)
-            module = modules[module_name]
-            if shard is None:
-                expected = full_shape(module, leaf)
-                if tuple(tensor.shape) != expected:
-                    raise ValueError(
-                        f"shape mismatch for '{ckpt_name}': checkpoint has "
-                        f"{tuple(tensor.shape)}, model expects {expected}"
-                    )
-                param.copy_(local_part(module, leaf, tensor))
+            _load_piece(modules[module_name], leaf, params[target], piece, tensor, ckpt_name)
+            if piece is None:
+                pending[target].clear()
             else:
-                module.load_shard(param, shard, tensor, ckpt_name)
-            pending[target] -= 1
-        missing = sorted(name for name, left in pending.items() if left > 0)
+                pending[target].discard(piece)
+        missing = sorted(
+            name if piece is None else f"{name} ({piece})"
+            for name, left in pending.items()
+            for piece in left
+        )
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
     @staticmethod
-    def _map_name(ckpt_name: str) -> tuple[str, str | None]:
-        """Map a checkpoint name to (model parameter name, fused shard or None)."""
+    def _map_name(ckpt_name: str) -> tuple[str, Piece]:
+        """Map a checkpoint name to (model parameter name, the piece of it the tensor fills)."""
         parts = ckpt_name.split(".")
         if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
             fused, shard = _FUSED_SHARDS[parts[-2]]
             return ".".join([*parts[:-2], fused, parts[-1]]), shard
         return ckpt_name, None
+
+
+def _pieces(module: nn.Module, leaf: str) -> set[Piece]:
+    """The pieces (`Piece`) that checkpoint tensors fill of `module`'s parameter `leaf`."""
+    if isinstance(module, MergedLinear):
+        return set(module.shard_sizes)
+    if isinstance(module, FusedMoE):
+        return set(module.pieces(leaf))
+    return {None}
+
+
+def _load_piece(
+    module: nn.Module,
+    leaf: str,
+    param: nn.Parameter,
+    piece: Piece,
+    tensor: torch.Tensor,
+    ckpt_name: str,
+) -> None:
+    """Copy this rank's part of the checkpoint tensor `tensor` (named `ckpt_name`) into `piece`
+    of `module`'s parameter `leaf` (`param`). ValueError naming it on a shape mismatch."""
+    if isinstance(piece, ExpertPiece):
+        assert isinstance(module, FusedMoE)
+        module.load_expert(piece.expert, piece.proj, tensor, ckpt_name)
+    elif piece is not None:
+        assert isinstance(module, MergedLinear)
+        module.load_shard(param, piece, tensor, ckpt_name)
+    else:
+        expected = full_shape(module, leaf)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"shape mismatch for '{ckpt_name}': checkpoint has "
+                f"{tuple(tensor.shape)}, model expects {expected}"
+            )
+        param.copy_(local_part(module, leaf, tensor))

@@ -1,0 +1,170 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE and Mixtral. Each is the Llama decoder
+(Qwen3-MoE with Qwen3's q/k norm, Qwen2-MoE with QKV biases) whose MLP, in its sparse layers,
+is a `SparseMoeBlock` (Qwen2-MoE's with a shared expert); its other layers keep the dense MLP.
+
+The routing facts come from the config (`MoeSpec`, each family's keys). Checkpoints hold the
+experts either one tensor per expert and projection, the hub's layout
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`; Mixtral's `block_sparse_moe.experts.{e}.w1`,
+`w3`, `w2`), or stacked as transformers >= 5 holds them (`mlp.experts.gate_up_proj` `[E, 2I, H]`,
+`mlp.experts.down_proj` `[E, H, I]`). The router is `mlp.gate` (`block_sparse_moe.gate`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from replaylm.distributed.parallel_state import TPPlace
+from replaylm.layers.moe.layer import (
+    ExpertPiece,
+    FusedMoE,
+    SharedExpertMoeBlock,
+    SparseMoeBlock,
+)
+from replaylm.models.config import ModelConfig
+from replaylm.models.llama import LlamaForCausalLM, LlamaMLP, Piece
+from replaylm.models.qwen3 import Qwen3ForCausalLM
+
+# `<layer>.mlp.experts.<e>.<gate|up|down>_proj.weight`: one expert's projection
+_EXPERT_TENSOR = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+# transformers' stacked expert tensors -> FusedMoE's parameters
+_STACKED_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+# Mixtral's expert projection names -> the common ones
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts model's routing: `num_experts` experts of `expert_size`
+    intermediate columns, `top_k` per token (their weights renormalised to sum to 1 with
+    `renormalize`), in the layers `sparse_layers`; `shared_expert_size`: the intermediate size
+    of the shared expert every token also takes (Qwen2-MoE), None without one."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    renormalize: bool
+    sparse_layers: frozenset[int]
+    shared_expert_size: int | None = None
+
+    def block(self, hidden_size: int, place: TPPlace) -> SparseMoeBlock:
+        """A sparse layer's MLP, for this process's tensor-parallel `place`."""
+        experts = FusedMoE(
+            self.num_experts, hidden_size, self.expert_size, self.top_k, self.renormalize, place
+        )
+        if self.shared_expert_size is None:
+            return SparseMoeBlock(hidden_size, experts)
+        shared = LlamaMLP(hidden_size, self.shared_expert_size, place)
+        return SharedExpertMoeBlock(hidden_size, experts, shared)
+
+
+def _required(hf: dict[str, Any], key: str, *aliases: str) -> int:
+    """The config's integer `key` (or the first of its `aliases` present); ValueError naming
+    `key` when none is."""
+    for name in (key, *aliases):
+        if name in hf:
+            return int(hf[name])
+    raise ValueError(f"config is missing required key '{key}'")
+
+
+def _qwen_moe_spec(config: ModelConfig, shared_expert: bool) -> MoeSpec:
+    """Qwen2-MoE's (`shared_expert`) and Qwen3-MoE's keys: a layer is sparse unless it is in
+    `mlp_only_layers` or its number (from 1) is not a multiple of `decoder_sparse_step`."""
+    hf = config.hf_config
+    # transformers >= 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`
+    num_experts = _required(hf, "num_experts", "num_local_experts")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    sparse = frozenset(
+        i
+        for i in range(config.num_hidden_layers)
+        if num_experts > 0 and i not in dense and (i + 1) % step == 0
+    )
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=_required(hf, "num_experts_per_tok"),
+        expert_size=_required(hf, "moe_intermediate_size"),
+        renormalize=bool(hf.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+        shared_expert_size=(
+            _required(hf, "shared_expert_intermediate_size") if shared_expert else None
+        ),
+    )
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """The Llama decoder with the sparse block of `moe_spec` in its sparse layers; loads the
+    experts' tensors in either layout (the module docstring's)."""
+
+    @staticmethod
+    def moe_spec(config: ModelConfig) -> MoeSpec:
+        """The family's routing facts, read from `config`."""
+        raise NotImplementedError
+
+    def make_mlp(self, layer_id: int, place: TPPlace) -> nn.Module:
+        spec = self.moe_spec(self.config)
+        if layer_id in spec.sparse_layers:
+            return spec.block(self.config.hidden_size, place)
+        return super().make_mlp(layer_id, place)
+
+    @staticmethod
+    def _map_name(ckpt_name: str) -> tuple[str, Piece]:
+        """An expert's projection -> (its FusedMoE parameter, the piece); a stacked expert
+        tensor -> the whole parameter; any other name as the Llama decoder maps it."""
+        expert = _EXPERT_TENSOR.fullmatch(ckpt_name)
+        if expert is not None:
+            experts, index, proj = expert.groups()
+            param = "w2_weight" if proj == "down" else "w13_weight"
+            return f"{experts}.{param}", ExpertPiece(int(index), proj)
+        module, _, leaf = ckpt_name.rpartition(".")
+        if module.endswith(".mlp.experts") and leaf in _STACKED_TENSORS:
+            return f"{module}.{_STACKED_TENSORS[leaf]}", None
+        return LlamaForCausalLM._map_name(ckpt_name)
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM, Qwen3ForCausalLM):
+    """Qwen3-MoE: Qwen3's attention (q/k norm), routed experts."""
+
+    @staticmethod
+    def moe_spec(config: ModelConfig) -> MoeSpec:
+        return _qwen_moe_spec(config, shared_expert=False)
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): QKV biases (unless `qkv_bias` is false),
+    routed experts plus a gated shared expert."""
+
+    @staticmethod
+    def uses_qkv_bias(config: ModelConfig) -> bool:
+        return bool(config.hf_config.get("qkv_bias", True))
+
+    @staticmethod
+    def moe_spec(config: ModelConfig) -> MoeSpec:
+        return _qwen_moe_spec(config, shared_expert=True)
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    """Mixtral: Llama's attention, every layer's MLP routed experts."""
+
+    @staticmethod
+    def moe_spec(config: ModelConfig) -> MoeSpec:
+        """Every layer sparse, experts of `intermediate_size`, the top k always renormalised."""
+        return MoeSpec(
+            num_experts=_required(config.hf_config, "num_local_experts"),
+            top_k=_required(config.hf_config, "num_experts_per_tok"),
+            expert_size=config.intermediate_size,
+            renormalize=True,
+            sparse_layers=frozenset(range(config.num_hidden_layers)),
+        )
+
+    @staticmethod
+    def _map_name(ckpt_name: str) -> tuple[str, Piece]:
+        """Mixtral's names as the other families': `block_sparse_moe` as `mlp`, an expert's
+        `w1` / `w3` / `w2` as its `gate_proj` / `up_proj` / `down_proj`."""
+        parts = ckpt_name.replace(".block_sparse_moe.", ".mlp.").split(".")
+        if len(parts) >= 2 and parts[-2] in _MIXTRAL_PROJECTIONS:
+            parts[-2] = _MIXTRAL_PROJECTIONS[parts[-2]]
+        return MoeForCausalLM._map_name(".".join(parts))

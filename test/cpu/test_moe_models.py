@@ -1,0 +1,189 @@
+"""Qwen3-MoE, Qwen2-MoE and Mixtral on the CPU in float32.
+
+Against transformers on tiny random checkpoints (8 experts, top 2): a ragged prefill, 8 paged-KV
+decode steps and a chunked prefill over a cached prefix, every next-token logit row to 1e-4;
+the checkpoint's experts per tensor (the hub's layout) or stacked (transformers' own). Two
+tensor-parallel ranks (gloo) give one rank's logits. A missing expert tensor is named. The real
+Qwen3-30B-A3B and Mixtral-8x7B configs are read, build with transformers' parameter count, and
+shrunk, run on dummy weights alike on one rank and two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from replaylm.distributed.parallel_state import TPPlace
+from replaylm.layers.moe.layer import FusedMoE
+from replaylm.models.config import ModelConfig
+from replaylm.models.moe import MoeForCausalLM, MoeSpec, Qwen2MoeForCausalLM
+from replaylm.models.registry import get_model_class
+from replaylm.server_args import ServerArgs
+
+from model_parity import (
+    CONFIGS,
+    TINY_SHAPE,
+    chunked_prefill_over_prefix,
+    make_runner,
+    prefill_then_decode,
+)
+from tiny_checkpoints import TINY_MOE_CONFIGS, write_tiny_checkpoint
+from tp_ranks import run_ranks, runner_logits
+
+close = functools.partial(torch.testing.assert_close, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MOE_CONFIGS))
+def checkpoint(request, tmp_path_factory) -> tuple[Path, PreTrainedModel]:
+    """A tiny checkpoint's folder (experts per tensor) and its transformers model."""
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, write_tiny_checkpoint(request.param, folder)
+
+
+def _cpu_args(model_path: str | Path, **extra: object) -> ServerArgs:
+    base: dict[str, object] = {
+        "device": "cpu",
+        "dtype": "float32",
+        "max_total_tokens": 512,
+        "max_running_requests": 8,
+        "context_length": 256,
+    }
+    return ServerArgs(model_path=str(model_path), **{**base, **extra})  # type: ignore[arg-type]
+
+
+def _assert_two_ranks_match_one(args: ServerArgs) -> list[np.ndarray]:
+    """Assert 2 ranks' `runner_logits` (and greedy tokens) are one rank's; return one rank's."""
+    ref = runner_logits(args, rank=0)
+    ours = run_ranks(runner_logits, dataclasses.replace(args, tp_size=2))
+    assert len(ours) == len(ref)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
+        assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
+    return ref
+
+
+def test_logits_match_hf(checkpoint: tuple[Path, PreTrainedModel]) -> None:
+    folder, hf_model = checkpoint
+    runner = make_runner(str(folder), "cpu", "float32")
+    prefill_then_decode(hf_model, runner, close)
+    chunked_prefill_over_prefix(hf_model, runner, close)
+
+
+def test_stacked_experts_checkpoint_matches_hf(
+    checkpoint: tuple[Path, PreTrainedModel], tmp_path: Path
+) -> None:
+    """transformers' in-memory names: `mlp.experts.gate_up_proj` / `down_proj` per layer."""
+    folder, hf_model = checkpoint
+    shutil.copy(folder / "config.json", tmp_path)
+    tensors = {name: t.contiguous() for name, t in hf_model.state_dict().items()}
+    assert any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    prefill_then_decode(hf_model, make_runner(str(tmp_path), "cpu", "float32"), close, steps=2)
+
+
+def test_two_ranks_match_one(checkpoint: tuple[Path, PreTrainedModel]) -> None:
+    """Each expert's intermediate columns (and Qwen2-MoE's shared expert) split over 2 ranks."""
+    _assert_two_ranks_match_one(_cpu_args(checkpoint[0]))
+
+
+def test_a_missing_expert_tensor_is_named(
+    checkpoint: tuple[Path, PreTrainedModel], tmp_path: Path
+) -> None:
+    folder, _ = checkpoint
+    shutil.copy(folder / "config.json", tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    up = re.compile(r"model\.layers\.0\.\w+\.experts\.3\.(up_proj|w3)\.weight")  # Mixtral's: w3
+    del tensors[next(name for name in tensors if up.fullmatch(name))]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    message = (
+        "checkpoint is missing 1 tensors: model.layers.0.mlp.experts.w13_weight (expert 3 up_proj)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        make_runner(str(tmp_path), "cpu", "float32")
+
+
+def test_an_expert_the_model_lacks_is_an_error() -> None:
+    experts = FusedMoE(8, 64, 32, 2, True, TPPlace())
+    name = "model.layers.0.mlp.experts.8.down_proj.weight"
+    with pytest.raises(ValueError, match=rf"'{name}' has no parameter in the model"):
+        experts.load_expert(8, "down", torch.zeros(64, 32), name)
+
+
+def test_expert_columns_that_do_not_split_are_an_error() -> None:
+    with pytest.raises(ValueError, match=r"^--tp-size 3 does not divide the model's 32 expert"):
+        FusedMoE(8, 64, 32, 2, True, TPPlace(0, 3))
+
+
+def test_qwen_sparse_layers_follow_the_step_and_the_dense_list() -> None:
+    """Layer i is sparse when (i + 1) % decoder_sparse_step == 0, unless in mlp_only_layers."""
+    config = ModelConfig.from_dict(
+        {
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "vocab_size": 32,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 2,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8,
+            "shared_expert_intermediate_size": 16,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [3],
+        }
+    )
+    spec = Qwen2MoeForCausalLM.moe_spec(config)
+    assert spec == MoeSpec(4, 2, 8, False, frozenset({1, 5}), shared_expert_size=16)
+
+
+@pytest.mark.parametrize(
+    ("config", "spec", "params"),
+    [
+        # the published checkpoints' parameter counts
+        ("qwen3-30b-a3b.json", MoeSpec(128, 8, 768, True, frozenset(range(48))), 30_532_122_624),
+        ("mixtral-8x7b.json", MoeSpec(8, 2, 14336, True, frozenset(range(32))), 46_702_792_704),
+    ],
+)
+def test_real_configs_are_read_and_build_with_the_real_parameter_count(
+    config: str, spec: MoeSpec, params: int
+) -> None:
+    model_config = ModelConfig.from_json_file(str(CONFIGS / config))
+    model_cls = get_model_class(model_config.architecture)
+    assert issubclass(model_cls, MoeForCausalLM)
+    assert model_cls.moe_spec(model_config) == spec
+    with torch.device("meta"):
+        ours = model_cls(model_config)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIGS / config))
+    assert sum(p.numel() for p in ours.parameters()) == params
+    assert sum(p.numel() for p in hf.parameters()) == params
+
+
+@pytest.mark.parametrize(
+    ("config", "experts"),
+    [
+        (
+            "qwen3-30b-a3b.json",
+            {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+        ),
+        ("mixtral-8x7b.json", {}),  # 8 experts, top 2; TINY_SHAPE's intermediate size
+    ],
+)
+def test_shrunk_real_configs_on_dummy_weights_match_on_two_ranks(
+    config: str, experts: dict[str, int], tmp_path: Path
+) -> None:
+    """--load-format dummy fills the experts (each rank its part of the same whole draw)."""
+    cfg = json.loads((CONFIGS / config).read_text())
+    cfg.update(TINY_SHAPE, **experts)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    logits = _assert_two_ranks_match_one(_cpu_args(tmp_path / "config.json", load_format="dummy"))
+    assert all(np.isfinite(step).all() and step.std() > 0 for step in logits)
