@@ -6,11 +6,13 @@ per-expert tensors a tiny random transformers model saves (the hub's names): exp
 layer and projection, GGUF names from gguf-py's `TensorNameMap`, Mixtral's Q/K rows permuted,
 norms and routers kept in float32, dims reversed by `GGUFWriter`. Variants: the fused
 `ffn_gate_up_exps` (the converter's `--fuse-gate-up-exps`), old Mixtral files with one tensor per
-expert, and the shared-expert gate as the vector quantized Qwen2-MoE files hold.
+expert, and the shared-expert gate as the vector quantized Qwen2-MoE files hold. A file then
+serves its transformers model's logits.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from transformers import (
     AutoModelForCausalLM,
     MixtralConfig,
     PretrainedConfig,
+    PreTrainedModel,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
 )
@@ -36,6 +39,8 @@ from replaylm.model_loader.gguf_loader import (
     read_gguf_config,
 )
 from replaylm.models.config import ModelConfig
+
+from model_parity import make_runner, prefill_then_decode
 
 LAYERS, EXPERTS = 2, 4
 # widths in whole Q8_0 blocks (32), so that every matrix can be quantized
@@ -77,13 +82,22 @@ _MIXTRAL_PROJ = {"w1": "gate", "w2": "down", "w3": "up"}
 
 
 @pytest.fixture(scope="module")
-def hub_tensors(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
-    """Per model: the tensors its `save_pretrained` writes, under the hub's names."""
-    tensors = {}
+def hub_models() -> dict[str, PreTrainedModel]:
+    """Per model: a tiny random transformers model (float32, eval)."""
+    models = {}
     for kind, config in _HF_CONFIGS.items():
         torch.manual_seed(0)
+        models[kind] = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    return models
+
+
+@pytest.fixture(scope="module")
+def hub_tensors(hub_models, tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    """Per model: the tensors its `save_pretrained` writes, under the hub's names."""
+    tensors = {}
+    for kind, model in hub_models.items():
         folder = tmp_path_factory.mktemp(kind)
-        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        model.save_pretrained(folder)
         tensors[kind] = load_file(folder / "model.safetensors")
     return tensors
 
@@ -264,6 +278,16 @@ def test_weights_come_back_under_hub_names(tmp_path, hub_tensors, kind, layout, 
         assert torch.equal(tensor, sources[name](stored)), name
         if qtype == "F32":
             assert torch.equal(tensor, hub[name]), name
+
+
+@pytest.mark.parametrize("kind", sorted(_HF_CONFIGS))
+def test_a_gguf_file_serves_the_logits_of_transformers(tmp_path, hub_models, hub_tensors, kind):
+    """The whole path: the file's config builds the family's model, its tensors fill it, and
+    prefill and decode give the HF model's logits."""
+    path, _, _ = _gguf_file(tmp_path, hub_tensors, kind, "stacked")
+    runner = make_runner(path, "cpu", "float32")
+    close = functools.partial(torch.testing.assert_close, atol=1e-4, rtol=1e-4)
+    prefill_then_decode(hub_models[kind], runner, close, steps=2)
 
 
 def test_stacked_experts_are_views_of_one_dequantized_tensor(tmp_path, hub_tensors):
