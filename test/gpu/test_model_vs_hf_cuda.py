@@ -1,4 +1,5 @@
-"""Llama / Qwen2 / Qwen3 in bfloat16 on CUDA against HF transformers in float32.
+"""Llama / Qwen2 / Qwen3 and the mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) in bfloat16
+on CUDA against HF transformers in float32.
 
 The scenarios of test/cpu/test_model_vs_hf.py. The reference runs in float32 on the same weights
 rounded to bfloat16 (as our loader rounds them), so what is measured is our bf16 arithmetic: each
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from model_parity import chunked_prefill_over_prefix, make_runner, prefill_then_decode, rel_error
-from tiny_checkpoints import TINY_CONFIGS, write_tiny_checkpoint
+from tiny_checkpoints import TINY_CONFIGS, TINY_MOE_CONFIGS, write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +26,7 @@ def close(ours, ref) -> None:
     assert err < BF16_REL_TOL, f"relative error {err:.4f} >= {BF16_REL_TOL}"
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+@pytest.fixture(scope="module", params=sorted({**TINY_CONFIGS, **TINY_MOE_CONFIGS}))
 def setup(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf_model = write_tiny_checkpoint(request.param, folder).cuda()
