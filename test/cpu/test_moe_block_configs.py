@@ -1,26 +1,33 @@
 """The fused MoE kernels' launch configs: table files, the nearest-M lookup, the default without a
 table, the committed tables' format, and the tuning tool's pure parts (its search space, its
-command line)."""
+command line), one config for every batch under --deterministic, and the start-up log line."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 
 import pytest
 import torch
 
 from replaylm.layers.moe.block_configs import (
+    BATCH_INVARIANT_TOKENS,
     CONFIG_DIR,
     MoeBlockConfig,
     config_file_name,
+    config_tokens,
     default_config,
     device_name,
     load_table,
     moe_block_config,
+    set_batch_invariant,
     write_table,
 )
 
+from model_parity import make_runner
 from script_import import import_script
+from tiny_checkpoints import write_tiny_checkpoint
 
 SHAPE = {"num_experts": 128, "intermediate": 768, "hidden": 2048}
 TABLE = {
@@ -99,3 +106,28 @@ def test_tuning_tool_search_space_and_command_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         tool.parse_args(["--help"])
     assert exit_info.value.code == 0 and "--max-configs" in capsys.readouterr().out
+
+
+def test_deterministic_batches_take_one_config(tmp_path):
+    """Under `set_batch_invariant` every token count looks up one entry of the table."""
+    name = config_file_name(128, 768, 2048, torch.bfloat16, "gpu")
+    write_table(tmp_path / name, TABLE)
+    pick = functools.partial(
+        moe_block_config, 128, 768, 2048, dtype=torch.bfloat16, device="gpu", config_dir=tmp_path
+    )
+    assert {pick(tokens=config_tokens(m))[0] for m in (1, 16, 64, 4096)} == set(TABLE.values())
+    try:
+        set_batch_invariant(True)
+        chosen = {pick(tokens=config_tokens(m))[0] for m in (1, 16, 64, 4096)}
+    finally:
+        set_batch_invariant(False)
+    assert chosen == {TABLE[BATCH_INVARIANT_TOKENS]}
+
+
+def test_the_start_up_log_names_the_experts_kernel(tmp_path, caplog):
+    """On the CPU: the torch code, with the layers and experts counted."""
+    layers = write_tiny_checkpoint("qwen3_moe", tmp_path).config.num_hidden_layers
+    with caplog.at_level(logging.INFO, logger="replaylm.model_executor.runner_setup"):
+        make_runner(str(tmp_path), "cpu", "float32")
+    line = f"{layers} mixture-of-experts layers of 8 experts (top 2): torch code on cpu"
+    assert line in caplog.text

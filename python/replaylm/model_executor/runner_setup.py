@@ -27,6 +27,8 @@ from replaylm.layers.kernels import (
     use_triton_kernels,
 )
 from replaylm.layers.linear import AUTO_SKINNY_MAX_BYTES, set_matmul
+from replaylm.layers.moe.block_configs import device_name, moe_block_config, set_batch_invariant
+from replaylm.layers.moe.layer import FusedMoE
 from replaylm.mem_cache.kv_cache import KVCache, KVShape
 from replaylm.model_executor.draft_heads import attach_head, check_draft, feature_bytes_per_token
 from replaylm.model_executor.engine_config import EngineConfig
@@ -36,6 +38,8 @@ from replaylm.model_loader.loader import load_model, load_model_config
 from replaylm.models.config import ModelConfig
 from replaylm.models.eagle import EagleHead
 from replaylm.models.llama import LlamaForCausalLM
+from replaylm.models.moe import check_expert_parallel
+from replaylm.models.registry import get_model_class
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
 from replaylm.utils import loading_threads, resolve_device, resolve_dtype
@@ -197,8 +201,9 @@ def _place_device(args: ServerArgs, tp_rank: int) -> torch.device:
 def _join_tensor_parallel(
     args: ServerArgs, cfg: ModelConfig, tp: TPPlace, device: torch.device, dtype: torch.dtype
 ) -> None:
-    """Check the model splits over `--tp-size` and join the group (nothing at size 1), with
-    the all-reduce `--tp-all-reduce` resolves to here."""
+    """Check the model splits over `--tp-size` (its experts whole with
+    `--enable-expert-parallel`) and join the group (nothing at size 1), with the all-reduce
+    `--tp-all-reduce` resolves to here."""
     if args.tp_size == 1:
         return
     all_reduce, why = choose_all_reduce(
@@ -212,6 +217,8 @@ def _join_tensor_parallel(
     check_model_split(
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tp.size
     )
+    if args.enable_expert_parallel:
+        check_expert_parallel(get_model_class(cfg.architecture), cfg, tp.size)
     assert args.dist_init_addr is not None  # the launcher picks one
     init_tensor_parallel(
         tp.rank,
@@ -219,6 +226,7 @@ def _join_tensor_parallel(
         args.dist_init_addr,
         device,
         one_shot_dtype=dtype if all_reduce == "one-shot" else None,
+        expert_parallel=args.enable_expert_parallel,
     )
     logger.info("tensor-parallel sums: %s (%s)", all_reduce, why)
 
@@ -247,12 +255,50 @@ def _choose_kernels(args: ServerArgs, model: LlamaForCausalLM, device: torch.dev
             AUTO_SKINNY_MAX_BYTES // 2**20,
             layers["cublas"],
         )
+    set_batch_invariant(args.deterministic)
+    _log_experts(model, device, triton_kernels, args.deterministic)
     pdl, why = choose_pdl(args.enable_pdl, pdl_supported(device))
     set_pdl(pdl)
     if device.type == "cuda":  # PDL is a launch mode of CUDA kernels only
         logger.info("programmatic dependent launch %s (%s)", "on" if pdl else "off", why)
     return f"matmul {matmul if triton_kernels else 'torch'}" + (
         ", programmatic dependent launch" if pdl else ""
+    )
+
+
+def _log_experts(
+    model: LlamaForCausalLM, device: torch.device, triton_kernels: bool, deterministic: bool
+) -> None:
+    """Say what runs a mixture of experts' layers: the kernel, and where its block configs
+    come from (a tuned table of this GPU, or the default)."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not layers:
+        return
+    moe = layers[0]
+    what = f"{len(layers)} mixture-of-experts layers of {moe.num_experts} experts (top {moe.top_k})"
+    if moe.local_experts.size < moe.num_experts:
+        what += f", {moe.local_experts.size} of them on this rank (expert parallelism)"
+    if not triton_kernels:
+        logger.info("%s: torch code on %s", what, device)
+        return
+    _, source = moe_block_config(
+        moe.local_experts.size,  # the kernels' E: this rank's experts
+        moe.w2_weight.shape[2],
+        moe.hidden_size,
+        1,
+        moe.w13_weight.dtype,
+        device_name(device),
+    )
+    tables = (
+        "the defaults (no tuned table for this GPU and shape)"
+        if source == "default"
+        else f"the tuned {source}"
+    )
+    logger.info(
+        "%s: fused Triton kernels, block configs: %s%s",
+        what,
+        tables,
+        " (--deterministic: one config for every batch)" if deterministic else "",
     )
 
 

@@ -85,6 +85,24 @@ def write_table(path: Path, table: dict[int, MoeBlockConfig]) -> None:
     moe_block_config.cache_clear()
 
 
+# --deterministic: every batch takes this token count's config (`set_batch_invariant`)
+BATCH_INVARIANT_TOKENS = 64
+_batch_invariant = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """With `enabled` (`--deterministic`), every batch takes one block config: a row's sums then
+    run in the same order whatever its batch (rows are independent within a config, and each
+    token's k rows are summed in slot order). Set before any capture."""
+    global _batch_invariant
+    _batch_invariant = enabled
+
+
+def config_tokens(tokens: int) -> int:
+    """The token count whose config a batch of `tokens` takes (`set_batch_invariant`)."""
+    return BATCH_INVARIANT_TOKENS if _batch_invariant else tokens
+
+
 def nearest_tokens(table: dict[int, MoeBlockConfig], tokens: int) -> int:
     """The table's key closest to `tokens` (the smaller one on a tie)."""
     return min(sorted(table), key=lambda m: abs(m - tokens))

@@ -21,7 +21,12 @@ import triton.language as tl
 from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
-from replaylm.layers.moe.block_configs import MoeBlockConfig, device_name, moe_block_config
+from replaylm.layers.moe.block_configs import (
+    MoeBlockConfig,
+    config_tokens,
+    device_name,
+    moe_block_config,
+)
 from replaylm.layers.moe.moe_align import moe_align_block_size
 
 _SUM_BLOCK = 1024  # columns per program of the weighted sum
@@ -231,7 +236,9 @@ def triton_experts(
         return out
     if config is None:
         place = device_name(hidden.device)
-        config, _ = moe_block_config(num_experts, intermediate, width, tokens, hidden.dtype, place)
+        config, _ = moe_block_config(
+            num_experts, intermediate, width, config_tokens(tokens), hidden.dtype, place
+        )
     ids = topk_ids.to(torch.int32).contiguous()
     routing = moe_align_block_size(ids, num_experts, config.block_m)
     act = hidden.new_empty((tokens * top_k, intermediate))
