@@ -13,8 +13,8 @@ eager path. Times are CUDA-event medians after warm-up, one step at a time (`gra
 idles while the host fills the graph's inputs, as in a server that waits for each step's tokens).
 `back-to-back ms` (decode graphs): steps issued without waiting, per step, so the host's input
 copies hide behind the previous step (what the GPU alone takes, unless the host is slower). The
-decode floor is the bytes a step must read (weights + the batch's KV) over the device-to-device
-copy bandwidth measured in this run.
+decode floor is the bytes a step must read (weights + the batch's KV; of a mixture of experts, the
+experts its routing reaches) over the device-to-device copy bandwidth measured in this run.
 `--server-args` sets further ServerArgs fields of every runner, e.g. `{"deterministic": true}` or
 `{"small_batch_matmul": "triton"}` (the server flags' names, underscored); given several JSON
 objects, every run is repeated for each (a "variant" column), so kernels compare on one host.
@@ -41,6 +41,7 @@ import torch
 
 from replaylm.distributed.launch import run_on_ranks
 from replaylm.layers.kernels import native_only
+from replaylm.layers.moe.layer import FusedMoE
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_extend, release
 from replaylm.server_args import ServerArgs
@@ -116,8 +117,20 @@ def _collective(kernel: str) -> bool:
 
 
 def decode_bytes(runner: ModelRunner, bs: int, context: int) -> int:
-    """What one rank's decode step reads: its weights and its KV heads' cache."""
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    """What one rank's decode step reads: its weights and its KV heads' cache. Of a mixture of
+    experts' layers, only the experts the step's routing reaches: as many as `bs` tokens choosing
+    their top k of E experts uniformly reach on average, E * (1 - (1 - k / E) ** bs)."""
+    moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    expert_params = {id(p) for m in moes for p in m.parameters()}
+    weights = sum(
+        p.numel() * p.element_size()
+        for p in runner.model.parameters()
+        if id(p) not in expert_params
+    )
+    for moe in moes:
+        per_expert = sum(p.numel() * p.element_size() for p in moe.parameters()) / moe.num_experts
+        reached = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** bs)
+        weights += round(reached * per_expert)
     pool = runner.kv.pool
     kv = pool.bytes_per_token(
         runner.config.num_hidden_layers, pool.num_kv_heads, pool.head_dim, pool.dtype

@@ -1,0 +1,30 @@
+"""bench_one_batch's decode floor of a mixture of experts: its dense weights, the experts a step
+reaches (their expected count under uniform routing) and the batch's KV."""
+
+from __future__ import annotations
+
+import pytest
+
+from replaylm.layers.moe.layer import FusedMoE
+
+from model_parity import make_runner
+from script_import import import_script
+from tiny_checkpoints import write_tiny_checkpoint
+
+
+def _bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def test_a_step_reads_the_experts_its_routing_reaches(tmp_path):
+    write_tiny_checkpoint("qwen3_moe", tmp_path)
+    runner = make_runner(str(tmp_path), "cpu", "float32")
+    bench = import_script("benchmark/bench_one_batch.py")
+    moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    experts = sum(_bytes(m.parameters()) for m in moes)
+    dense = _bytes(runner.model.parameters()) - experts
+    no_kv = bench.decode_bytes(runner, 1, 0)
+    assert no_kv == dense + round(experts * 2 / 8)  # one token: its top 2 of 8 experts per layer
+    many = bench.decode_bytes(runner, 1000, 0)
+    assert many == pytest.approx(dense + experts, rel=1e-6)  # a large batch reaches them all
+    assert bench.decode_bytes(runner, 4, 16) > bench.decode_bytes(runner, 4, 0)
