@@ -43,6 +43,9 @@
 #   serving_rates_TAG.json and serving_multi_turn_TAG.json, TAG the flags (defaults,
 #   enable-mixed-chunk, ...); img/serving_rates.png plots the sweeps (ITL p99, TTFT p50, output
 #   tok/s per rate, a line per server) when matplotlib imports.
+#   moe: dummy Qwen3-30B-A3B: bench_moe_kernel.py (one layer's experts: the fused kernels, cuBLAS
+#   per expert, the weight-read floor), bench_one_batch.py (decode at bs 1, 8, 64, 256 in every
+#   graph mode, prefill, against the routed floor) and bench_offline.py (nano-vllm's workload).
 #   http: bench_http.py, the HTTP server against the in-process Engine (SmolLM2-135M, Qwen3-0.6B
 #   and Llama-3.1-8B, dummy weights, the built-in model's tokenizer), 1,024 requests of 512 tokens
 #   at once, with GPU_CHECK_HTTP_COUNTS front ends (default "1 8").
@@ -188,6 +191,11 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
             serving) for modes in ${GPU_CHECK_SERVING_MODES:-full/breakable breakable/breakable \
                                    tc_piecewise/tc_piecewise}; do bench_serving_local "$modes"; done ;;
             serving_rates) serving_rates_local ;;
+            moe) run_bench bench_moe_kernel benchmark/bench_moe_kernel.py
+                run_bench bench_one_batch_moe benchmark/bench_one_batch.py --models qwen3-30b-a3b \
+                --bs 1 8 64 256
+                run_bench bench_offline_moe benchmark/bench_offline.py --modes full \
+                --model-path benchmark/configs/qwen3-30b-a3b.json ;;
             http) gguf=$(smollm2_gguf) || { bench_rc=1; continue; }
                 run_bench bench_http benchmark/bench_http.py --device cuda --tokenizer-path "$gguf" \
                 --model-path benchmark/configs/{smollm2-135m,qwen3-0.6b,llama-3.1-8b}.json \

@@ -74,7 +74,9 @@ def test_configs_are_the_models_of_the_docs():
         "llama-3.1-70b",
         "llama-3.1-8b",
         "llama-3.2-1b",
+        "mixtral-8x7b",
         "qwen3-0.6b",
+        "qwen3-30b-a3b",
         "smollm2-135m",
     ]
     assert common.model_config("qwen3-0.6b")["num_hidden_layers"] == 28

@@ -1,9 +1,11 @@
-"""bench_one_batch's decode floor of a mixture of experts: its dense weights, the experts a step
-reaches (their expected count under uniform routing) and the batch's KV."""
+"""The mixture-of-experts benchmarks' arithmetic: bench_one_batch's decode floor (the dense
+weights, the experts a step reaches, their expected count under uniform routing, and the batch's
+KV) and bench_moe_kernel's layer shapes and floor bytes."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from replaylm.layers.moe.layer import FusedMoE
 
@@ -28,3 +30,15 @@ def test_a_step_reads_the_experts_its_routing_reaches(tmp_path):
     many = bench.decode_bytes(runner, 1000, 0)
     assert many == pytest.approx(dense + experts, rel=1e-6)  # a large batch reaches them all
     assert bench.decode_bytes(runner, 4, 16) > bench.decode_bytes(runner, 4, 0)
+
+
+def test_the_kernel_benchmark_reads_the_layer_shape_and_counts_the_reached_experts():
+    bench = import_script("benchmark/bench_moe_kernel.py")
+    assert bench.layer_shape("qwen3-30b-a3b") == (128, 2048, 768, 8, True)
+    assert bench.layer_shape("mixtral-8x7b") == (8, 4096, 14336, 2, True)
+    with pytest.raises(ValueError, match="not a mixture of experts"):
+        bench.layer_shape("qwen3-0.6b")
+    ids = torch.tensor([[0, 5], [5, 7]])  # 3 experts reached by 2 tokens, top 2
+    hidden, inter = 16, 8
+    expected = 2 * (3 * 3 * hidden * inter + 2 * hidden * 2 + 2 * 2 * (inter + hidden))
+    assert bench.floor_bytes(ids, hidden, inter, tokens=2, top_k=2) == expected
