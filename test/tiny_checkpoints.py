@@ -83,11 +83,20 @@ TINY_MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     ),
 }
 
+# served over HTTP with the built-in model's tokenizer (SmolLM2's vocabulary, tied); kept out of
+# the parity suites' lists
+TINY_SERVED_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    "qwen3_moe_smollm2_vocab": (
+        Qwen3MoeConfig,
+        dict(TINY_MOE_CONFIGS["qwen3_moe"][1], vocab_size=49152, tie_word_embeddings=True),
+    ),
+}
+
 
 def write_tiny_checkpoint(kind: str, folder: Path, seed: int = 0) -> PreTrainedModel:
-    """Write a random `kind` checkpoint (of TINY_CONFIGS or TINY_MOE_CONFIGS) to `folder`;
-    return the HF model (float32, eval)."""
-    config_cls, overrides = {**TINY_CONFIGS, **TINY_MOE_CONFIGS}[kind]
+    """Write a random `kind` checkpoint (of TINY_CONFIGS, TINY_MOE_CONFIGS or
+    TINY_SERVED_CONFIGS) to `folder`; return the HF model (float32, eval)."""
+    config_cls, overrides = {**TINY_CONFIGS, **TINY_MOE_CONFIGS, **TINY_SERVED_CONFIGS}[kind]
     config = config_cls(**{**_COMMON, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")

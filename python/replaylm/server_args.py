@@ -174,6 +174,21 @@ class ServerArgs:
             ("auto", "nccl", "one-shot"),
         ),
     )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=_opt(
+            "Mixture-of-experts models under --tp-size: place each layer's experts whole on the "
+            "ranks, an even share each (rank r of N holds experts r*E/N to (r+1)*E/N - 1), "
+            "instead of a slice of every expert's columns on every rank; attention, the router, "
+            "dense layers and a shared expert stay split as without it. Every rank holds the "
+            "whole hidden states already, so each runs its own experts on the tokens routed to "
+            "them and the layer's outputs are summed by the same all-reduce as before: no "
+            "all-to-all, no extra collective. The model's experts must divide by --tp-size. A "
+            "dense model is refused with an error rather than served as if the flag were "
+            "absent: a flag that silently changes nothing hides a wrong model or a wrong "
+            "expectation of memory per rank."
+        ),
+    )
     nnodes: int = field(
         default=1,
         metadata=_opt(
@@ -647,6 +662,11 @@ class ServerArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.enable_expert_parallel and self.tp_size == 1:
+            raise ValueError(
+                "--enable-expert-parallel needs --tp-size 2 or more (one rank holds every "
+                "expert already)"
+            )
         if self.tp_size % self.nnodes:
             raise ValueError(
                 f"--tp-size {self.tp_size} is not a multiple of --nnodes {self.nnodes}"

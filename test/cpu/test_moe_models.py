@@ -3,9 +3,11 @@
 Against transformers on tiny random checkpoints (8 experts, top 2): a ragged prefill, 8 paged-KV
 decode steps and a chunked prefill over a cached prefix, every next-token logit row to 1e-4;
 the checkpoint's experts per tensor (the hub's layout) or stacked (transformers' own). Two
-tensor-parallel ranks (gloo) give one rank's logits. A missing expert tensor is named. The real
-Qwen3-30B-A3B and Mixtral-8x7B configs are read, build with transformers' parameter count, and
-shrunk, run on dummy weights alike on one rank and two.
+tensor-parallel ranks (gloo) give one rank's logits, each expert's columns split or, with
+expert parallelism, the experts placed whole: each rank holds and loads its half of them, in
+either layout, and a missing tensor of its own experts is named. The real Qwen3-30B-A3B and
+Mixtral-8x7B configs are read, build with transformers' parameter count, and shrunk, run on
+dummy weights alike on one rank and two (either split).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from replaylm.distributed.parallel_state import TPPlace
 from replaylm.layers.moe.layer import FusedMoE
+from replaylm.models import llama
 from replaylm.models.config import ModelConfig
 from replaylm.models.moe import MoeForCausalLM, MoeSpec, Qwen2MoeForCausalLM
 from replaylm.models.registry import get_model_class
@@ -61,15 +64,37 @@ def _cpu_args(model_path: str | Path, **extra: object) -> ServerArgs:
     return ServerArgs(model_path=str(model_path), **{**base, **extra})  # type: ignore[arg-type]
 
 
-def _assert_two_ranks_match_one(args: ServerArgs) -> list[np.ndarray]:
-    """Assert 2 ranks' `runner_logits` (and greedy tokens) are one rank's; return one rank's."""
-    ref = runner_logits(args, rank=0)
-    ours = run_ranks(runner_logits, dataclasses.replace(args, tp_size=2))
+def _assert_two_ranks_match(args: ServerArgs, ref: list[np.ndarray], **two_ranks: object) -> None:
+    """Assert 2 ranks' `runner_logits` (and greedy tokens) of `args` (with `two_ranks`'
+    changes) are `ref`, one rank's."""
+    ours = run_ranks(runner_logits, dataclasses.replace(args, tp_size=2, **two_ranks))
     assert len(ours) == len(ref)
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
         assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
+
+
+def _assert_two_ranks_match_one(args: ServerArgs) -> list[np.ndarray]:
+    """Assert 2 ranks' `runner_logits` are one rank's; return one rank's."""
+    ref = runner_logits(args, rank=0)
+    _assert_two_ranks_match(args, ref)
     return ref
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoint: tuple[Path, PreTrainedModel]) -> list[np.ndarray]:
+    """`runner_logits` of the checkpoint on one rank."""
+    return runner_logits(_cpu_args(checkpoint[0]), rank=0)
+
+
+def _build_for_rank(
+    folder: Path, place: TPPlace, monkeypatch: pytest.MonkeyPatch
+) -> llama.LlamaForCausalLM:
+    """The model of the checkpoint at `folder` built as rank `place` builds it (no process
+    group: building and loading make no collective), its weights not loaded yet."""
+    config = ModelConfig.from_json_file(str(folder / "config.json"))
+    monkeypatch.setattr(llama, "tp_place", lambda: place)
+    return get_model_class(config.architecture)(config)
 
 
 def test_logits_match_hf(checkpoint: tuple[Path, PreTrainedModel]) -> None:
@@ -91,9 +116,78 @@ def test_stacked_experts_checkpoint_matches_hf(
     prefill_then_decode(hf_model, make_runner(str(tmp_path), "cpu", "float32"), close, steps=2)
 
 
-def test_two_ranks_match_one(checkpoint: tuple[Path, PreTrainedModel]) -> None:
+def test_two_ranks_match_one(
+    checkpoint: tuple[Path, PreTrainedModel], one_rank: list[np.ndarray]
+) -> None:
     """Each expert's intermediate columns (and Qwen2-MoE's shared expert) split over 2 ranks."""
-    _assert_two_ranks_match_one(_cpu_args(checkpoint[0]))
+    _assert_two_ranks_match(_cpu_args(checkpoint[0]), one_rank)
+
+
+def test_expert_parallel_two_ranks_match_one(
+    checkpoint: tuple[Path, PreTrainedModel], one_rank: list[np.ndarray]
+) -> None:
+    """The experts placed whole, 4 on each rank; the shared expert still split by columns."""
+    _assert_two_ranks_match(_cpu_args(checkpoint[0]), one_rank, enable_expert_parallel=True)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_expert", "stacked"])
+def test_each_expert_parallel_rank_holds_and_loads_its_half_of_the_experts(
+    checkpoint: tuple[Path, PreTrainedModel],
+    stacked: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank r of 2 holds experts 4r..4r+3 of every sparse layer whole (the checkpoint's
+    tensors of the others skipped); the router stays whole, Qwen2-MoE's shared expert split
+    by columns."""
+    folder, hf_model = checkpoint
+    hf = {name: t.detach() for name, t in hf_model.state_dict().items()}
+    tensors = hf if stacked else load_file(str(folder / "model.safetensors"))
+    for rank in range(2):
+        model = _build_for_rank(folder, TPPlace(rank, 2, expert_parallel=True), monkeypatch)
+        model.load_weights(tensors.items())
+        params = dict(model.named_parameters())
+        sparse = [n.removesuffix(".w13_weight") for n in params if n.endswith(".w13_weight")]
+        assert sparse
+        mine = slice(4 * rank, 4 * rank + 4)
+        for experts in sparse:
+            assert params[f"{experts}.w13_weight"].shape[0] == 4
+            torch.testing.assert_close(
+                params[f"{experts}.w13_weight"], hf[f"{experts}.gate_up_proj"][mine]
+            )
+            torch.testing.assert_close(
+                params[f"{experts}.w2_weight"], hf[f"{experts}.down_proj"][mine]
+            )
+            router = experts.removesuffix(".experts") + ".gate.weight"
+            assert params[router].shape == (8, 64)
+        shared = params.get("model.layers.0.mlp.shared_expert.gate_up_proj.weight")
+        assert shared is None or shared.shape == (48, 64)  # half of 48 gate and 48 up rows
+
+
+_MISSING_UP = (
+    "checkpoint is missing 1 tensors: model.layers.0.mlp.experts.w13_weight (expert 3 up_proj)"
+)
+
+
+def _without_expert_3_up(folder: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors less layer 0's expert 3's up projection (Mixtral's `w3`)."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    up = re.compile(r"model\.layers\.0\.\w+\.experts\.3\.(up_proj|w3)\.weight")
+    del tensors[next(name for name in tensors if up.fullmatch(name))]
+    return tensors
+
+
+def test_a_missing_tensor_of_its_own_experts_is_named_on_that_rank_only(
+    checkpoint: tuple[Path, PreTrainedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expert 3 is rank 0's: rank 1 loads without it."""
+    folder, _ = checkpoint
+    tensors = _without_expert_3_up(folder)
+    _build_for_rank(folder, TPPlace(1, 2, expert_parallel=True), monkeypatch).load_weights(
+        tensors.items()
+    )
+    rank_zero = _build_for_rank(folder, TPPlace(0, 2, expert_parallel=True), monkeypatch)
+    with pytest.raises(ValueError, match=f"^{re.escape(_MISSING_UP)}$"):
+        rank_zero.load_weights(tensors.items())
 
 
 def test_a_missing_expert_tensor_is_named(
@@ -101,14 +195,8 @@ def test_a_missing_expert_tensor_is_named(
 ) -> None:
     folder, _ = checkpoint
     shutil.copy(folder / "config.json", tmp_path)
-    tensors = load_file(str(folder / "model.safetensors"))
-    up = re.compile(r"model\.layers\.0\.\w+\.experts\.3\.(up_proj|w3)\.weight")  # Mixtral's: w3
-    del tensors[next(name for name in tensors if up.fullmatch(name))]
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    message = (
-        "checkpoint is missing 1 tensors: model.layers.0.mlp.experts.w13_weight (expert 3 up_proj)"
-    )
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+    save_file(_without_expert_3_up(folder), str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"^{re.escape(_MISSING_UP)}$"):
         make_runner(str(tmp_path), "cpu", "float32")
 
 
@@ -122,6 +210,17 @@ def test_an_expert_the_model_lacks_is_an_error() -> None:
 def test_expert_columns_that_do_not_split_are_an_error() -> None:
     with pytest.raises(ValueError, match=r"^--tp-size 3 does not divide the model's 32 expert"):
         FusedMoE(8, 64, 32, 2, True, TPPlace(0, 3))
+
+
+def test_experts_that_do_not_split_whole_are_an_error() -> None:
+    """Under expert parallelism the experts split, not their 32 columns (which 3 does not
+    divide either)."""
+    message = (
+        "--tp-size 3 does not divide the model's 8 experts "
+        "(placed whole under --enable-expert-parallel)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        FusedMoE(8, 64, 32, 2, True, TPPlace(0, 3, expert_parallel=True))
 
 
 def test_qwen_sparse_layers_follow_the_step_and_the_dense_list() -> None:
@@ -181,9 +280,12 @@ def test_real_configs_are_read_and_build_with_the_real_parameter_count(
 def test_shrunk_real_configs_on_dummy_weights_match_on_two_ranks(
     config: str, experts: dict[str, int], tmp_path: Path
 ) -> None:
-    """--load-format dummy fills the experts (each rank its part of the same whole draw)."""
+    """--load-format dummy fills the experts (each rank its part of the same whole draw: its
+    columns of every expert, or with expert parallelism its experts)."""
     cfg = json.loads((CONFIGS / config).read_text())
     cfg.update(TINY_SHAPE, **experts)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    logits = _assert_two_ranks_match_one(_cpu_args(tmp_path / "config.json", load_format="dummy"))
+    args = _cpu_args(tmp_path / "config.json", load_format="dummy")
+    logits = _assert_two_ranks_match_one(args)
+    _assert_two_ranks_match(args, logits, enable_expert_parallel=True)
     assert all(np.isfinite(step).all() and step.std() > 0 for step in logits)

@@ -24,10 +24,13 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 @dataclass(frozen=True)
 class TPPlace:
-    """A rank's place in its tensor-parallel group (rank 0 of 1 without tensor parallelism)."""
+    """A rank's place in its tensor-parallel group (rank 0 of 1 without tensor parallelism).
+    `expert_parallel` (`--enable-expert-parallel`): a mixture-of-experts layer places whole
+    experts on the ranks rather than a slice of every expert (`layers.moe.layer.FusedMoE`)."""
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,12 @@ def init_tensor_parallel(
     init_addr: str,
     device: torch.device,
     one_shot_dtype: torch.dtype | None = None,
+    expert_parallel: bool = False,
 ) -> TPGroup:
     """Join the group of `size` ranks as `rank`, meeting at `init_addr` (`host:port`, served by
     rank 0). Called once per process, before the model is built. `one_shot_dtype` (CUDA only):
-    the model's dtype, whose small sums go over peer memory (`PeerAllReduce`)."""
+    the model's dtype, whose small sums go over peer memory (`PeerAllReduce`).
+    `expert_parallel`: the place's (`TPPlace`), which the model is built for."""
     global _group
     if _group is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
@@ -93,9 +98,9 @@ def init_tensor_parallel(
     assert world is not None  # init_process_group made it
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
     peer = None if one_shot_dtype is None else PeerAllReduce(world, device, one_shot_dtype)
-    _group = TPGroup(TPPlace(rank, size), world, cpu_group, peer)
+    _group = TPGroup(TPPlace(rank, size, expert_parallel), world, cpu_group, peer)
     logger.info(
-        "tensor parallelism: rank %d of %d (pid %d) on %s (%s collectives%s, group met at %s)",
+        "tensor parallelism: rank %d of %d (pid %d) on %s (%s collectives%s, group met at %s)%s",
         rank,
         size,
         os.getpid(),
@@ -105,6 +110,7 @@ def init_tensor_parallel(
         if peer is not None
         else "",
         init_addr,
+        "; experts placed whole (expert parallelism)" if expert_parallel else "",
     )
     return _group
 

@@ -1,4 +1,5 @@
-"""Counts of forward passes per phase: served by graph replay or eager, and padding computed."""
+"""Counts of forward passes per phase (served by graph replay or eager, and padding computed),
+and of a mixture-of-experts model's tokens per expert."""
 
 from __future__ import annotations
 
@@ -29,3 +30,14 @@ class ForwardStats:
         else:
             counts.eager += 1
         counts.padding_tokens += padding_tokens
+
+
+@dataclass
+class ExpertTokens:
+    """A mixture-of-experts model's routed tokens so far, summed over its MoE layers (a token
+    counts once per layer, for each expert that layer sends it to; a CUDA graph's padding rows
+    not at all): `experts[e]`, expert e's; `ranks[r]`, under expert parallelism, those of the
+    experts rank r holds (None without)."""
+
+    experts: list[int]
+    ranks: list[int] | None = None

@@ -18,6 +18,7 @@ from replaylm.model_executor.cuda_graph.runner.base import BaseCudaGraphRunner, 
 from replaylm.model_executor.cuda_graph.runner.decode import DecodeCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.prefill import PrefillCudaGraphRunner
 from replaylm.model_executor.cuda_graph.runner.verify import VerifyCudaGraphRunner
+from replaylm.model_executor.expert_tokens import ExpertTokenReader
 from replaylm.model_executor.forward_batch import ForwardBatch, ForwardMode
 from replaylm.model_executor.forward_stats import ForwardStats
 
@@ -44,7 +45,8 @@ def phase_of(mode: ForwardMode) -> str:
 
 
 class ModelRunner:
-    """`tp`: this process's place among the tensor-parallel ranks."""
+    """`tp`: this process's place among the tensor-parallel ranks. `expert_tokens`: the reader
+    of a mixture-of-experts model's tokens per expert (None for a dense model)."""
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class ModelRunner:
         self.tp = tp
         self.device = kv.device
         self.forward_stats = ForwardStats()
+        self.expert_tokens = ExpertTokenReader.of(model)
         self.graph_runners: dict[str, BaseCudaGraphRunner] = {}
 
     @property

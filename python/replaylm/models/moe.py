@@ -7,26 +7,38 @@ experts either one tensor per expert and projection, the hub's layout
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`; Mixtral's `block_sparse_moe.experts.{e}.w1`,
 `w3`, `w2`), or stacked as transformers >= 5 holds them (`mlp.experts.gate_up_proj` `[E, 2I, H]`,
 `mlp.experts.down_proj` `[E, H, I]`). The router is `mlp.gate` (`block_sparse_moe.gate`).
+
+Under expert parallelism each rank holds its share of every sparse layer's experts, whole, and
+reads only those experts' tensors (`FusedMoE`); attention, the dense layers, the router and
+the shared expert are split as under plain tensor parallelism.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from replaylm.distributed.parallel_state import TPPlace
+from replaylm.distributed.sharding import split_evenly
 from replaylm.layers.moe.layer import (
+    EXPERTS,
     ExpertPiece,
     FusedMoE,
+    LiveTokens,
     SharedExpertMoeBlock,
     SparseMoeBlock,
+    live_pairs,
 )
 from replaylm.models.config import ModelConfig
 from replaylm.models.llama import LlamaForCausalLM, LlamaMLP, Piece
 from replaylm.models.qwen3 import Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from replaylm.model_executor.forward_batch import ForwardBatch
 
 # `<layer>.mlp.experts.<e>.<gate|up|down>_proj.weight`: one expert's projection
 _EXPERT_TENSOR = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -97,12 +109,32 @@ def _qwen_moe_spec(config: ModelConfig, shared_expert: bool) -> MoeSpec:
 
 class MoeForCausalLM(LlamaForCausalLM):
     """The Llama decoder with the sparse block of `moe_spec` in its sparse layers; loads the
-    experts' tensors in either layout (the module docstring's)."""
+    experts' tensors in either layout (the module docstring's). `live_tokens`: which rows its
+    sparse layers count, set before each forward."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.top_k = self.moe_spec(config).top_k
+        self.live_tokens = LiveTokens()
+        for experts in self.modules():
+            if isinstance(experts, FusedMoE):
+                experts.live = self.live_tokens
 
     @staticmethod
     def moe_spec(config: ModelConfig) -> MoeSpec:
         """The family's routing facts, read from `config`."""
         raise NotImplementedError
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None
+    ) -> torch.Tensor:
+        """The Llama decoder's, after telling its sparse layers which rows are live tokens,
+        by the batch's KV slots, so that they leave a CUDA graph's padding rows out of their
+        token counts (under torch.compile, `batch` None, they read the attention_context's
+        batch instead)."""
+        if batch is not None:
+            self.live_tokens.pairs = live_pairs(batch.out_cache_loc, self.top_k)
+        return super().forward_hidden(input_ids, positions, batch)
 
     def make_mlp(self, layer_id: int, place: TPPlace) -> nn.Module:
         spec = self.moe_spec(self.config)
@@ -168,3 +200,16 @@ class MixtralForCausalLM(MoeForCausalLM):
         if len(parts) >= 2 and parts[-2] in _MIXTRAL_PROJECTIONS:
             parts[-2] = _MIXTRAL_PROJECTIONS[parts[-2]]
         return MoeForCausalLM._map_name(".".join(parts))
+
+
+def check_expert_parallel(model_cls: type[nn.Module], config: ModelConfig, tp_size: int) -> None:
+    """ValueError naming `--enable-expert-parallel` for a model without experts, or `--tp-size`
+    when the experts do not split over `tp_size` ranks whole (checked before any rank builds
+    anything, as `sharding.check_model_split` checks the rest)."""
+    spec = model_cls.moe_spec(config) if issubclass(model_cls, MoeForCausalLM) else None
+    if spec is None or not spec.sparse_layers:
+        raise ValueError(
+            f"--enable-expert-parallel needs a mixture-of-experts model; {config.architecture} "
+            "has no experts"
+        )
+    split_evenly(spec.num_experts, tp_size, EXPERTS)

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from replaylm.model_executor.forward_stats import ForwardStats
+from replaylm.model_executor.forward_stats import ExpertTokens, ForwardStats
 from replaylm.runtime.request import FinishReason
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import SpeculationStats
@@ -157,6 +157,7 @@ class SchedulerStats:
     prefix_cached_tokens: int = 0  # of them, found in the prefix cache
     prefix_cache_tokens: int = 0  # KV slots the prefix cache holds now
     speculation: SpeculationStats | None = None  # None: speculative decoding is off
+    expert_tokens: ExpertTokens | None = None  # None: a dense model
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 Request, token and latency series are observed by each front end's tokenizer manager as outputs
 arrive, once per request (per choice) when its first token arrives and when it ends; the
-scheduler's gauges (queue, running, KV usage, running totals such as preemptions) are set from the
-stats it sends every step. With several front ends (`--api-server-count`) prometheus_client runs
-in multiprocess mode: each process's values live in files of a shared folder, and a scrape of any
-front end sums them (the scheduler's gauges: the latest). The README's metrics table documents
+scheduler's gauges (queue, running, KV usage, running totals such as preemptions or a mixture of
+experts' tokens per expert) are set from the stats it sends every step. With several front ends
+(`--api-server-count`) prometheus_client runs in multiprocess mode: each process's values live
+in files of a shared folder, and a scrape of any front end sums them (the scheduler's gauges:
+the latest). The README's metrics table documents
 every series; a test keeps the two equal. With --enable-vllm-metrics, those with a vLLM
 equivalent are served again under vLLM's names.
 """
@@ -30,6 +31,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from replaylm.model_executor.forward_stats import ExpertTokens
 from replaylm.runtime.io_struct import SchedulerStats
 from replaylm.speculative.stats import SpeculationStats
 
@@ -151,6 +153,18 @@ class ServerMetrics:
         self.spec_verify_seconds = self._gauge(
             "spec_verify_seconds", "speculative decoding: time spent in verify steps, so far"
         )
+        self.moe_expert_tokens = self._gauge(
+            "moe_expert_tokens",
+            "mixture-of-experts models: tokens routed to each expert so far, summed over the "
+            "MoE layers (once per layer that routes a token to it)",
+            "expert",
+        )
+        self.moe_rank_tokens = self._gauge(
+            "moe_rank_tokens",
+            "expert parallelism: tokens routed to the experts each rank holds, so far",
+            "rank",
+        )
+        self._expert_tokens = ExpertTokens([])  # the last set, to skip unchanged ones
         self.ttft = self._seconds("time_to_first_token_seconds", "time to first token")
         self.itl = BatchHistogram(
             "replaylm_inter_token_latency_seconds", "time between tokens", _LATENCY_BUCKETS, r
@@ -240,6 +254,8 @@ class ServerMetrics:
         self.prefix_cache_tokens.set(stats.prefix_cache_tokens)
         if stats.speculation is not None:
             self._set_speculation(stats.speculation)
+        if stats.expert_tokens is not None and stats.expert_tokens != self._expert_tokens:
+            self._set_expert_tokens(stats.expert_tokens)
         for phase, counts in stats.forward_stats.phases.items():
             self.forward_batches.labels(phase, "graph").set(counts.graph)
             self.forward_batches.labels(phase, "eager").set(counts.eager)
@@ -257,6 +273,15 @@ class ServerMetrics:
             self.spec_position_acceptance.labels(str(position + 1)).set(accepted / proposed)
         self.spec_draft_seconds.set(spec.draft_seconds)
         self.spec_verify_seconds.set(spec.verify_seconds)
+
+    def _set_expert_tokens(self, tokens: ExpertTokens) -> None:
+        """One series per expert (and per rank under expert parallelism), set only when the
+        totals changed: the scheduler refreshes them far less often than it sends stats."""
+        for expert, count in enumerate(tokens.experts):
+            self.moe_expert_tokens.labels(str(expert)).set(count)
+        for rank, count in enumerate(tokens.ranks or ()):
+            self.moe_rank_tokens.labels(str(rank)).set(count)
+        self._expert_tokens = tokens
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

@@ -264,6 +264,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         total = self.kv.size
+        experts = self.runner.expert_tokens  # a mixture of experts' counters, read now and then
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -279,6 +280,7 @@ class Scheduler:
             if self.prefix_cache.tree is not None
             else 0,
             speculation=self.speculation.stats if self.speculation is not None else None,
+            expert_tokens=experts.read() if experts is not None else None,
         )
 
     def run_to_completion(self) -> None:
