@@ -35,7 +35,7 @@ from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.models.config import ModelConfig
 from replaylm.models.llama import LlamaForCausalLM
-from replaylm.models.moe import Qwen3MoeForCausalLM, check_expert_parallel
+from replaylm.models.moe import Qwen3MoeForCausalLM, check_expert_split
 from replaylm.runtime.io_struct import SchedulerStats
 from replaylm.runtime.metrics import ServerMetrics
 from replaylm.server_args import ServerArgs
@@ -91,15 +91,24 @@ def test_expert_parallel_needs_a_mixture_of_experts_model() -> None:
     message = "--enable-expert-parallel needs a mixture-of-experts model; {} has no experts".format
     dense = _config(architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match=f"^{message('LlamaForCausalLM')}$"):
-        check_expert_parallel(LlamaForCausalLM, dense, 2)
+        check_expert_split(LlamaForCausalLM, dense, 2, True)
     with pytest.raises(ValueError, match=f"^{message('Qwen3MoeForCausalLM')}$"):
-        check_expert_parallel(Qwen3MoeForCausalLM, _config(num_experts=0), 2)
+        check_expert_split(Qwen3MoeForCausalLM, _config(num_experts=0), 2, True)
 
 
 def test_experts_must_split_over_the_ranks_whole() -> None:
-    check_expert_parallel(Qwen3MoeForCausalLM, _config(), 4)
+    check_expert_split(Qwen3MoeForCausalLM, _config(), 4, True)
     with pytest.raises(ValueError, match=r"^--tp-size 3 does not divide the model's 8 experts"):
-        check_expert_parallel(Qwen3MoeForCausalLM, _config(), 3)
+        check_expert_split(Qwen3MoeForCausalLM, _config(), 3, True)
+
+
+def test_expert_columns_must_split_over_the_ranks_before_any_builds() -> None:
+    """Without expert parallelism each expert's columns (and the shared expert's) split."""
+    check_expert_split(LlamaForCausalLM, _config(architectures=["LlamaForCausalLM"]), 3, False)
+    columns = _config(moe_intermediate_size=30)
+    check_expert_split(Qwen3MoeForCausalLM, columns, 2, False)
+    with pytest.raises(ValueError, match=r"^--tp-size 4 does not divide the model's 30 expert"):
+        check_expert_split(Qwen3MoeForCausalLM, columns, 4, False)
 
 
 def _runner(folder: Path, **args: object) -> ModelRunner:

@@ -38,7 +38,7 @@ from replaylm.model_loader.loader import load_model, load_model_config
 from replaylm.models.config import ModelConfig
 from replaylm.models.eagle import EagleHead
 from replaylm.models.llama import LlamaForCausalLM
-from replaylm.models.moe import check_expert_parallel
+from replaylm.models.moe import check_expert_split
 from replaylm.models.registry import get_model_class
 from replaylm.server_args import ServerArgs
 from replaylm.startup_stages import StartupStages
@@ -201,7 +201,7 @@ def _place_device(args: ServerArgs, tp_rank: int) -> torch.device:
 def _join_tensor_parallel(
     args: ServerArgs, cfg: ModelConfig, tp: TPPlace, device: torch.device, dtype: torch.dtype
 ) -> None:
-    """Check the model splits over `--tp-size` (its experts whole with
+    """Check the model splits over `--tp-size` (a mixture of experts' experts too: whole with
     `--enable-expert-parallel`) and join the group (nothing at size 1), with the all-reduce
     `--tp-all-reduce` resolves to here."""
     if args.tp_size == 1:
@@ -217,8 +217,7 @@ def _join_tensor_parallel(
     check_model_split(
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tp.size
     )
-    if args.enable_expert_parallel:
-        check_expert_parallel(get_model_class(cfg.architecture), cfg, tp.size)
+    check_expert_split(get_model_class(cfg.architecture), cfg, tp.size, args.enable_expert_parallel)
     assert args.dist_init_addr is not None  # the launcher picks one
     init_tensor_parallel(
         tp.rank,

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from replaylm.distributed.parallel_state import TPPlace
-from replaylm.distributed.sharding import split_evenly
+from replaylm.distributed.sharding import MLP_COLUMNS, split_evenly
 from replaylm.layers.moe.layer import (
+    EXPERT_COLUMNS,
     EXPERTS,
     ExpertPiece,
     FusedMoE,
@@ -202,14 +203,24 @@ class MixtralForCausalLM(MoeForCausalLM):
         return MoeForCausalLM._map_name(".".join(parts))
 
 
-def check_expert_parallel(model_cls: type[nn.Module], config: ModelConfig, tp_size: int) -> None:
-    """ValueError naming `--enable-expert-parallel` for a model without experts, or `--tp-size`
-    when the experts do not split over `tp_size` ranks whole (checked before any rank builds
-    anything, as `sharding.check_model_split` checks the rest)."""
+def check_expert_split(
+    model_cls: type[nn.Module], config: ModelConfig, tp_size: int, expert_parallel: bool
+) -> None:
+    """ValueError naming `--tp-size` when the experts do not split over `tp_size` ranks (whole
+    with `expert_parallel`, else each expert's columns, and the shared expert's), or
+    `--enable-expert-parallel` for a model without experts. Checked before any rank builds
+    anything, as `sharding.check_model_split` checks the rest."""
     spec = model_cls.moe_spec(config) if issubclass(model_cls, MoeForCausalLM) else None
     if spec is None or not spec.sparse_layers:
-        raise ValueError(
-            f"--enable-expert-parallel needs a mixture-of-experts model; {config.architecture} "
-            "has no experts"
-        )
-    split_evenly(spec.num_experts, tp_size, EXPERTS)
+        if expert_parallel:
+            raise ValueError(
+                f"--enable-expert-parallel needs a mixture-of-experts model; "
+                f"{config.architecture} has no experts"
+            )
+        return
+    if expert_parallel:
+        split_evenly(spec.num_experts, tp_size, EXPERTS)
+    else:
+        split_evenly(spec.expert_size, tp_size, EXPERT_COLUMNS)
+    if spec.shared_expert_size is not None:
+        split_evenly(spec.shared_expert_size, tp_size, MLP_COLUMNS)
