@@ -2,15 +2,20 @@
 
 Weights are drawn with a larger spread than HF's default init so that logits vary strongly with
 every input and every weight: a wrong rope, mask or bias shows up far above float32 rounding.
+
+`write_fp8_checkpoint` writes one of them in an FP8 checkpoint layout (`FP8_LAYOUTS`), quantized
+here the way those checkpoints are (independently of replaylm's own quantization code).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -93,10 +98,31 @@ TINY_SERVED_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
 }
 
 
+# FP8 checkpoints' shapes (test_fp8_checkpoints): every dimension of the first whole 128-blocks
+# or ragged (hidden 160: two blocks, the last of 32), q, k, v and gate, up of whole blocks
+TINY_FP8_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    "llama3_blocks": (
+        LlamaConfig,
+        dict(
+            _LLAMA3_ROPE,
+            hidden_size=160,
+            intermediate_size=256,
+            num_key_value_heads=4,
+            head_dim=32,
+        ),
+    ),
+}
+
+
 def write_tiny_checkpoint(kind: str, folder: Path, seed: int = 0) -> PreTrainedModel:
-    """Write a random `kind` checkpoint (of TINY_CONFIGS, TINY_MOE_CONFIGS or
-    TINY_SERVED_CONFIGS) to `folder`; return the HF model (float32, eval)."""
-    config_cls, overrides = {**TINY_CONFIGS, **TINY_MOE_CONFIGS, **TINY_SERVED_CONFIGS}[kind]
+    """Write a random `kind` checkpoint (of TINY_CONFIGS, TINY_MOE_CONFIGS, TINY_SERVED_CONFIGS
+    or TINY_FP8_CONFIGS) to `folder`; return the HF model (float32, eval)."""
+    config_cls, overrides = {
+        **TINY_CONFIGS,
+        **TINY_MOE_CONFIGS,
+        **TINY_SERVED_CONFIGS,
+        **TINY_FP8_CONFIGS,
+    }[kind]
     config = config_cls(**{**_COMMON, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -182,3 +208,200 @@ def write_tiny_eagle_head(
     (folder / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     return tensors
+
+
+E4M3_MAX = 448.0
+_COMPRESSED_FP8 = {"num_bits": 8, "type": "float", "symmetric": True}
+
+
+def _compressed_static(weights: str) -> dict:
+    """compressed-tensors' quantization_config of FP8 weights per `weights` (tensor or channel)
+    with static per-tensor input scales."""
+    fp8 = {**_COMPRESSED_FP8, "dynamic": False}
+    group = {
+        "targets": ["Linear"],
+        "weights": {**fp8, "strategy": weights},
+        "input_activations": {**fp8, "strategy": "tensor"},
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": group},
+        "ignore": ["re:.*lm_head"],
+    }
+
+
+# quantization_config of each FP8 layout, and how its weight scales are stored: the scale
+# tensor's name suffix and granularity
+FP8_LAYOUTS: dict[str, tuple[dict, str, str]] = {
+    # DeepSeek-V3, Qwen3-*-FP8: 128x128 blocks, `weight_scale_inv`, dynamic activations
+    "fp8_block": (
+        {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+        "weight_scale_inv",
+        "block",
+    ),
+    # AutoFP8's: a `weight_scale` `[]` per tensor, static `input_scale` `[]`
+    "fp8_tensor_static": (
+        {"quant_method": "fp8", "activation_scheme": "static"},
+        "weight_scale",
+        "tensor",
+    ),
+    # llm-compressor's FP8_DYNAMIC: `weight_scale` `[N, 1]`, dynamic per-token activations
+    "ct_channel": (
+        {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {**_COMPRESSED_FP8, "strategy": "channel", "dynamic": False},
+                    "input_activations": {**_COMPRESSED_FP8, "strategy": "token", "dynamic": True},
+                }
+            },
+            "ignore": ["lm_head"],
+        },
+        "weight_scale",
+        "channel",
+    ),
+    # llm-compressor's FP8 (static): `weight_scale` `[1]` per tensor, `input_scale` `[1]`
+    "ct_tensor_static": (_compressed_static("tensor"), "weight_scale", "tensor"),
+    # the same with `weight_scale` `[N, 1]` per channel
+    "ct_channel_static": (_compressed_static("channel"), "weight_scale", "channel"),
+}
+# the linear weights FP8 checkpoints quantize: attention, dense and expert MLPs (not the routers,
+# the embedding or the LM head)
+QUANTIZED_WEIGHT = re.compile(r".+\.(q|k|v|o|gate|up|down)_proj\.weight")
+# the projections that share their input: a fused layer's, whose static input scale is the
+# largest of theirs
+_SIBLINGS = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}
+
+
+def fp8_quantize(
+    w: torch.Tensor, scales: str, block: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`w` `[N, K]` as FP8 checkpoints store it: (e4m3 values, float32 scales, the dequantized
+    weight). Scales per tensor `[]`, per channel `[N, 1]`, or per `block` (`[ceil(N/bn),
+    ceil(K/bk)]`, the last row and column of blocks ragged), each the amax over 448."""
+    w = w.float()
+    if scales == "tensor":
+        scale = w.abs().max() / E4M3_MAX
+        full = scale.expand(w.shape)
+    elif scales == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+        full = scale.expand(w.shape)
+    else:
+        assert block is not None
+        bn, bk = block
+        rows, cols = -(-w.shape[0] // bn), -(-w.shape[1] // bk)
+        scale = torch.empty(rows, cols)
+        full = torch.empty_like(w)
+        for i in range(rows):
+            for j in range(cols):
+                part = (slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk))
+                scale[i, j] = w[part].abs().max() / E4M3_MAX
+                full[part] = scale[i, j]
+    q = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * full
+
+
+def _calibrate(model: PreTrainedModel, vocab: int) -> dict[str, float]:
+    """Static input scales: each quantized linear's largest input over a random batch, / 448."""
+    amax: dict[str, float] = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda mod, args, name=name: amax.__setitem__(name, float(args[0].abs().max()))
+        )
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and QUANTIZED_WEIGHT.fullmatch(f"{name}.weight")
+    ]
+    with torch.no_grad():
+        model(torch.randint(3, vocab, (2, 48), generator=torch.Generator().manual_seed(7)))
+    for hook in hooks:
+        hook.remove()
+    return {name: value / E4M3_MAX for name, value in amax.items()}
+
+
+def write_fp8_checkpoint(
+    kind: str,
+    folder: Path,
+    layout: str,
+    block_size: list[int] | None = None,
+    ignore: tuple[str, ...] = (),
+) -> tuple[PreTrainedModel, dict[str, float]]:
+    """Write the random `kind` checkpoint to `folder` in FP8 `layout` (of FP8_LAYOUTS; its
+    block size replaced by `block_size`), the modules named in `ignore` left unquantized (and
+    listed in the config). Returns the reference: the same model with every quantized weight
+    dequantized (float32, eager attention and experts), and the static input scale each
+    quantized module's input takes (the largest of its fused layer's; empty when dynamic).
+    Static scales are calibrated on the float model (per-expert ones are not written: dense
+    layouts only); k's and gate's are raised by a quarter, so a fused layer's largest differs
+    from its other shards'."""
+    quant, scale_suffix, scales = FP8_LAYOUTS[layout]
+    quant = json.loads(json.dumps(quant))
+    block = None
+    if scales == "block":
+        quant["weight_block_size"] = block_size or quant["weight_block_size"]
+        block = tuple(quant["weight_block_size"])
+    if ignore:
+        key = "ignore" if quant["quant_method"] == "compressed-tensors" else "ignored_layers"
+        quant[key] = [*quant.get(key, []), *ignore]
+    static = layout.endswith("_static")
+    float_folder = folder.with_name(folder.name + "_dequantized")
+    model = write_tiny_checkpoint(kind, float_folder)
+    inputs = _calibrate(model, model.config.vocab_size) if static else {}
+    tensors = load_file(str(float_folder / "model.safetensors"))
+    fp8: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        module = name.removesuffix(".weight")
+        if not QUANTIZED_WEIGHT.fullmatch(name) or module in ignore:
+            fp8[name] = tensor
+            continue
+        q, scale, tensors[name] = fp8_quantize(tensor, scales, block)
+        fp8[name] = q
+        compressed = quant["quant_method"] == "compressed-tensors"
+        fp8[f"{module}.{scale_suffix}"] = (
+            scale.reshape(1) if compressed and not scale.dim() else scale
+        )
+        if static:
+            bump = 1.25 if module.endswith((".k_proj", ".gate_proj")) else 1.0
+            inputs[module] *= bump
+            fp8[f"{module}.input_scale"] = torch.tensor(inputs[module]).reshape(
+                (1,) if compressed else ()
+            )
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in fp8.items()}, str(folder / "model.safetensors"))
+    config = json.loads((float_folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    save_file(tensors, str(float_folder / "model.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(
+        float_folder, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    shutil.rmtree(float_folder)
+    return eager_experts(reference), _largest_of_siblings(inputs)
+
+
+def eager_experts(model: PreTrainedModel) -> PreTrainedModel:
+    """`model` with its experts (if any) run by transformers' eager loop, which calls
+    F.linear per expert (a test can see each expert's inputs there), not grouped matmuls."""
+    if any(name.endswith(".experts") for name, _ in model.named_modules()):
+        model.set_experts_implementation("eager")
+    return model
+
+
+def _largest_of_siblings(inputs: dict[str, float]) -> dict[str, float]:
+    """Each module's static input scale as its fused layer takes it: the largest of the
+    projections that share its input."""
+
+    def group(name: str) -> str:
+        parent, _, proj = name.rpartition(".")
+        return f"{parent}.{_SIBLINGS.get(proj.removesuffix('_proj'), proj)}"
+
+    largest: dict[str, float] = {}
+    for name, value in inputs.items():
+        largest[group(name)] = max(largest.get(group(name), 0.0), value)
+    return {name: largest[group(name)] for name in inputs}

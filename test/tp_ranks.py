@@ -34,6 +34,18 @@ DUMMY_CONFIG = {
 }
 
 
+def cpu_args(model_path: str | Path, **extra: object) -> ServerArgs:
+    """ServerArgs of a small float32 CPU runner of `model_path` (`extra` overrides)."""
+    base: dict[str, object] = {
+        "device": "cpu",
+        "dtype": "float32",
+        "max_total_tokens": 512,
+        "max_running_requests": 8,
+        "context_length": 256,
+    }
+    return ServerArgs(model_path=str(model_path), **{**base, **extra})  # type: ignore[arg-type]
+
+
 def write_dummy_config(folder: Path, **changes: Any) -> Path:
     """DUMMY_CONFIG (with `changes`) as `folder`/config.json: a model path for dummy weights,
     without a tokenizer."""

@@ -18,6 +18,7 @@ from typing import Any
 from replaylm.cuda_graph_modes import PHASES, modes_help
 from replaylm.dtype_names import DTYPE_NAMES
 from replaylm.layers.attention.registry import ATTENTION_BACKENDS
+from replaylm.layers.quantization.config import QUANTIZATION_METHODS
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL, resolve_model_path
 from replaylm.model_loader.formats import LOAD_FORMATS
 
@@ -144,6 +145,22 @@ class ServerArgs:
             "Data type of the weights and activations. auto: float32 on the CPU; on a GPU the "
             "checkpoint's 16-bit type (float16 when its config says so, else bfloat16).",
             ("auto", *DTYPE_NAMES),
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Serve the weights in FP8 (e4m3). fp8: quantize an unquantized (bfloat16, float16 "
+            "or float32) checkpoint as it loads, one float32 scale per output channel, and "
+            "quantize each matmul's input per token. A checkpoint whose config.json carries an "
+            "FP8 quantization_config (quant_method fp8, block-scaled or per-tensor, or "
+            "compressed-tensors FP8) is served in FP8 without this flag, and with it alike; "
+            "one quantized otherwise is refused. The embedding and the LM head stay "
+            "unquantized, so do a mixture of experts' routers. On a GPU the FP8 matmuls run "
+            "torch._scaled_mm (compute capability 8.9+; block-scaled weights and FP8 experts "
+            "need kernels not written yet); on the CPU they are emulated. Default: as the "
+            "checkpoint is.",
+            QUANTIZATION_METHODS,
         ),
     )
     device: str = field(

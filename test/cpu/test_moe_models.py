@@ -41,7 +41,7 @@ from model_parity import (
     prefill_then_decode,
 )
 from tiny_checkpoints import TINY_MOE_CONFIGS, write_tiny_checkpoint
-from tp_ranks import run_ranks, runner_logits
+from tp_ranks import cpu_args, run_ranks, runner_logits
 
 close = functools.partial(torch.testing.assert_close, atol=1e-4, rtol=1e-4)
 
@@ -51,17 +51,6 @@ def checkpoint(request, tmp_path_factory) -> tuple[Path, PreTrainedModel]:
     """A tiny checkpoint's folder (experts per tensor) and its transformers model."""
     folder = tmp_path_factory.mktemp(request.param)
     return folder, write_tiny_checkpoint(request.param, folder)
-
-
-def _cpu_args(model_path: str | Path, **extra: object) -> ServerArgs:
-    base: dict[str, object] = {
-        "device": "cpu",
-        "dtype": "float32",
-        "max_total_tokens": 512,
-        "max_running_requests": 8,
-        "context_length": 256,
-    }
-    return ServerArgs(model_path=str(model_path), **{**base, **extra})  # type: ignore[arg-type]
 
 
 def _assert_two_ranks_match(args: ServerArgs, ref: list[np.ndarray], **two_ranks: object) -> None:
@@ -84,7 +73,7 @@ def _assert_two_ranks_match_one(args: ServerArgs) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def one_rank(checkpoint: tuple[Path, PreTrainedModel]) -> list[np.ndarray]:
     """`runner_logits` of the checkpoint on one rank."""
-    return runner_logits(_cpu_args(checkpoint[0]), rank=0)
+    return runner_logits(cpu_args(checkpoint[0]), rank=0)
 
 
 def _build_for_rank(
@@ -120,14 +109,14 @@ def test_two_ranks_match_one(
     checkpoint: tuple[Path, PreTrainedModel], one_rank: list[np.ndarray]
 ) -> None:
     """Each expert's intermediate columns (and Qwen2-MoE's shared expert) split over 2 ranks."""
-    _assert_two_ranks_match(_cpu_args(checkpoint[0]), one_rank)
+    _assert_two_ranks_match(cpu_args(checkpoint[0]), one_rank)
 
 
 def test_expert_parallel_two_ranks_match_one(
     checkpoint: tuple[Path, PreTrainedModel], one_rank: list[np.ndarray]
 ) -> None:
     """The experts placed whole, 4 on each rank; the shared expert still split by columns."""
-    _assert_two_ranks_match(_cpu_args(checkpoint[0]), one_rank, enable_expert_parallel=True)
+    _assert_two_ranks_match(cpu_args(checkpoint[0]), one_rank, enable_expert_parallel=True)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["per_expert", "stacked"])
@@ -285,7 +274,7 @@ def test_shrunk_real_configs_on_dummy_weights_match_on_two_ranks(
     cfg = json.loads((CONFIGS / config).read_text())
     cfg.update(TINY_SHAPE, **experts)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    args = _cpu_args(tmp_path / "config.json", load_format="dummy")
+    args = cpu_args(tmp_path / "config.json", load_format="dummy")
     logits = _assert_two_ranks_match_one(args)
     _assert_two_ranks_match(args, logits, enable_expert_parallel=True)
     assert all(np.isfinite(step).all() and step.std() > 0 for step in logits)

@@ -22,18 +22,7 @@ from replaylm.server_args import ServerArgs
 
 from model_parity import scripted_logits
 from tiny_checkpoints import write_tiny_checkpoint
-from tp_ranks import run_ranks, runner_logits, write_dummy_config
-
-
-def _args(model_path: str, **extra: object) -> ServerArgs:
-    base: dict[str, object] = {
-        "device": "cpu",
-        "dtype": "float32",
-        "max_total_tokens": 512,
-        "max_running_requests": 8,
-        "context_length": 256,
-    }
-    return ServerArgs(model_path=model_path, **{**base, **extra})  # type: ignore[arg-type]
+from tp_ranks import cpu_args, run_ranks, runner_logits, write_dummy_config
 
 
 def _assert_logits_match(args: ServerArgs, tp_size: int) -> None:
@@ -53,17 +42,17 @@ def _with_tp(args: ServerArgs, tp_size: int) -> ServerArgs:
 def test_safetensors_logits_match_one_rank(tmp_path: Path, kind: str) -> None:
     """llama3: untied head; qwen2: QKV biases; qwen3: q/k norm, one KV head replicated."""
     write_tiny_checkpoint(kind, tmp_path)
-    _assert_logits_match(_args(str(tmp_path)), tp_size=2)
+    _assert_logits_match(cpu_args(str(tmp_path)), tp_size=2)
 
 
 def test_dummy_logits_match_one_rank_on_three_ranks(tmp_path: Path) -> None:
     config = write_dummy_config(tmp_path)
-    _assert_logits_match(_args(str(config), load_format="dummy"), tp_size=3)
+    _assert_logits_match(cpu_args(str(config), load_format="dummy"), tp_size=3)
 
 
 def test_gguf_builtin_logits_match_one_rank_on_three_ranks() -> None:
     """SmolLM2-135M: 9 heads, 3 KV heads, so 3 ranks (and not 2)."""
-    _assert_logits_match(_args(DEFAULT_MODEL, max_total_tokens=256), tp_size=3)
+    _assert_logits_match(cpu_args(DEFAULT_MODEL, max_total_tokens=256), tp_size=3)
 
 
 @pytest.mark.parametrize(
@@ -89,7 +78,7 @@ def test_sizes_that_do_not_divide_are_one_line_errors(
 ) -> None:
     """Checked before the rank joins its group, so every rank fails alike and at once."""
     config = write_dummy_config(tmp_path, **changes)
-    args = _with_tp(_args(str(config), load_format="dummy"), tp_size)
+    args = _with_tp(cpu_args(str(config), load_format="dummy"), tp_size)
     with pytest.raises(ValueError) as err:
         load_model_runner(resolve_engine_config(args), tp_rank=0)
     assert str(err.value) == message
@@ -104,7 +93,7 @@ def _rank_shows_progress(args: ServerArgs, rank: int) -> bool:
 def test_only_rank_0_draws_progress_bars() -> None:
     """The ranks load and capture in step: the others' bars would repeat rank 0's."""
     assert shows_progress()  # no group: the one process draws them
-    args = _with_tp(_args(DEFAULT_MODEL), 3)
+    args = _with_tp(cpu_args(DEFAULT_MODEL), 3)
     assert run_on_ranks(_rank_shows_progress, args, timeout_s=120) == [True, False, False]
 
 
@@ -112,7 +101,7 @@ def test_one_shot_all_reduce_is_an_error_off_cuda(tmp_path: Path) -> None:
     """`--tp-all-reduce one-shot` needs GPUs' peer memory: on the CPU the start fails at once,
     naming the flag, before any rank joins a group."""
     config = write_dummy_config(tmp_path)
-    args = _with_tp(_args(str(config), load_format="dummy", tp_all_reduce="one-shot"), 2)
+    args = _with_tp(cpu_args(str(config), load_format="dummy", tp_all_reduce="one-shot"), 2)
     with pytest.raises(ValueError, match=r"^--tp-all-reduce one-shot needs CUDA GPUs"):
         load_model_runner(resolve_engine_config(args), tp_rank=0)
 
@@ -149,7 +138,7 @@ def test_auto_all_reduce_takes_one_shot_only_where_every_gpu_reaches_every_other
 def test_one_rank_builds_no_parallel_layers(tmp_path: Path) -> None:
     """--tp-size 1 keeps the plain layers: no collective anywhere in its forward."""
     write_tiny_checkpoint("llama3", tmp_path)
-    runner = load_model_runner(resolve_engine_config(_args(str(tmp_path))))
+    runner = load_model_runner(resolve_engine_config(cpu_args(str(tmp_path))))
     names = {type(m).__name__ for m in runner.model.modules()}
     assert not {n for n in names if "Parallel" in n or n == "RankZeroSampler"}
     sched = Scheduler(runner, frozenset(), None, 2048, None)

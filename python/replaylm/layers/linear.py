@@ -1,5 +1,11 @@
 """Linear layers without initialisation (weights are loaded or filled by the loader), and the
-choice of matmul kernel (`--small-batch-matmul`, `--deterministic`)."""
+choice of matmul kernel (`--small-batch-matmul`, `--deterministic`).
+
+A layer built with an `Fp8Config` holds its weight in FP8 (e4m3) with float32 `weight_scale`s
+(`layers/quantization/layout.py`: per output channel, or per block) and, for static
+activations, `input_scale`s; its forward is `fp8_linear` whatever `set_matmul` chose (the
+kernel choice is the unquantized layers').
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ from torch import nn
 from replaylm.distributed.sharding import Shard
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import cublas_linear, use_triton_kernels
+from replaylm.layers.quantization.config import Fp8Config
+from replaylm.layers.quantization.fp8 import FP8_DTYPE
+from replaylm.layers.quantization.fp8_linear import fp8_linear
+from replaylm.layers.quantization.layout import as_held, scale_shape, scale_shard, whole_blocks
 
 # cublas: F.linear; triton: the skinny split-K kernel for inputs of at most 16 rows (F.linear
 # above); invariant: the skinny kernel for every input, K unsplit (rows independent of the batch);
@@ -61,12 +71,15 @@ class MatmulLayer(nn.Module):
 def set_matmul(model: nn.Module, matmul: str) -> Counter[str]:
     """Make every MatmulLayer of `model` use `matmul` (one of MATMULS; auto: each layer's
     `auto_matmul`); when any takes "triton", reserve the split-K workspace on the model's device
-    now. Returns how many layers take each kernel."""
+    now. Returns how many layers take each kernel ("fp8": the FP8 layers, which always run
+    `fp8_linear` and are left as they are)."""
     if matmul not in MATMULS:
         raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, not '{matmul}'")
     chosen: Counter[str] = Counter()
     for module in model.modules():
-        if isinstance(module, MatmulLayer):
+        if isinstance(module, Linear) and module.quant is not None:
+            chosen["fp8"] += 1
+        elif isinstance(module, MatmulLayer):
             module.matmul = module.auto_matmul() if matmul == "auto" else matmul
             chosen[module.matmul] += 1
     weight = next(model.parameters(), None)
@@ -78,28 +91,78 @@ def set_matmul(model: nn.Module, matmul: str) -> Counter[str]:
 
 
 class Linear(MatmulLayer):
-    """`y = x W^T (+ b)` with `W` `[out, in]`, allocated uninitialised on the default device.
+    """`y = x W^T (+ b)` with `W` `[out, in]`, allocated uninitialised on the default device (in
+    FP8 with its scales when `quant` is given).
 
     `shard`: under tensor parallelism, where this rank's weight lies in the checkpoint's (dim 0:
     a column-parallel layer, its output split over the ranks; dim 1: `RowParallelLinear`); None:
     the whole weight."""
 
+    weight_scale: nn.Parameter | None
+    input_scale: nn.Parameter | None
+
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, shard: Shard | None = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        shard: Shard | None = None,
+        quant: Fp8Config | None = None,
+        num_input_scales: int = 1,
     ) -> None:
+        """`num_input_scales`: the checkpoint tensors whose static input scales the layer holds
+        (one each; a fused layer's shards)."""
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
         self.shard = shard
+        self.num_input_scales = num_input_scales
+        self.make_weights(quant)
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+
+    def make_weights(self, quant: Fp8Config | None) -> None:
+        """(Re)allocate the weight: in the default dtype, or (`quant`) in FP8 with its scales.
+        The loader calls it with None for a layer the checkpoint leaves unquantized."""
+        self.quant = quant
+        shape = (self.output_size, self.input_size)
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(shape))
+            self.weight_scale = self.input_scale = None
+            return
+        block = quant.block_size
+        self.weight = nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(
+            torch.empty(scale_shape(*shape, block), dtype=torch.float32), requires_grad=False
+        )
+        self.input_scale = None
+        if quant.static_activations:
+            self.input_scale = nn.Parameter(
+                torch.empty(self.num_input_scales, dtype=torch.float32), requires_grad=False
+            )
+        scale_shard(self.shard, block)  # a rank's part of block scales: whole blocks, or an error
+
+    @property
+    def block_size(self) -> tuple[int, int] | None:
+        return None if self.quant is None else self.quant.block_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(
+                x,
+                self.weight,
+                self.weight_scale,
+                self.block_size,
+                self.bias,
+                input_scale=self.input_scale,
+            )
         return linear(x, self.weight, self.bias, self.matmul)
 
     def _shard_of(self, name: str) -> Shard | None:
+        if name == "weight_scale":
+            return scale_shard(self.shard, self.block_size)
         # a row-parallel bias is whole on every rank: it is added once, after the sum
-        return None if name == "bias" and self.shard is not None and self.shard.dim else self.shard
+        row_bias = name == "bias" and self.shard is not None and self.shard.dim
+        return None if name == "input_scale" or row_bias else self.shard
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the checkpoint tensor `full` of parameter `name`."""
@@ -111,6 +174,11 @@ class Linear(MatmulLayer):
         shard, local = self._shard_of(name), getattr(self, name).shape
         return tuple(local) if shard is None else shard.full_shape(local)
 
+    def as_held(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The checkpoint tensor `tensor` of parameter `name` in the form the layer holds it
+        (`layout.as_held`: scales float32, per-tensor ones repeated per channel)."""
+        return as_held(name, tensor, self.full_shape("weight")[0], self.block_size)
+
     def auto_matmul(self) -> str:
         """The skinny kernel for weights up to AUTO_SKINNY_MAX_BYTES, cuBLAS above."""
         size = self.weight.numel() * self.weight.element_size()
@@ -121,8 +189,10 @@ class MergedLinear(Linear):
     """Several projections of one input fused into one matmul (QKV, gate-up).
 
     `shards` maps a shard name to its output width, in output order; `load_shard` copies one
-    checkpoint tensor into its rows. `sources`: under tensor parallelism, where each shard's
-    rows lie in its checkpoint tensor (None: all of them).
+    checkpoint tensor into its rows (or, for its scales, into theirs: per-channel scales at the
+    shard's rows, block scales at its rows' blocks, so every shard but the last must be whole
+    blocks; one static input scale per shard). `sources`: under tensor parallelism, where each
+    shard's rows lie in its checkpoint tensor (None: all of them).
     """
 
     def __init__(
@@ -131,8 +201,11 @@ class MergedLinear(Linear):
         shards: dict[str, int],
         bias: bool = False,
         sources: dict[str, Shard] | None = None,
+        quant: Fp8Config | None = None,
     ) -> None:
-        super().__init__(input_size, sum(shards.values()), bias)
+        super().__init__(
+            input_size, sum(shards.values()), bias, quant=quant, num_input_scales=len(shards)
+        )
         self.shard_sizes = dict(shards)
         self.sources = sources
         self.shard_offsets: dict[str, int] = {}
@@ -140,39 +213,76 @@ class MergedLinear(Linear):
         for name, size in shards.items():
             self.shard_offsets[name] = offset
             offset += size
+        if self.block_size is not None:
+            self._placement("weight_scale")  # every shard on whole blocks, or an error
 
-    def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor, name: str) -> None:
-        """Copy `tensor` (named `name` in the checkpoint) into `shard`'s rows of `param`."""
-        start, size = self.shard_offsets[shard], self.shard_sizes[shard]
-        if self.sources is not None:
-            source = self.sources[shard]
+    def _placement(self, name: str) -> dict[str, tuple[int, int, Shard | None]]:
+        """Per shard, in order: its rows of parameter `name` (start, count) and where they lie
+        in its checkpoint tensor (None: all of it)."""
+        if name == "input_scale":
+            return {shard: (index, 1, None) for index, shard in enumerate(self.shard_sizes)}
+        block = self.block_size if name == "weight_scale" else None
+        placed = {}
+        for shard, size in self.shard_sizes.items():
+            start = self.shard_offsets[shard]
+            source = None if self.sources is None else self.sources[shard]
+            if block is None:
+                placed[shard] = (start, size, source)
+                continue
+            if start % block[0]:
+                raise ValueError(
+                    f"FP8 block scales: the fused {'/'.join(self.shard_sizes)} layer's {shard} "
+                    f"rows start at {start}, inside a block of {block[0]} (block size "
+                    f"{list(block)}): every shard but the last must be whole blocks"
+                )
+            rows = -(-size // block[0])
+            held = None if source is None else whole_blocks(source, block)
+            placed[shard] = (start // block[0], rows, held)
+        return placed
+
+    def load_shard(self, name: str, shard: str, tensor: torch.Tensor, ckpt_name: str) -> None:
+        """Copy the checkpoint tensor `tensor` (named `ckpt_name`) of `shard`'s parameter
+        `name` into its place."""
+        param = getattr(self, name)
+        start, size, source = self._placement(name)[shard]
+        weight_rows = self.shard_sizes[shard] if self.sources is None else self.sources[shard].full
+        tensor = as_held(name, tensor, weight_rows, self.block_size)
+        if source is not None:
             if tensor.shape[0] != source.full:
                 raise ValueError(
-                    f"shape mismatch for '{name}': checkpoint has {tuple(tensor.shape)}, "
+                    f"shape mismatch for '{ckpt_name}': checkpoint has {tuple(tensor.shape)}, "
                     f"model expects {source.full_shape(tensor.shape)}"
                 )
             tensor = source.take(tensor)
         expected = (size, *param.shape[1:])
         if tuple(tensor.shape) != expected:
             raise ValueError(
-                f"shape mismatch for '{name}': checkpoint has {tuple(tensor.shape)}, "
+                f"shape mismatch for '{ckpt_name}': checkpoint has {tuple(tensor.shape)}, "
                 f"model expects {expected}"
             )
         with torch.no_grad():
             param[start : start + size].copy_(tensor)
 
+    def _sources(self, name: str) -> list[Shard] | None:
+        """Where each shard's rows of parameter `name` lie in its checkpoint tensor, in order
+        (None: the fused tensor is the checkpoint's)."""
+        placed = self._placement(name).values()
+        sources = [source for _, _, source in placed if source is not None]
+        return sources if len(sources) == len(placed) else None
+
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a fused checkpoint-shaped tensor: each shard's part, in order."""
-        if self.sources is None:
+        sources = self._sources(name)
+        if sources is None:
             return full
-        wholes = full.split([s.full for s in self.sources.values()])
-        return torch.cat([s.take(w) for s, w in zip(self.sources.values(), wholes, strict=True)])
+        wholes = full.split([s.full for s in sources])
+        return torch.cat([s.take(w) for s, w in zip(sources, wholes, strict=True)])
 
     def full_shape(self, name: str) -> tuple[int, ...]:
-        local = getattr(self, name).shape
-        if self.sources is None:
+        local, sources = getattr(self, name).shape, self._sources(name)
+        if sources is None:
             return tuple(local)
-        return (sum(s.full for s in self.sources.values()), *local[1:])
+        return (sum(s.full for s in sources), *local[1:])
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split a fused output back into its shards, in order."""
@@ -182,21 +292,29 @@ class MergedLinear(Linear):
 class GateUpLinear(MergedLinear):
     """The gate and up projections followed by SiluAndMul: `[..., in] -> [..., inter]`,
     `silu(x Wg^T) * (x Wu^T)`. On the skinny kernel (up to 16 rows, or `invariant`) one launch,
-    SiluAndMul in its epilogue; otherwise the matmul, then SiluAndMul's own kernel."""
+    SiluAndMul in its epilogue; otherwise the matmul (FP8 weights: `fp8_linear`), then
+    SiluAndMul's own kernel."""
 
     def __init__(
-        self, input_size: int, intermediate_size: int, source: Shard | None = None
+        self,
+        input_size: int,
+        intermediate_size: int,
+        source: Shard | None = None,
+        quant: Fp8Config | None = None,
     ) -> None:
         """`intermediate_size`: this rank's; `source`: where its rows lie in the checkpoint's
         gate and up projections (None: all of them)."""
         sources = None if source is None else {"gate": source, "up": source}
         super().__init__(
-            input_size, {"gate": intermediate_size, "up": intermediate_size}, sources=sources
+            input_size,
+            {"gate": intermediate_size, "up": intermediate_size},
+            sources=sources,
+            quant=quant,
         )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _takes_triton_matmul(x, self.matmul):
+        if self.quant is None and _takes_triton_matmul(x, self.matmul):
             from replaylm.layers.kernels import ops
 
             return ops.linear(
@@ -212,8 +330,5 @@ class RowParallelLinear(Linear):
     (its `sum_site`), so the sum can share a launch with the residual add and the norm. Built
     only with more than one rank."""
 
-    def __init__(self, shard: Shard, output_size: int) -> None:
-        super().__init__(shard.size, output_size, False, shard)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None, self.matmul)
+    def __init__(self, shard: Shard, output_size: int, quant: Fp8Config | None = None) -> None:
+        super().__init__(shard.size, output_size, False, shard, quant)

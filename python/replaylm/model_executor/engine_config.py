@@ -113,7 +113,8 @@ def resolve_engine_config(args: ServerArgs, gpus: GpuFacts | None = None) -> Eng
 
 def draft_model_args(args: ServerArgs, graphs: CudaGraphConfig) -> ServerArgs:
     """The draft model's settings: the target's, for the draft's path, at tensor-parallel
-    size 1, with no speculation of its own; its decode steps in the target's draft phase's
+    size 1, with no speculation of its own, quantized only as its own checkpoint says (not by
+    `--quantization`, which is the target's); its decode steps in the target's draft phase's
     CUDA-graph mode, its catch-up prefills in the prefill phase's (an EAGLE head's breakable
     where those compile: torch.compile cannot trace the head's read of its features buffer at
     the batch's size, and a one-layer head has little for it to fuse)."""
@@ -136,4 +137,5 @@ def draft_model_args(args: ServerArgs, graphs: CudaGraphConfig) -> ServerArgs:
         speculative_num_steps=None,
         speculative_num_draft_tokens=None,
         speculative_max_bs=None,
+        quantization=None,
     )

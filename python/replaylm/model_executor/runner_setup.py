@@ -150,7 +150,16 @@ def _load(
     _join_tensor_parallel(args, model_config, tp, device, dtype)
     stages.mark(f"{label}model config")
     with loading_threads(device):
-        model = load_model(path, model_config, args.load_format, dtype, device, args.seed, stages)
+        model = load_model(
+            path,
+            model_config,
+            args.load_format,
+            dtype,
+            device,
+            args.seed,
+            stages,
+            args.quantization,
+        )
     attn_backend.init_model(attention_layers(model), dtype)
     kernels = _choose_kernels(args, model, device)
     return _Loaded(config, model, attn_backend, device, dtype, tp, kernels, label)
@@ -253,6 +262,12 @@ def _choose_kernels(args: ServerArgs, model: LlamaForCausalLM, device: torch.dev
             layers["triton"],
             AUTO_SKINNY_MAX_BYTES // 2**20,
             layers["cublas"],
+        )
+    if layers["fp8"]:
+        logger.info(
+            "%d FP8 linear layers: %s, whatever --small-batch-matmul says",
+            layers["fp8"],
+            "torch._scaled_mm" if device.type == "cuda" else "emulated (dequantized per matmul)",
         )
     set_batch_invariant(args.deterministic)
     _log_experts(model, device, triton_kernels, args.deterministic)

@@ -3,10 +3,17 @@
 Accepted `model_path`: a built-in name (see builtin_models), an HF folder (config.json +
 safetensors), a single `.gguf` file, or — with `load_format="dummy"` — a folder or a `.json` file
 holding only a config.
+
+FP8: the checkpoint's `quantization_config`, or `--quantization fp8`, resolves to an
+`Fp8Config` (`layers/quantization/config.py`) before the model is built; its linear layers and
+experts are built in FP8 (those the checkpoint's ignore list names re-made in the model's dtype),
+FP8 tensors load as they are, and a higher-precision weight is quantized as it arrives, on the
+device, so that memory peaks about one such weight above the FP8 model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator
@@ -15,8 +22,14 @@ import torch
 from tqdm.auto import tqdm
 
 from replaylm.distributed.parallel_state import shows_progress
+from replaylm.layers.quantization.config import resolve_quantization
 from replaylm.model_loader.dummy_weights import fill_dummy_weights
 from replaylm.model_loader.formats import LOAD_FORMATS
+from replaylm.model_loader.fp8_model import (
+    check_fp8_device,
+    describe_fp8,
+    leave_ignored_unquantized,
+)
 from replaylm.model_loader.gguf_loader import (
     count_gguf_tensors,
     iter_gguf_weights,
@@ -75,22 +88,29 @@ def load_model(
     device: torch.device,
     seed: int = 0,
     stages: StartupStages | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model of `config` on `device` in `dtype` and fill its weights from `path`
-    (a resolved model path, see `resolve_model_path`). `stages`: marked `model build`, then
-    `weights read` (reading the checkpoint's tensors) and `weights to device` (filling the
-    parameters with them; the two interleave, tensor by tensor)."""
+    (a resolved model path, see `resolve_model_path`); FP8 as the checkpoint's
+    quantization_config or `quantization` (`--quantization`) says. `stages`: marked `model
+    build`, then `weights read` (reading the checkpoint's tensors) and `weights to device`
+    (filling the parameters with them; the two interleave, tensor by tensor)."""
     fmt = resolve_load_format(path, load_format)
     model_cls = get_model_class(config.architecture)
+    quant = resolve_quantization(config.hf_config, quantization)
+    config = dataclasses.replace(config, quantization=quant)
     logger.info(
-        "building %s (%d layers) on %s in %s",
+        "building %s (%d layers) on %s in %s%s",
         config.architecture,
         config.num_hidden_layers,
         device,
         dtype,
+        "" if quant is None else ", FP8 weights",
     )
     with torch.device(device), default_dtype(dtype):
         model = model_cls(config)
+        ignored = [] if quant is None else leave_ignored_unquantized(model, quant)
+    check_fp8_device(model, device)
     if stages is not None:
         stages.mark("model build")
     weights = TimedIterator[tuple[str, torch.Tensor]](())
@@ -123,6 +143,8 @@ def load_model(
         dtype,
         device,
     )
+    if quant is not None:
+        logger.info("%s", describe_fp8(model, quant, device, ignored))
     return model
 
 

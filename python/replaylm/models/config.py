@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from replaylm.layers.quantization.config import Fp8Config
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -34,6 +36,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     hf_config: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    # FP8 weights (the checkpoint's quantization_config, or --quantization), set by the loader
+    # (`resolve_quantization`); None: the model's dtype throughout
+    quantization: Fp8Config | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

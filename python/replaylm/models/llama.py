@@ -34,6 +34,8 @@ from replaylm.layers.logits_processor import (
     VocabParallelLogitsProcessor,
 )
 from replaylm.layers.moe.layer import ExpertPiece, FusedMoE
+from replaylm.layers.quantization.config import Fp8Config
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, is_fp8, quantize_weight
 from replaylm.layers.rotary_embedding import RotaryEmbedding
 from replaylm.layers.vocab_embedding import VocabEmbedding, VocabParallelEmbedding, VocabRows
 from replaylm.models.config import ModelConfig
@@ -49,18 +51,22 @@ _FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# skipped checkpoint tensors: rope's cached frequencies, and FP8 KV-cache scales (the KV cache
+# stays in the model's dtype; an FP8 KV cache would read them)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".kv_scale")
+# FP8 block-quantized checkpoints name their weight scales so (DeepSeek's, Qwen3-*-FP8)
+_SCALE_ALIASES = {".weight_scale_inv": ".weight_scale"}
 # what one checkpoint tensor fills of a model parameter (`_map_name`): a fused layer's shard
 # ("q", "gate", ...), one expert's projection, or None: all of it
 Piece = str | ExpertPiece | None
 
 
-def _row_linear(shard: Shard, output_size: int, place: TPPlace) -> Linear:
+def _row_linear(shard: Shard, output_size: int, place: TPPlace, quant: Fp8Config | None) -> Linear:
     """The projection back to the hidden size from this rank's `shard` of its input columns:
     a plain Linear over all of them on one rank (no collective), else RowParallelLinear."""
     if place.size == 1:
-        return Linear(shard.full, output_size)
-    return RowParallelLinear(shard, output_size)
+        return Linear(shard.full, output_size, quant=quant)
+    return RowParallelLinear(shard, output_size, quant)
 
 
 class LlamaAttention(nn.Module):
@@ -85,9 +91,10 @@ class LlamaAttention(nn.Module):
             {name: source.size for name, source in sources.items()},
             bias=qkv_bias,
             sources=sources if place.size > 1 else None,
+            quant=config.quantization,
         )
         o_shard = Shard(1, heads.head_start * d, heads.heads * d, h * d)
-        self.o_proj = _row_linear(o_shard, config.hidden_size, place)
+        self.o_proj = _row_linear(o_shard, config.hidden_size, place, config.quantization)
         self.rotary = rotary
         self.head_dim = d
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
@@ -138,13 +145,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, place: TPPlace) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        place: TPPlace,
+        quant: Fp8Config | None = None,
+    ) -> None:
+        """`quant`: FP8 weights (None: the model's dtype)."""
         super().__init__()
         rows = Shard.even(0, intermediate_size, place, MLP_COLUMNS)
         self.gate_up_proj = GateUpLinear(  # SiluAndMul included
-            hidden_size, rows.size, rows if place.size > 1 else None
+            hidden_size, rows.size, rows if place.size > 1 else None, quant
         )
-        self.down_proj = _row_linear(Shard(1, rows.start, rows.size, rows.full), hidden_size, place)
+        columns = Shard(1, rows.start, rows.size, rows.full)
+        self.down_proj = _row_linear(columns, hidden_size, place, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -300,7 +315,8 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, layer_id: int, place: TPPlace) -> nn.Module:
         """Layer `layer_id`'s MLP: the dense SwiGLU one (a mixture-of-experts model's sparse
         layers hold their experts instead)."""
-        return LlamaMLP(self.config.hidden_size, self.config.intermediate_size, place)
+        cfg = self.config
+        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, place, cfg.quantization)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -333,9 +349,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (whole: each sharded layer keeps its rank's part). Raises
-        ValueError naming the tensor on a shape mismatch, an unexpected name, or parameters (or
-        their fused shards, or experts' projections) the checkpoint did not provide."""
+        """Load HF-named tensors (whole: each sharded layer keeps its rank's part). An FP8
+        layer takes FP8 tensors and their scales as they are, and quantizes a higher-precision
+        weight as it arrives (`--quantization fp8`; its scale comes with it). Raises ValueError
+        naming the tensor on a shape mismatch, an unexpected name, an FP8 tensor for an
+        unquantized layer, or parameters (or their fused shards, or experts' projections, or
+        their scales) the checkpoint did not provide."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         pending: dict[str, set[Piece]] = {}
@@ -347,15 +366,18 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if ckpt_name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the LM head
-            target, piece = self._map_name(ckpt_name)
+            target, piece = self._map_name(_scale_name(ckpt_name))
             if target not in params:
                 raise ValueError(f"checkpoint tensor '{ckpt_name}' has no parameter in the model")
             module_name, leaf = target.rsplit(".", 1)
-            _load_piece(modules[module_name], leaf, params[target], piece, tensor, ckpt_name)
-            if piece is None:
-                pending[target].clear()
-            else:
-                pending[target].discard(piece)
+            module = modules[module_name]
+            for held_leaf, held in _as_held(module, leaf, params[target], tensor, ckpt_name):
+                held_name = f"{module_name}.{held_leaf}"
+                _load_piece(module, held_leaf, params[held_name], piece, held, ckpt_name)
+                if piece is None:
+                    pending[held_name].clear()
+                else:
+                    pending[held_name].discard(piece)
         missing = sorted(
             name if piece is None else f"{name} ({piece})"
             for name, left in pending.items()
@@ -374,6 +396,23 @@ class LlamaForCausalLM(nn.Module):
             return ".".join([*parts[:-2], fused, parts[-1]]), shard
         return ckpt_name, None
 
+    def checkpoint_names(self, module_name: str) -> list[str]:
+        """The checkpoint's names of the module `module_name` (a fused layer's: its shards',
+        `q_proj`, ...), which a quantization config's ignore list names."""
+        parent, _, leaf = module_name.rpartition(".")
+        unfused = [
+            f"{parent}.{proj}" for proj, (fused, _) in _FUSED_SHARDS.items() if fused == leaf
+        ]
+        return unfused or [module_name]
+
+
+def _scale_name(ckpt_name: str) -> str:
+    """`ckpt_name` with a weight scale's alias (`weight_scale_inv`) as the model names it."""
+    for alias, name in _SCALE_ALIASES.items():
+        if ckpt_name.endswith(alias):
+            return ckpt_name[: -len(alias)] + name
+    return ckpt_name
+
 
 def _pieces(module: nn.Module, leaf: str) -> set[Piece]:
     """The pieces (`Piece`) that checkpoint tensors fill of `module`'s parameter `leaf`."""
@@ -382,6 +421,30 @@ def _pieces(module: nn.Module, leaf: str) -> set[Piece]:
     if isinstance(module, FusedMoE):
         return set(module.pieces(leaf))
     return {None}
+
+
+def _as_held(
+    module: nn.Module, leaf: str, param: nn.Parameter, tensor: torch.Tensor, ckpt_name: str
+) -> list[tuple[str, torch.Tensor]]:
+    """The (parameter leaf, tensor) pairs the checkpoint tensor `tensor` of `module`'s
+    parameter `leaf` fills: itself, or for a higher-precision weight of an FP8 layer its FP8
+    values and their scales, quantized as the layer holds them on the parameter's device
+    (`--quantization fp8`). ValueError naming an FP8 tensor the layer does not hold in FP8."""
+    fp8_tensor = tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1
+    if fp8_tensor and not is_fp8(param):
+        raise ValueError(
+            f"checkpoint tensor '{ckpt_name}' is {tensor.dtype}, but the model holds it "
+            "unquantized (a router, or a layer the quantization config leaves unquantized)"
+        )
+    if not is_fp8(param) or is_fp8(tensor):
+        return [(leaf, tensor)]
+    if fp8_tensor or not tensor.dtype.is_floating_point:
+        raise ValueError(
+            f"checkpoint tensor '{ckpt_name}' is {tensor.dtype}; the model holds it {FP8_DTYPE}"
+        )
+    assert isinstance(module, (Linear, FusedMoE)) and module.quant is not None
+    q, scale = quantize_weight(tensor.to(param.device), module.quant.block_size)
+    return [(leaf, q), (f"{leaf}_scale", scale)]
 
 
 def _load_piece(
@@ -396,11 +459,13 @@ def _load_piece(
     of `module`'s parameter `leaf` (`param`). ValueError naming it on a shape mismatch."""
     if isinstance(piece, ExpertPiece):
         assert isinstance(module, FusedMoE)
-        module.load_expert(piece.expert, piece.proj, tensor, ckpt_name)
+        module.load_expert(piece.expert, piece.proj, tensor, ckpt_name, leaf)
     elif piece is not None:
         assert isinstance(module, MergedLinear)
-        module.load_shard(param, piece, tensor, ckpt_name)
+        module.load_shard(leaf, piece, tensor, ckpt_name)
     else:
+        if isinstance(module, Linear):
+            tensor = module.as_held(leaf, tensor)
         expected = full_shape(module, leaf)
         if tuple(tensor.shape) != expected:
             raise ValueError(

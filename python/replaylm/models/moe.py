@@ -34,6 +34,7 @@ from replaylm.layers.moe.layer import (
     SparseMoeBlock,
     live_pairs,
 )
+from replaylm.layers.quantization.config import Fp8Config
 from replaylm.models.config import ModelConfig
 from replaylm.models.llama import LlamaForCausalLM, LlamaMLP, Piece
 from replaylm.models.qwen3 import Qwen3ForCausalLM
@@ -41,8 +42,11 @@ from replaylm.models.qwen3 import Qwen3ForCausalLM
 if TYPE_CHECKING:
     from replaylm.model_executor.forward_batch import ForwardBatch
 
-# `<layer>.mlp.experts.<e>.<gate|up|down>_proj.weight`: one expert's projection
-_EXPERT_TENSOR = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+# `<layer>.mlp.experts.<e>.<gate|up|down>_proj.<weight|weight_scale|input_scale>`: one
+# expert's projection, or its FP8 scales
+_EXPERT_TENSOR = re.compile(
+    r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale|input_scale)"
+)
 # transformers' stacked expert tensors -> FusedMoE's parameters
 _STACKED_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 # Mixtral's expert projection names -> the common ones
@@ -63,14 +67,24 @@ class MoeSpec:
     sparse_layers: frozenset[int]
     shared_expert_size: int | None = None
 
-    def block(self, hidden_size: int, place: TPPlace) -> SparseMoeBlock:
-        """A sparse layer's MLP, for this process's tensor-parallel `place`."""
+    def block(
+        self, hidden_size: int, place: TPPlace, quant: Fp8Config | None = None
+    ) -> SparseMoeBlock:
+        """A sparse layer's MLP, for this process's tensor-parallel `place`; `quant`: FP8
+        experts (and shared expert). The router and the shared expert's gate stay in the
+        model's dtype, as FP8 checkpoints hold them."""
         experts = FusedMoE(
-            self.num_experts, hidden_size, self.expert_size, self.top_k, self.renormalize, place
+            self.num_experts,
+            hidden_size,
+            self.expert_size,
+            self.top_k,
+            self.renormalize,
+            place,
+            quant,
         )
         if self.shared_expert_size is None:
             return SparseMoeBlock(hidden_size, experts)
-        shared = LlamaMLP(hidden_size, self.shared_expert_size, place)
+        shared = LlamaMLP(hidden_size, self.shared_expert_size, place, quant)
         return SharedExpertMoeBlock(hidden_size, experts, shared)
 
 
@@ -140,7 +154,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_id: int, place: TPPlace) -> nn.Module:
         spec = self.moe_spec(self.config)
         if layer_id in spec.sparse_layers:
-            return spec.block(self.config.hidden_size, place)
+            return spec.block(self.config.hidden_size, place, self.config.quantization)
         return super().make_mlp(layer_id, place)
 
     @staticmethod
@@ -149,13 +163,20 @@ class MoeForCausalLM(LlamaForCausalLM):
         tensor -> the whole parameter; any other name as the Llama decoder maps it."""
         expert = _EXPERT_TENSOR.fullmatch(ckpt_name)
         if expert is not None:
-            experts, index, proj = expert.groups()
-            param = "w2_weight" if proj == "down" else "w13_weight"
+            experts, index, proj, leaf = expert.groups()
+            param = f"{'w2' if proj == 'down' else 'w13'}_{leaf}"
             return f"{experts}.{param}", ExpertPiece(int(index), proj)
         module, _, leaf = ckpt_name.rpartition(".")
         if module.endswith(".mlp.experts") and leaf in _STACKED_TENSORS:
             return f"{module}.{_STACKED_TENSORS[leaf]}", None
         return LlamaForCausalLM._map_name(ckpt_name)
+
+    def checkpoint_names(self, module_name: str) -> list[str]:
+        """A FusedMoE's: its experts' projections, as the hub's checkpoints name them."""
+        if not module_name.endswith(".mlp.experts"):
+            return super().checkpoint_names(module_name)
+        experts = range(self.moe_spec(self.config).num_experts)
+        return [f"{module_name}.{e}.{p}_proj" for e in experts for p in ("gate", "up", "down")]
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM, Qwen3ForCausalLM):

@@ -1,13 +1,21 @@
 """The experts' computation: the fused Triton kernels on the GPU (under torch.compile too, as an
 opaque custom op: the torch code finds each expert's tokens with a host sync, which neither
-Inductor nor a CUDA graph can take), the torch code elsewhere and inside `native_only()`."""
+Inductor nor a CUDA graph can take), the torch code elsewhere and inside `native_only()`.
+
+FP8 experts have no fused kernel yet: on the GPU they raise NotImplementedError naming it (the
+seam a fused FP8 MoE kernel fills); the torch code runs them, emulated on the CPU."""
 
 from __future__ import annotations
 
 import torch
 
 from replaylm.layers.kernels import use_opaque_kernel
-from replaylm.layers.moe.torch_experts import torch_experts
+from replaylm.layers.moe.torch_experts import Fp8ExpertScales, torch_experts
+
+FP8_MOE_KERNEL_MISSING = (
+    "FP8 mixture-of-experts weights on CUDA need a fused FP8 MoE kernel, which replaylm does "
+    "not have yet (the CPU emulates them)"
+)
 
 
 def fused_experts(
@@ -16,13 +24,16 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    fp8: Fp8ExpertScales | None = None,
 ) -> torch.Tensor:
-    """`hidden` `[T, H]` through its routed experts (`torch_experts` gives the contract): the
-    fused Triton kernels where `use_opaque_kernel(hidden)` (no host sync: graph-capturable),
-    else the torch code."""
+    """`hidden` `[T, H]` through its routed experts (`torch_experts` gives the contract; `fp8`:
+    the scales of FP8 weights): the fused Triton kernels where `use_opaque_kernel(hidden)` (no
+    host sync: graph-capturable), else the torch code."""
     if use_opaque_kernel(hidden):
+        if fp8 is not None:
+            raise NotImplementedError(FP8_MOE_KERNEL_MISSING)
         # imported here: triton is optional, and only this route needs it
         from replaylm.layers.moe.triton_experts import triton_fused_experts
 
         return triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids)
-    return torch_experts(hidden, w13, w2, topk_weights, topk_ids)
+    return torch_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)

@@ -25,7 +25,7 @@ Each FusedMoE also counts, on the device, the tokens routed to each of its exper
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -36,6 +36,10 @@ from replaylm.layers.attention.ops import current_batch
 from replaylm.layers.linear import Linear
 from replaylm.layers.moe.experts import fused_experts
 from replaylm.layers.moe.routing import select_experts
+from replaylm.layers.moe.torch_experts import Fp8ExpertScales
+from replaylm.layers.quantization.config import Fp8Config
+from replaylm.layers.quantization.fp8 import FP8_DTYPE
+from replaylm.layers.quantization.layout import as_held, scale_shape, scale_shard
 
 EXPERT_COLUMNS = "expert intermediate (MoE) columns"
 # what expert parallelism splits over the ranks, whole (in the error when they do not divide)
@@ -105,11 +109,21 @@ class FusedMoE(nn.Module):
     each token to its `top_k` experts (their softmax weights, renormalised to sum to 1 with
     `renormalize`) and sums what this rank's experts return, weighted.
 
+    With `quant` the weights are FP8 (e4m3) with float32 `w13_weight_scale` / `w2_weight_scale`
+    (per channel `[E_rank, 2 I_rank]` / `[E_rank, H]`, or per block: `[E_rank, 2 I_rank / bn,
+    ceil(H / bk)]` / `[E_rank, ceil(H / bn), ceil(I_rank / bk)]`, each expert's gate and up
+    blocks apart, so `I_rank` must be whole blocks) and, for static activations,
+    `w13_input_scale` `[E_rank, 2]` / `w2_input_scale` `[E_rank, 1]`: each checkpoint tensor's.
+
     `routed_tokens` `[E]` (int64, on the device) counts the tokens routed to each expert so far,
     every expert's on every rank (the routing is the same on all), a CUDA graph's padding rows
     left out by `live` (the model's, shared by its layers)."""
 
     routed_tokens: torch.Tensor
+    w13_weight_scale: nn.Parameter | None
+    w2_weight_scale: nn.Parameter | None
+    w13_input_scale: nn.Parameter | None
+    w2_input_scale: nn.Parameter | None
 
     def __init__(
         self,
@@ -119,6 +133,7 @@ class FusedMoE(nn.Module):
         top_k: int,
         renormalize: bool,
         place: TPPlace,
+        quant: Fp8Config | None = None,
     ) -> None:
         super().__init__()
         experts_place, columns_place = (
@@ -126,15 +141,49 @@ class FusedMoE(nn.Module):
         )
         self.local_experts = Shard.even(0, num_experts, experts_place, EXPERTS)
         self.columns = Shard.even(0, intermediate_size, columns_place, EXPERT_COLUMNS)
-        experts, size = self.local_experts.size, self.columns.size
-        self.w13_weight = nn.Parameter(torch.empty(experts, 2 * size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(experts, hidden_size, size))
+        self.make_weights(quant, hidden_size)
         self.register_buffer(
             "routed_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False
         )
         self.live = LiveTokens()
         self.top_k = top_k
         self.renormalize = renormalize
+
+    def make_weights(self, quant: Fp8Config | None, hidden_size: int) -> None:
+        """(Re)allocate the experts' weights: in the default dtype, or (`quant`) in FP8 with
+        their scales. The loader calls it with None for experts the checkpoint leaves
+        unquantized."""
+        self.quant = quant
+        experts, size = self.local_experts.size, self.columns.size
+        shapes = {"w13": (experts, 2 * size, hidden_size), "w2": (experts, hidden_size, size)}
+        self.w13_weight_scale = self.w2_weight_scale = None
+        self.w13_input_scale = self.w2_input_scale = None
+        if quant is None:
+            self.w13_weight = nn.Parameter(torch.empty(shapes["w13"]))
+            self.w2_weight = nn.Parameter(torch.empty(shapes["w2"]))
+            return
+        block = quant.block_size
+        if block is not None and size % block[0]:
+            columns = (
+                f"--tp-size splits each expert's {self.columns.full} intermediate columns into "
+                f"parts of {size}, not"
+                if size < self.columns.full
+                else f"each expert's {size} intermediate columns are not"
+            )
+            raise ValueError(
+                f"FP8 block scales: {columns} whole blocks of {block[0]} (the checkpoint's "
+                f"block size {list(block)})"
+            )
+        for w, (e, n, k) in shapes.items():
+            fp8 = torch.empty((e, n, k), dtype=FP8_DTYPE)
+            scale = torch.empty((e, *scale_shape(n, k, block)), dtype=torch.float32)
+            setattr(self, f"{w}_weight", nn.Parameter(fp8, requires_grad=False))
+            setattr(self, f"{w}_weight_scale", nn.Parameter(scale, requires_grad=False))
+            if quant.static_activations:
+                inputs = torch.empty((e, 2 if w == "w13" else 1), dtype=torch.float32)
+                setattr(self, f"{w}_input_scale", nn.Parameter(inputs, requires_grad=False))
+        for proj in ("gate", "down"):  # a rank's columns of block scales: whole blocks, or an error
+            self._part_shard(proj, "weight_scale")
 
     @property
     def num_experts(self) -> int:
@@ -153,7 +202,19 @@ class FusedMoE(nn.Module):
         first = self.local_experts.start
         if first:  # local ids; the experts of ranks before this one fall below 0
             ids = ids - first
-        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids)
+        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, self._fp8())
+
+    def _fp8(self) -> Fp8ExpertScales | None:
+        if self.quant is None:
+            return None
+        assert self.w13_weight_scale is not None and self.w2_weight_scale is not None
+        return Fp8ExpertScales(
+            self.w13_weight_scale,
+            self.w2_weight_scale,
+            self.quant.block_size,
+            self.w13_input_scale,
+            self.w2_input_scale,
+        )
 
     def count(self, ids: torch.Tensor) -> None:
         """Add the routed expert ids `ids` `[T, k]` to `routed_tokens` (`count_routed_tokens`),
@@ -170,58 +231,95 @@ class FusedMoE(nn.Module):
 
     def pieces(self, name: str) -> list[ExpertPiece]:
         """The per-expert checkpoint tensors that fill parameter `name`: this rank's experts'."""
-        projs = ("down",) if name == "w2_weight" else GATE_UP
-        return [ExpertPiece(e, proj) for e in self._held() for proj in projs]
+        return [ExpertPiece(e, proj) for e in self._held() for proj in _projections(name)]
 
-    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, name: str) -> None:
-        """Copy this rank's columns of expert `expert`'s whole `proj` projection `tensor`
-        (named `name` in the checkpoint; gate and up `[I, H]`, down `[H, I]`) into place; an
-        expert another rank holds is skipped. ValueError naming it for an expert the model
-        does not have or a wrong shape."""
+    def load_expert(
+        self, expert: int, proj: str, tensor: torch.Tensor, ckpt: str, name: str | None = None
+    ) -> None:
+        """Copy this rank's part of expert `expert`'s `proj` checkpoint tensor `tensor` (named
+        `ckpt`) of parameter `name` (default its weight, `w13_weight` or `w2_weight`; FP8 scales:
+        `w13_weight_scale`, ...: gate and up weights `[I, H]`, down `[H, I]`, their scales and
+        input scales) into place; an expert another rank holds is skipped. ValueError naming it
+        for an expert the model does not have or a wrong shape."""
+        name = name or ("w2_weight" if proj == "down" else "w13_weight")
         if not 0 <= expert < self.num_experts:
             raise ValueError(
-                f"checkpoint tensor '{name}' has no parameter in the model "
+                f"checkpoint tensor '{ckpt}' has no parameter in the model "
                 f"(it has {self.num_experts} experts)"
             )
-        full, hidden = self.columns.full, self.hidden_size
-        dim, expected = (1, (hidden, full)) if proj == "down" else (0, (full, hidden))
+        kind = name.split("_", 1)[1]
+        rows = self.hidden_size if proj == "down" else self.columns.full
+        block = None if self.quant is None else self.quant.block_size
+        tensor = as_held(kind, tensor, rows, block)
+        expected = self._part_shape(proj, kind)
         if tuple(tensor.shape) != expected:
             raise ValueError(
-                f"shape mismatch for '{name}': checkpoint has {tuple(tensor.shape)}, "
+                f"shape mismatch for '{ckpt}': checkpoint has {tuple(tensor.shape)}, "
                 f"model expects {expected}"
             )
         if expert not in self._held():
             return
+        shard = self._part_shard(proj, kind)
         with torch.no_grad():
-            self._expert_part(expert, proj).copy_(self._rank_columns(tensor, dim))
+            self._expert_part(expert, proj, name).copy_(
+                tensor if shard is None else shard.take(tensor)
+            )
 
-    def _expert_part(self, expert: int, proj: str) -> torch.Tensor:
-        """Where this rank's expert `expert`'s `proj` projection lies in the parameters (a
-        view)."""
-        index = expert - self.local_experts.start
+    def _part_shape(self, proj: str, kind: str) -> tuple[int, ...]:
+        """The checkpoint's shape of one expert's `proj` tensor of `kind` ("weight",
+        "weight_scale" or "input_scale")."""
+        full, hidden = self.columns.full, self.hidden_size
+        rows, cols = (hidden, full) if proj == "down" else (full, hidden)
+        if kind == "weight":
+            return (rows, cols)
+        if kind == "input_scale":
+            return (1,)
+        assert self.quant is not None
+        return scale_shape(rows, cols, self.quant.block_size)
+
+    def _part_shard(self, proj: str, kind: str) -> Shard | None:
+        """Where this rank's part lies in one expert's `proj` tensor of `kind` (None: all of
+        it): its intermediate columns, rows of gate and up, columns of down."""
+        dim = 1 if proj == "down" else 0
+        columns = Shard(dim, self.columns.start, self.columns.size, self.columns.full)
+        if kind == "weight":
+            return columns
+        if kind == "input_scale":
+            return None
+        assert self.quant is not None
+        return scale_shard(columns, self.quant.block_size)
+
+    def _expert_part(self, expert: int, proj: str, name: str) -> torch.Tensor:
+        """Where this rank's expert `expert`'s `proj` part of parameter `name` lies (a view):
+        w2's whole, or w13's gate or up half."""
+        held = getattr(self, name)[expert - self.local_experts.start]
         if proj == "down":
-            return self.w2_weight[index]
-        size = self.columns.size
-        return self.w13_weight[index].narrow(0, GATE_UP.index(proj) * size, size)
-
-    def _rank_columns(self, full: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's slice of the intermediate columns, which lie along `dim` of `full`."""
-        return full.narrow(dim, self.columns.start, self.columns.size)
+            return held
+        half = held.shape[0] // 2
+        return held.narrow(0, GATE_UP.index(proj) * half, half)
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         """The checkpoint's shape of parameter `name` stacked over the experts (transformers'
-        `gate_up_proj` / `down_proj`)."""
-        e, h, i = self.num_experts, self.hidden_size, self.columns.full
-        return (e, h, i) if name == "w2_weight" else (e, 2 * i, h)
+        `gate_up_proj` / `down_proj`, gate and up stacked along rows)."""
+        kind = name.split("_", 1)[1]
+        shapes = [self._part_shape(proj, kind) for proj in _projections(name)]
+        return (self.num_experts, sum(s[0] for s in shapes), *shapes[0][1:])
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a stacked checkpoint tensor (`full_shape`'s): of this rank's
-        experts, its columns of each one's down projection, or of each one's gate rows and of
-        its up rows."""
+        experts, each projection's part (`_part_shard`), gate's then up's for w13."""
         mine = full.narrow(0, self.local_experts.start, self.local_experts.size)
-        if name == "w2_weight":
-            return self._rank_columns(mine, 2)
-        return torch.cat([self._rank_columns(half, 1) for half in mine.chunk(2, dim=1)], dim=1)
+        kind, projs = name.split("_", 1)[1], _projections(name)
+        parts = []
+        for proj, whole in zip(projs, mine.chunk(len(projs), dim=1), strict=True):
+            shard = self._part_shard(proj, kind)
+            parts.append(whole if shard is None else replace(shard, dim=shard.dim + 1).take(whole))
+        return torch.cat(parts, dim=1)
+
+
+def _projections(name: str) -> tuple[str, ...]:
+    """The projections whose checkpoint tensors fill parameter `name` (`w13_*`, `w2_*`)."""
+    return ("down",) if name.startswith("w2_") else GATE_UP
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,0 +1,94 @@
+"""The FP8 matmul: `x @ (q * scale).T (+ bias)`, its input quantized to FP8 first.
+
+On CUDA, per-channel scales run `torch._scaled_mm` (compute capability 8.9+): the input
+quantized per token (or with the layer's static scale) to e4m3, its row scales `[T, 1]` and the
+weight's column scales `[1, N]` applied in the GEMM's epilogue (row-wise scaling; K and N
+multiples of 16, the weight read column-major: `q.t()` of the row-major `[N, K]` weight).
+Block scales need a block-scaled GEMM kernel, not written yet: NotImplementedError names it.
+
+Elsewhere (the CPU) the matmul is emulated: the weight dequantized to float32 for each call, the
+input quantized and dequantized exactly as the GPU path quantizes it (per token, or per token
+and block-column group for block scales), one float32 F.linear, the result cast to the
+output dtype. The emulation is the numerics' reference and what the CPU tests run; it saves no
+memory bandwidth or time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from replaylm.layers.quantization.fp8 import (
+    Block,
+    dequantize_activation,
+    dequantize_weight,
+    quantize_activation,
+)
+
+BLOCK_GEMM_MISSING = (
+    "FP8 block-scaled weights on CUDA need a block-scaled FP8 GEMM kernel, which replaylm does "
+    "not have yet (per-channel FP8 runs torch._scaled_mm; the CPU emulates both)"
+)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_size: Block | None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x` `[..., K]` times the FP8 weight `[N, K]` (e4m3) with `weight_scale` (`[N]` per
+    channel, or per `block_size` block), plus `bias`, in `out_dtype` (default x's). The input is
+    quantized per token (per token and `block_size[1]`-column group with block scales), or with
+    `input_scale` (static: the largest of the layer's input scales). CUDA: `torch._scaled_mm`;
+    the CPU: the emulation (the module docstring's)."""
+    out_dtype = out_dtype or x.dtype
+    rows = x.reshape(-1, x.shape[-1])
+    if x.is_cuda:
+        y = _scaled_mm(rows, weight, weight_scale, block_size, out_dtype, input_scale)
+    else:
+        y = _emulated(rows, weight, weight_scale, block_size, input_scale).to(out_dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_size: Block | None,
+    out_dtype: torch.dtype,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """Row-wise scaled FP8 GEMM: scale_a `[T, 1]`, scale_b `[1, N]`, both float32 and
+    contiguous."""
+    if block_size is not None:
+        raise NotImplementedError(BLOCK_GEMM_MISSING)
+    x_q, x_scale = quantize_activation(x, static_scale=input_scale)
+    return torch._scaled_mm(
+        x_q,
+        weight.t(),
+        scale_a=x_scale,
+        scale_b=weight_scale.reshape(1, -1),
+        out_dtype=out_dtype,
+    )
+
+
+def _emulated(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_size: Block | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """The GPU path's numbers in float32: the quantized input times the dequantized weight."""
+    group = None if block_size is None else block_size[1]
+    x_q, x_scale = quantize_activation(x, group, input_scale)
+    return F.linear(
+        dequantize_activation(x_q, x_scale, group),
+        dequantize_weight(weight, weight_scale, block_size),
+    )
