@@ -25,7 +25,7 @@ import torch
 from replaylm.distributed.parallel_state import TPPlace
 from replaylm.layers.attention.ops import attention_context
 from replaylm.layers.moe.layer import FusedMoE, SparseMoeBlock
-from replaylm.layers.moe.routing import select_experts
+from replaylm.layers.moe.routing import LiveTokens, route, select_experts
 from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_executor.expert_tokens import ExpertTokenReader
 from replaylm.model_executor.forward_batch import ForwardBatch
@@ -135,7 +135,7 @@ def _count_routing_on_the_host(runner: ModelRunner) -> dict[str, torch.Tensor]:
 
         def count(_gate, _inputs, logits, name=name, experts=block.experts) -> None:
             _, ids = select_experts(logits, experts.top_k, experts.renormalize)
-            live = ids.reshape(-1)[experts.live.pairs != 0]
+            live = ids[experts.live.slots != 0].reshape(-1)
             counts[name] += torch.bincount(live.long(), minlength=EXPERTS)
 
         block.gate.register_forward_hook(count)
@@ -162,14 +162,21 @@ def test_counts_equal_a_host_count_of_the_routing(qwen3_moe: Path, path: str) ->
 
 
 def test_compiled_count_reads_the_attention_context_batch() -> None:
-    """Under torch.compile the count is one custom op reading the open context's batch."""
-    experts = FusedMoE(EXPERTS, 16, 8, TOP_K, True, TPPlace())
-    ids = torch.tensor([[0, 3], [3, 5], [7, 0]], dtype=torch.int32)
+    """Under torch.compile the routing's count is one custom op reading the open context's
+    batch (the model's `live` slots are not read)."""
+    counts = torch.zeros(EXPERTS, dtype=torch.int64)
+    logits = torch.zeros(3, EXPERTS)
+    for token, (first, second) in enumerate([(0, 3), (3, 5), (7, 0)]):
+        logits[token, first], logits[token, second] = 2.0, 1.0
     batch = cast(ForwardBatch, SimpleNamespace(out_cache_loc=torch.tensor([5, 9, 0])))
-    compiled = torch.compile(experts.count, backend="aot_eager", fullgraph=True)
+
+    def routed(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, TOP_K, True, counts, LiveTokens())
+
     with attention_context(batch, []):
-        compiled(ids)
-    assert experts.routed_tokens.tolist() == [1, 0, 0, 2, 0, 1, 0, 0]  # the padding row's: not
+        _, ids = torch.compile(routed, backend="aot_eager", fullgraph=True)(logits)
+    assert ids.tolist() == [[0, 3], [3, 5], [7, 0]]
+    assert counts.tolist() == [1, 0, 0, 2, 0, 1, 0, 0]  # the padding row's: not
 
 
 def test_reader_sums_the_layers_and_each_ranks_experts() -> None:

@@ -6,6 +6,7 @@ other ranks' experts; a token's output is shown not to depend on the rows beside
 graph's padding rows). Then the dispatch: `fused_experts` takes the Triton route where
 the kernels' device is the input's, and traces as one custom op under torch.compile. float32 and
 float16 only: the interpreter's bf16 is not the GPU's (test_fused_kernels_interpreter.py).
+The routing kernel (`fused_route`) against the torch routing and count.
 """
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ require_triton_interpreter()
 
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.kernels import native_only  # noqa: E402
+from replaylm.layers.moe import fused_routing  # noqa: E402
 from replaylm.layers.moe import triton_experts as triton_module  # noqa: E402
 from replaylm.layers.moe.block_configs import MoeBlockConfig  # noqa: E402
 from replaylm.layers.moe.experts import fused_experts  # noqa: E402
+from replaylm.layers.moe.fused_routing import fused_route  # noqa: E402
 from replaylm.layers.moe.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
+from replaylm.layers.moe.routing import (  # noqa: E402
+    LiveTokens,
+    count_routed_tokens,
+    route,
+    select_experts,
+)
 from replaylm.layers.moe.torch_experts import torch_experts  # noqa: E402
 from replaylm.layers.moe.triton_experts import triton_experts  # noqa: E402
 
@@ -212,3 +221,48 @@ def test_fused_experts_traces_as_one_custom_op(triton_calls, kernels_switch):
         got = compiled(x, w13, w2, weights, ids)
     assert triton_calls == [3, 3]
     assert torch.equal(got, eager)
+
+
+# ---- the routing kernel -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "renormalize"),
+    [(1, 8, 2, True), (7, 60, 4, True), (5, 128, 8, False), (3, 6, 6, True)],
+)
+def test_fused_routing_matches_the_torch_routing(tokens, experts, top_k, renormalize):
+    """Weights, ids (shifted by a first expert) and the live tokens' count equal
+    `select_experts` and `count_routed_tokens`; a row at slot 0 (padding) counts nothing.
+    float32 logits: no ties, whose order torch.topk leaves open."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    logits = torch.randn(tokens, experts, generator=gen)
+    slots = torch.arange(tokens) * 3
+    want_w, want_ids = select_experts(logits, top_k, renormalize)
+    want_counts = torch.zeros(experts, dtype=torch.int64)
+    count_routed_tokens(want_counts, want_ids, slots)
+    counts = torch.zeros(experts, dtype=torch.int64)
+    weights, ids = fused_route(logits, top_k, renormalize, counts, slots, first_expert=2)
+    assert torch.equal(ids, want_ids - 2)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(counts, want_counts) and counts.sum() == (tokens - 1) * top_k
+
+
+def test_route_takes_the_kernel_on_the_kernels_device(monkeypatch):
+    """`route` runs the fused kernel where the experts run theirs, torch inside native_only();
+    without slots every row counts."""
+    monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
+    calls: list[int] = []
+
+    def counted(logits, *args):
+        calls.append(logits.shape[0])
+        return fused_route(logits, *args)
+
+    monkeypatch.setattr(fused_routing, "fused_route", counted)
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    counts = [torch.zeros(16, dtype=torch.int64) for _ in range(2)]
+    fused = route(logits, 4, True, counts[0], LiveTokens())
+    with native_only():
+        native = route(logits, 4, True, counts[1], LiveTokens())
+    assert calls == [4]
+    assert torch.equal(fused[1], native[1]) and torch.equal(counts[0], counts[1])
+    assert counts[0].sum() == 16

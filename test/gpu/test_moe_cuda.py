@@ -6,29 +6,19 @@ Parity with transformers in bf16: test_model_vs_hf_cuda.py (it runs the MoE fami
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from replaylm.cuda_graph_modes import DISABLED, modes_serving
+from replaylm.cuda_graph_modes import DISABLED
 from replaylm.entrypoints.engine import Engine
 from replaylm.layers.moe.routing import select_experts
 from replaylm.layers.moe.torch_experts import torch_experts
 from replaylm.layers.moe.triton_experts import triton_experts
 
-from model_parity import divergence_gaps
+from graph_cells import CELLS, assert_cell_matches_eager, cell_engine, greedy, random_prompts
 from tiny_checkpoints import TINY_MOE_CONFIGS, write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
-
-NEAR_TIE = 0.5
-PROMPTS = 24
-CELLS = [
-    (decode, prefill)
-    for decode in (*modes_serving("decode"), DISABLED)
-    for prefill in (*modes_serving("prefill"), DISABLED)
-]
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_MOE_CONFIGS))
@@ -38,50 +28,17 @@ def checkpoint(request, tmp_path_factory) -> str:
     return str(folder)
 
 
-def _engine(path: str, decode: str, prefill: str) -> Engine:
-    return Engine(
-        model_path=path,
-        device="cuda",
-        dtype="bfloat16",
-        max_total_tokens=8192,
-        max_running_requests=32,
-        cuda_graph_mode=json.dumps({"decode": decode, "prefill": prefill}),
-    )
-
-
-def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-    return [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
-
-
 @pytest.fixture(scope="module")
 def eager(checkpoint) -> tuple[Engine, list[list[int]], list[list[int]]]:
     """The all-eager cell's engine, the prompts and its greedy tokens."""
-    engine = _engine(checkpoint, DISABLED, DISABLED)
-    gen = torch.Generator().manual_seed(0)
-    vocab = engine.runner.model.config.vocab_size
-    prompts = [
-        torch.randint(0, vocab, (5 + 7 * i % 40,), generator=gen).tolist() for i in range(PROMPTS)
-    ]
-    return engine, prompts, _greedy(engine, prompts)
+    engine = cell_engine(checkpoint, DISABLED, DISABLED)
+    prompts = random_prompts(engine.runner.model.config.vocab_size)
+    return engine, prompts, greedy(engine, prompts)
 
 
-@pytest.mark.parametrize(("decode", "prefill"), CELLS)
-def test_every_cell_gives_the_eager_greedy_tokens(checkpoint, eager, decode, prefill):
-    reference, prompts, want = eager
-    engine = _engine(checkpoint, decode, prefill)
-    try:
-        got = _greedy(engine, prompts)
-        phases = engine.runner.forward_stats.phases
-        if decode != DISABLED:
-            assert phases["decode"].graph > 0
-        if prefill != DISABLED:
-            assert phases["prefill"].graph > 0
-    finally:
-        engine.shutdown()
-    gaps = divergence_gaps(reference.runner, prompts, got, want)
-    assert all(gap <= NEAR_TIE for gap in gaps.values()), gaps
-    assert len(gaps) <= 1, gaps
+@pytest.mark.parametrize("cell", CELLS, ids="-".join)
+def test_every_cell_gives_the_eager_greedy_tokens(checkpoint, eager, cell):
+    assert_cell_matches_eager(*eager, checkpoint, cell)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 300])

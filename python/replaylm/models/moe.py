@@ -29,11 +29,10 @@ from replaylm.layers.moe.layer import (
     EXPERTS,
     ExpertPiece,
     FusedMoE,
-    LiveTokens,
     SharedExpertMoeBlock,
     SparseMoeBlock,
-    live_pairs,
 )
+from replaylm.layers.moe.routing import LiveTokens
 from replaylm.layers.quantization.config import Fp8Config
 from replaylm.models.config import ModelConfig
 from replaylm.models.llama import LlamaForCausalLM, LlamaMLP, Piece
@@ -129,7 +128,6 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.top_k = self.moe_spec(config).top_k
         self.live_tokens = LiveTokens()
         for experts in self.modules():
             if isinstance(experts, FusedMoE):
@@ -148,7 +146,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         token counts (under torch.compile, `batch` None, they read the attention_context's
         batch instead)."""
         if batch is not None:
-            self.live_tokens.pairs = live_pairs(batch.out_cache_loc, self.top_k)
+            self.live_tokens.slots = batch.out_cache_loc
         return super().forward_hidden(input_ids, positions, batch)
 
     def make_mlp(self, layer_id: int, place: TPPlace) -> nn.Module:

@@ -32,10 +32,9 @@ from torch import nn
 
 from replaylm.distributed.parallel_state import TPPlace
 from replaylm.distributed.sharding import Shard
-from replaylm.layers.attention.ops import current_batch
 from replaylm.layers.linear import Linear
 from replaylm.layers.moe.experts import fused_experts
-from replaylm.layers.moe.routing import select_experts
+from replaylm.layers.moe.routing import LiveTokens, route
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales
 from replaylm.layers.quantization.config import Fp8Config
 from replaylm.layers.quantization.fp8 import FP8_DTYPE
@@ -45,7 +44,6 @@ EXPERT_COLUMNS = "expert intermediate (MoE) columns"
 # what expert parallelism splits over the ranks, whole (in the error when they do not divide)
 EXPERTS = "experts (placed whole under --enable-expert-parallel)"
 GATE_UP = ("gate", "up")
-COUNT_OP_NAME = "replaylm::count_routed_tokens"
 
 
 @dataclass(frozen=True)
@@ -58,46 +56,6 @@ class ExpertPiece:
 
     def __str__(self) -> str:
         return f"expert {self.expert} {self.proj}_proj"
-
-
-def live_pairs(slots: torch.Tensor, top_k: int) -> torch.Tensor:
-    """int64 `[T * top_k]`: for each routed (token, slot) pair of tokens at KV slots `slots`
-    `[T]`, 1, or 0 where the slot is 0: the padding slot, which only a CUDA graph's padding rows
-    write."""
-    return (slots != 0).long()[:, None].expand(-1, top_k).reshape(-1)
-
-
-def count_routed_tokens(
-    counts: torch.Tensor, ids: torch.Tensor, pairs: torch.Tensor | None
-) -> None:
-    """Add to `counts` `[E]` (int64) each routed (token, expert) pair of `ids` `[T, k]`, by its
-    weight in `pairs` (`live_pairs`; None: 1 each). One kernel, no host sync: CUDA graphs
-    capture it."""
-    if pairs is None:
-        pairs = torch.ones(ids.numel(), dtype=torch.int64, device=ids.device)
-    counts.index_add_(0, ids.reshape(-1), pairs)
-
-
-@torch.library.custom_op(COUNT_OP_NAME, mutates_args=("counts",))
-def _count_in_context(counts: torch.Tensor, ids: torch.Tensor) -> None:
-    """`count_routed_tokens` of the live tokens of the open attention_context's batch: compiled
-    code (tc_piecewise) has no batch of its own."""
-    slots = current_batch().out_cache_loc
-    count_routed_tokens(counts, ids, live_pairs(slots, ids.shape[1]))
-
-
-@_count_in_context.register_fake
-def _count_in_context_fake(counts: torch.Tensor, ids: torch.Tensor) -> None:
-    return None
-
-
-class LiveTokens:
-    """Which rows of the forward in progress the MoE layers count: `pairs` (`live_pairs`), or
-    None: every row. The model sets it before each forward, once for all its layers, which
-    share this object."""
-
-    def __init__(self) -> None:
-        self.pairs: torch.Tensor | None = None
 
 
 class FusedMoE(nn.Module):
@@ -197,11 +155,14 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """`hidden` `[T, H]` through each token's experts, chosen by `router_logits` `[T, E]`;
         only this rank's experts' share under expert parallelism (a partial sum)."""
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        self.count(ids)
-        first = self.local_experts.start
-        if first:  # local ids; the experts of ranks before this one fall below 0
-            ids = ids - first
+        weights, ids = route(
+            router_logits,
+            self.top_k,
+            self.renormalize,
+            self.routed_tokens,
+            self.live,
+            self.local_experts.start,
+        )
         return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, self._fp8())
 
     def _fp8(self) -> Fp8ExpertScales | None:
@@ -215,15 +176,6 @@ class FusedMoE(nn.Module):
             self.w13_input_scale,
             self.w2_input_scale,
         )
-
-    def count(self, ids: torch.Tensor) -> None:
-        """Add the routed expert ids `ids` `[T, k]` to `routed_tokens` (`count_routed_tokens`),
-        padding rows left out: by `live`, or under torch.compile (whose trace would keep the
-        tensor `live` held when traced) by the attention_context's batch, in a custom op."""
-        if torch.compiler.is_compiling():
-            torch.ops.replaylm.count_routed_tokens(self.routed_tokens, ids)
-        else:
-            count_routed_tokens(self.routed_tokens, ids, self.live.pairs)
 
     def _held(self) -> range:
         """The ids of this rank's experts."""

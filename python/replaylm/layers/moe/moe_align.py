@@ -3,7 +3,8 @@
 The T x k routed (token, slot) pairs are numbered `token * k + slot`. Sorted by expert, each
 expert's run padded with a sentinel (T * k) to a multiple of `block_m`, they let the grouped GEMM
 give each program one expert's `block_m` rows. Two launches of one program per expert (count,
-then place), no host sync, buffer sizes fixed by T, k, E and `block_m`: CUDA graphs capture it.
+then place; one for a decode step's few pairs, each program counting them all), no host sync,
+buffer sizes fixed by T, k, E and `block_m`: CUDA graphs capture it.
 Ids outside 0..E-1 (experts of other ranks) belong to no program, so their pairs are left out.
 Within an expert the pairs keep their order: the result is deterministic.
 """
@@ -18,6 +19,8 @@ from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
 _SCAN = 1024  # ids a program reads per step
+# up to this many pairs every program of the place kernel counts them all: one launch, not two
+_ONE_LAUNCH_PAIRS = 256
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -45,15 +48,23 @@ def _place_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     SCAN: tl.constexpr,
+    COUNT_ALL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """This program's expert: its pairs in order from its run's start (the padded runs of the
     experts before it), the sentinel after them up to the run's padded end, its id for each of
-    the run's blocks; program 0 also writes the padded total."""
+    the run's blocks; program 0 also writes the padded total. With `COUNT_ALL` (all `numel`
+    ids within one SCAN) it counts every expert's pairs itself instead of reading Counts."""
     wait_for_producers(USE_PDL)
     expert = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
-    counts = tl.load(Counts + e, mask=e < num_experts, other=0)
+    if COUNT_ALL:
+        offs = tl.arange(0, SCAN)
+        ids = tl.load(Ids + offs, mask=offs < numel, other=-1)
+        hits = (ids[:, None] == e[None, :]) & (e[None, :] < num_experts)
+        counts = tl.sum(hits.to(tl.int32), axis=0)
+    else:
+        counts = tl.load(Counts + e, mask=e < num_experts, other=0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     if expert == 0:
         tl.store(NumPostPad, tl.sum(padded, axis=0))
@@ -97,8 +108,10 @@ def moe_align_block_size(
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=device)
     expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    _count_kernel[(num_experts,)](ids, counts, numel, SCAN=_SCAN, **pdl_launch())
+    count_all = numel <= _ONE_LAUNCH_PAIRS
+    counts = torch.empty(0 if count_all else num_experts, dtype=torch.int32, device=device)
+    if not count_all:
+        _count_kernel[(num_experts,)](ids, counts, numel, SCAN=_SCAN, **pdl_launch())
     _place_kernel[(num_experts,)](
         ids,
         counts,
@@ -109,7 +122,8 @@ def moe_align_block_size(
         num_experts,
         BLOCK_M=block_m,
         BLOCK_E=triton.next_power_of_2(num_experts),
-        SCAN=_SCAN,
+        SCAN=triton.next_power_of_2(max(numel, 16)) if count_all else _SCAN,
+        COUNT_ALL=count_all,
         **pdl_launch(),
     )
     return sorted_ids, expert_ids, num_post_pad
