@@ -2,7 +2,8 @@
 that `replaylm.layers.moe.block_configs` looks up.
 
     python benchmark/tuning/tune_moe.py --experts 128 --hidden 2048 --intermediate 768 --top-k 8
-        [--dtype bfloat16] [--tokens 1 2 4 ... 4096] [--max-configs N] [--out-dir DIR]
+        [--dtype bfloat16 | fp8_w8a8 [--block-shape 128 128]] [--tokens 1 2 4 ... 4096]
+        [--max-configs N] [--out-dir DIR]
 
 `--intermediate` is the size per rank (a tensor-parallel shard's). Per token count M: random
 hidden states routed by random logits (softmax, top-k, renormalized) through random experts; each
@@ -11,6 +12,10 @@ config of the search space (`search_space`, pruned for M) runs the whole fused p
 `torch_experts` and timed as CUDA-graph replays (triton.testing.do_bench_cudagraph). The fastest
 correct config of each M goes into `E=..,N=..,K=..,device_name=..,dtype=...json` in the configs
 folder, merged into the table already there (the new token counts replace their old entries).
+
+`--dtype fp8_w8a8`: the experts' weights quantized to e4m3 (per channel, or per `--block-shape`
+block), bfloat16 hidden states quantized by the kernels; the reference is `torch_experts` with
+the same scales, run on the CPU (its FP8 emulation there, the numbers' reference).
 """
 
 from __future__ import annotations
@@ -27,20 +32,26 @@ from triton.testing import do_bench_cudagraph
 
 from replaylm.layers.moe.block_configs import (
     CONFIG_DIR,
+    FP8_W8A8,
     MoeBlockConfig,
     config_file_name,
     default_config,
     device_name,
+    fits_block,
     load_table,
     write_table,
 )
 from replaylm.layers.moe.routing import select_experts
-from replaylm.layers.moe.torch_experts import torch_experts
+from replaylm.layers.moe.torch_experts import Fp8ExpertScales, torch_experts
 from replaylm.layers.moe.triton_experts import triton_experts
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, Block, quantize_weight
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# FP8 weights' hidden states: the FP8 checkpoints' models run in bfloat16
+FP8_HIDDEN = torch.bfloat16
 # max |got - want| / max |want| a config may reach: products rounded to the dtype either way
+# (FP8 weights: their hidden states' dtype's; both sides multiply the same e4m3 inputs)
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 BLOCK_M = (16, 32, 64, 128)
 BLOCK_N = (32, 64, 128, 256)
@@ -59,7 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--intermediate", type=int, required=True, help="N: an expert's intermediate size per rank"
     )
     parser.add_argument("--top-k", type=int, required=True, help="experts per token")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=sorted([*DTYPES, FP8_W8A8]), default="bfloat16")
+    parser.add_argument(
+        "--block-shape",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("BN", "BK"),
+        help="with --dtype fp8_w8a8: FP8 block scales of BN x BK (default: per channel)",
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     parser.add_argument(
         "--max-configs",
@@ -68,7 +87,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time at most this many configs per token count, evenly spaced in the search space",
     )
     parser.add_argument("--out-dir", type=Path, default=CONFIG_DIR)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.block_shape is not None and args.dtype != FP8_W8A8:
+        parser.error(f"--block-shape needs --dtype {FP8_W8A8}")
+    args.block_shape = None if args.block_shape is None else tuple(args.block_shape)
+    return args
+
+
+def hidden_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The hidden states' dtype: `--dtype`, or bfloat16 for FP8 weights."""
+    return FP8_HIDDEN if args.dtype == FP8_W8A8 else DTYPES[args.dtype]
+
+
+def weight_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The experts' weights' dtype (the table's, `config_file_name`'s `dtype`)."""
+    return FP8_DTYPE if args.dtype == FP8_W8A8 else DTYPES[args.dtype]
 
 
 def shared_memory_bytes(config: MoeBlockConfig, dtype_bytes: int) -> int:
@@ -78,11 +111,11 @@ def shared_memory_bytes(config: MoeBlockConfig, dtype_bytes: int) -> int:
 
 
 def search_space(
-    tokens: int, top_k: int, num_experts: int, dtype_bytes: int = 2
+    tokens: int, top_k: int, num_experts: int, dtype_bytes: int = 2, block: Block | None = None
 ) -> list[MoeBlockConfig]:
     """The configs worth timing for `tokens` tokens: row blocks no taller than an expert's
     expected rows (rounded up to a power of two, at least 16), 8 warps only for tiles of
-    64 x 64 and more, pipelines that fit in shared memory."""
+    64 x 64 and more, pipelines that fit in shared memory, K steps within FP8 blocks `block`."""
     rows_per_expert = math.ceil(tokens * top_k / num_experts)
     tallest = max(16, triton.next_power_of_2(rows_per_expert))
     space = []
@@ -90,7 +123,7 @@ def search_space(
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS, NUM_STAGES
     ):
         config = MoeBlockConfig(m, n, k, group, warps, stages)
-        if m > tallest or (warps == 8 and m * n < 64 * 64):
+        if m > tallest or (warps == 8 and m * n < 64 * 64) or not fits_block(config, block):
             continue
         if shared_memory_bytes(config, dtype_bytes) <= SHARED_MEMORY:
             space.append(config)
@@ -110,22 +143,40 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (diff / want.float().abs().max().clamp_min(1e-30)).item()
 
 
-def make_case(tokens: int, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
-    """(hidden, w13, w2, topk_weights, topk_ids) on the GPU, random, weights scaled so that the
-    products stay near unit size."""
-    on = {"dtype": DTYPES[args.dtype], "device": "cuda"}
+Case = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Fp8ExpertScales | None
+]
+
+
+def make_case(tokens: int, args: argparse.Namespace) -> Case:
+    """(hidden, w13, w2, topk_weights, topk_ids, FP8 scales or None) on the GPU, random,
+    weights scaled so that the products stay near unit size (FP8: then quantized)."""
+    dtype = hidden_dtype(args)
     experts, hidden, intermediate = args.experts, args.hidden, args.intermediate
-    x = torch.randn(tokens, hidden, **on)
-    w13 = torch.randn(experts, 2 * intermediate, hidden, **on) / hidden**0.5
-    w2 = torch.randn(experts, hidden, intermediate, **on) / intermediate**0.5
+    x = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+    w13 = torch.randn(experts, 2 * intermediate, hidden, dtype=dtype, device="cuda")
+    w2 = torch.randn(experts, hidden, intermediate, dtype=dtype, device="cuda")
+    w13, w2 = w13 / hidden**0.5, w2 / intermediate**0.5
     logits = torch.randn(tokens, experts, device="cuda")
     weights, ids = select_experts(logits, args.top_k, renormalize=True)
-    return x, w13, w2, weights, ids
+    if args.dtype != FP8_W8A8:
+        return x, w13, w2, weights, ids, None
+    (w13, w13_scale), (w2, w2_scale) = (quantize_weight(w, args.block_shape) for w in (w13, w2))
+    return x, w13, w2, weights, ids, Fp8ExpertScales(w13_scale, w2_scale, args.block_shape)
 
 
-def time_config(
-    case: tuple[torch.Tensor, ...], want: torch.Tensor, config: MoeBlockConfig
-) -> float | None:
+def reference(case: Case) -> torch.Tensor:
+    """`torch_experts` of `case`: on its GPU, or with FP8 scales on the CPU (the emulation that
+    is the FP8 numbers' reference), moved back."""
+    x, w13, w2, weights, ids, fp8 = case
+    if fp8 is None:
+        return torch_experts(x, w13, w2, weights, ids)
+    scales = Fp8ExpertScales(fp8.w13.cpu(), fp8.w2.cpu(), fp8.block_size)
+    want = torch_experts(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu(), scales)
+    return want.to(x.device)
+
+
+def time_config(case: Case, want: torch.Tensor, config: MoeBlockConfig) -> float | None:
     """Milliseconds of one fused call under `config` (graph replays), None where it does not
     compile for this GPU or misses `want` by more than its dtype's tolerance."""
     try:
@@ -142,23 +193,25 @@ def time_config(
 def tune_tokens(tokens: int, args: argparse.Namespace) -> tuple[MoeBlockConfig, float, float]:
     """(fastest config, its ms, the default config's ms) for `tokens` tokens."""
     case = make_case(tokens, args)
-    want = torch_experts(*case)
-    dtype_bytes = DTYPES[args.dtype].itemsize
-    space = sampled(search_space(tokens, args.top_k, args.experts, dtype_bytes), args.max_configs)
+    want = reference(case)
+    dtype_bytes = weight_dtype(args).itemsize  # FP8: both tiles e4m3
+    space = search_space(tokens, args.top_k, args.experts, dtype_bytes, args.block_shape)
+    space = sampled(space, args.max_configs)
     timed = {config: time_config(case, want, config) for config in space}
     results = {config: ms for config, ms in timed.items() if ms is not None}
     if not results:
         raise RuntimeError(f"no config of {len(space)} ran correctly for {tokens} tokens")
     best = min(results, key=results.__getitem__)
-    default_ms = time_config(case, want, default_config(tokens, args.experts))
+    default = default_config(tokens, args.experts, args.block_shape)
+    default_ms = time_config(case, want, default)
     return best, results[best], float("nan") if default_ms is None else default_ms
 
 
 def main() -> None:
     args = parse_args()
-    dtype = DTYPES[args.dtype]
+    gpu = device_name(torch.device("cuda"))
     name = config_file_name(
-        args.experts, args.intermediate, args.hidden, dtype, device_name(torch.device("cuda"))
+        args.experts, args.intermediate, args.hidden, weight_dtype(args), gpu, args.block_shape
     )
     path = args.out_dir / name
     table = dict(load_table(path) or {})

@@ -10,10 +10,8 @@ import torch
 from torch import nn
 
 from replaylm.layers.linear import Linear
-from replaylm.layers.moe.experts import FP8_MOE_KERNEL_MISSING
 from replaylm.layers.moe.layer import FusedMoE
 from replaylm.layers.quantization.config import Fp8Config
-from replaylm.layers.quantization.fp8_linear import BLOCK_GEMM_MISSING
 from replaylm.layers.vocab_embedding import VocabRows
 from replaylm.models.llama import LlamaForCausalLM
 
@@ -57,9 +55,10 @@ def leave_ignored_unquantized(model: LlamaForCausalLM, quant: Fp8Config) -> list
 
 
 def check_fp8_device(model: nn.Module, device: torch.device) -> None:
-    """On CUDA, what the FP8 layers need: torch._scaled_mm's GPUs and shapes (ValueError), and
-    the kernels not written yet, block-scaled GEMM and fused FP8 MoE (NotImplementedError). The
-    CPU emulates every layout."""
+    """On CUDA, what the FP8 layers need: a GPU of compute capability 8.9+, and for per-channel
+    scales (torch._scaled_mm) sizes that are multiples of 16, for block scales a block k that
+    is a power of two of 16 or more (ValueError). The experts run Triton kernels of any size.
+    The CPU emulates every layout."""
     layers = _fp8_layers(model)
     if device.type != "cuda" or not layers:
         return
@@ -70,11 +69,18 @@ def check_fp8_device(model: nn.Module, device: torch.device) -> None:
             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
         )
     for name, layer in layers:
-        if isinstance(layer, FusedMoE):
-            raise NotImplementedError(f"{name}: {FP8_MOE_KERNEL_MISSING}")
-        if layer.block_size is not None:
-            raise NotImplementedError(f"{name}: {BLOCK_GEMM_MISSING}")
-        if any(size % SCALED_MM_MULTIPLE for size in layer.weight.shape):
+        block_k = None if layer.block_size is None else layer.block_size[1]
+        odd_block = block_k is not None and (block_k < 16 or block_k & (block_k - 1))
+        if isinstance(layer, Linear) and odd_block:
+            raise ValueError(
+                f"FP8 block scales on CUDA need a block k that is a power of two of 16 or more "
+                f"(the block-scaled GEMM's k step); {name} has {block_k}"
+            )
+        if (
+            isinstance(layer, Linear)
+            and layer.block_size is None
+            and any(size % SCALED_MM_MULTIPLE for size in layer.weight.shape)
+        ):
             raise ValueError(
                 f"FP8 on CUDA needs weights whose sizes are multiples of {SCALED_MM_MULTIPLE} "
                 f"(torch._scaled_mm); {name} is {list(layer.weight.shape)}"
@@ -95,11 +101,12 @@ def describe_fp8(
     unquantized = ", ".join(
         f"{folded} x {len(names)}" if len(names) > 1 else names[0] for folded, names in kept.items()
     )
-    runs = (
-        "torch._scaled_mm with row-wise scales"
-        if device.type == "cuda"
-        else f"emulated on the {device.type.upper()} (dequantized per matmul)"
-    )
+    if device.type != "cuda":
+        runs = f"emulated on the {device.type.upper()} (dequantized per matmul)"
+    elif quant.block_size is not None:
+        runs = "a Triton block-scaled GEMM"
+    else:
+        runs = "torch._scaled_mm with row-wise scales"
     left = f"; left unquantized by the checkpoint's ignore list: {len(ignored)}" if ignored else ""
     blocks = f" and {experts} expert blocks" if experts else ""
     return (

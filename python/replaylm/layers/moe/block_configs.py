@@ -2,23 +2,29 @@
 and stages for a layer's shape, the batch's token count, the dtype and the GPU.
 
 Tuned tables live in `configs/`, one JSON file per (E, N = intermediate per rank, K = hidden,
-GPU, dtype), keyed by token count M; benchmark/tuning/tune_moe.py writes them. A lookup takes the
-entry of the nearest M; without a table, `default_config`'s heuristic. The result also names its
-source, so that the start-up log can say which one a model runs with.
+GPU, dtype: FP8 weights' is vLLM's `fp8_w8a8`, with their block shape where block-scaled), keyed
+by token count M; benchmark/tuning/tune_moe.py writes them. A lookup takes the entry of the
+nearest M; without a table, `default_config`'s heuristic. The result also names its source, so
+that the start-up log can say which one a model runs with.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, Block
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 _JSON_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
+# the dtype FP8 weights' tables are named by (vLLM's): both GEMM operands e4m3
+FP8_W8A8 = "fp8_w8a8"
 
 
 @dataclass(frozen=True)
@@ -57,14 +63,26 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device).replace(" ", "_")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype of the experts' weights as table names spell it: `fp8_w8a8` for e4m3 (their
+    activations run in e4m3 too, whatever the model's dtype), else torch's name."""
+    return FP8_W8A8 if dtype == FP8_DTYPE else str(dtype).removeprefix("torch.")
+
+
 def config_file_name(
-    num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device: str
+    num_experts: int,
+    intermediate: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: str,
+    block: Block | None = None,
 ) -> str:
-    """`E=..,N=..,K=..,device_name=..,dtype=...json`: vLLM's naming, plus the hidden size K
-    (it changes the best tiles too) and always the dtype."""
-    dtype_name = str(dtype).removeprefix("torch.")
+    """`E=..,N=..,K=..,device_name=..,dtype=..[,block_shape=[bn,bk]].json`: vLLM's naming,
+    plus the hidden size K (it changes the best tiles too) and always the dtype (`dtype_name`
+    of the weights'); FP8 block scales' `block` as vLLM spells it."""
     shape = f"E={num_experts},N={intermediate},K={hidden}"
-    return f"{shape},device_name={device},dtype={dtype_name}.json"
+    blocks = "" if block is None else f",block_shape=[{block[0]},{block[1]}]"
+    return f"{shape},device_name={device},dtype={dtype_name(dtype)}{blocks}.json"
 
 
 @functools.lru_cache(maxsize=64)
@@ -108,12 +126,24 @@ def nearest_tokens(table: dict[int, MoeBlockConfig], tokens: int) -> int:
     return min(sorted(table), key=lambda m: abs(m - tokens))
 
 
-def default_config(tokens: int, num_experts: int) -> MoeBlockConfig:
+def fits_block(config: MoeBlockConfig, block: Block | None) -> bool:
+    """Whether `config` runs FP8 weights of block scales `block` (None: any config does): its
+    BLOCK_K divides the blocks' columns, so that each K step lies within one block's scale."""
+    return block is None or block[1] % config.block_k == 0
+
+
+def default_config(tokens: int, num_experts: int, block: Block | None = None) -> MoeBlockConfig:
     """vLLM's untuned choice: while there are at most as many tokens as experts, each expert gets
-    a few rows, so 16-row blocks over wide K steps; larger batches fill 64-row blocks."""
+    a few rows, so 16-row blocks over wide K steps; larger batches fill 64-row blocks. With FP8
+    block scales `block`, BLOCK_K cut to a divisor of the blocks' columns (`fits_block`)."""
     if tokens <= num_experts:
-        return MoeBlockConfig(block_m=16, block_n=32, block_k=64, group_m=1)
-    return MoeBlockConfig(block_m=64, block_n=64, block_k=32, group_m=8)
+        config = MoeBlockConfig(block_m=16, block_n=32, block_k=64, group_m=1)
+    else:
+        config = MoeBlockConfig(block_m=64, block_n=64, block_k=32, group_m=8)
+    if fits_block(config, block):
+        return config
+    assert block is not None
+    return replace(config, block_k=math.gcd(config.block_k, block[1]))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -124,13 +154,15 @@ def moe_block_config(
     tokens: int,
     dtype: torch.dtype,
     device: str,
+    block: Block | None = None,
     config_dir: Path = CONFIG_DIR,
 ) -> tuple[MoeBlockConfig, str]:
     """(config, source) for `tokens` tokens through `num_experts` experts of `intermediate`
-    (per rank) x `hidden` weights on GPU `device` (`device_name`): the nearest entry of its
-    table, source "table <file name>", else `default_config`, source "default"."""
-    name = config_file_name(num_experts, intermediate, hidden, dtype, device)
+    (per rank) x `hidden` weights of `dtype` (FP8: e4m3, with block scales `block` or per
+    channel) on GPU `device` (`device_name`): the nearest entry of its table, source
+    "table <file name>", else `default_config`, source "default"."""
+    name = config_file_name(num_experts, intermediate, hidden, dtype, device, block)
     table = load_table(config_dir / name)
     if not table:
-        return default_config(tokens, num_experts), "default"
+        return default_config(tokens, num_experts, block), "default"
     return table[nearest_tokens(table, tokens)], f"table {name}"

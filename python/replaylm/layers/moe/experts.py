@@ -2,8 +2,8 @@
 opaque custom op: the torch code finds each expert's tokens with a host sync, which neither
 Inductor nor a CUDA graph can take), the torch code elsewhere and inside `native_only()`.
 
-FP8 experts have no fused kernel yet: on the GPU they raise NotImplementedError naming it (the
-seam a fused FP8 MoE kernel fills); the torch code runs them, emulated on the CPU."""
+FP8 experts take the same routes: the kernels run them w8a8 (e4m3 GEMMs, their inputs quantized
+as the torch code quantizes them), the torch code emulates them on the CPU."""
 
 from __future__ import annotations
 
@@ -11,11 +11,6 @@ import torch
 
 from replaylm.layers.kernels import use_opaque_kernel
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales, torch_experts
-
-FP8_MOE_KERNEL_MISSING = (
-    "FP8 mixture-of-experts weights on CUDA need a fused FP8 MoE kernel, which replaylm does "
-    "not have yet (the CPU emulates them)"
-)
 
 
 def fused_experts(
@@ -30,10 +25,8 @@ def fused_experts(
     the scales of FP8 weights): the fused Triton kernels where `use_opaque_kernel(hidden)` (no
     host sync: graph-capturable), else the torch code."""
     if use_opaque_kernel(hidden):
-        if fp8 is not None:
-            raise NotImplementedError(FP8_MOE_KERNEL_MISSING)
         # imported here: triton is optional, and only this route needs it
         from replaylm.layers.moe.triton_experts import triton_fused_experts
 
-        return triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids)
+        return triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)
     return torch_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)

@@ -4,7 +4,8 @@ kernels; it finds each expert's tokens with a host sync, so it is not graph-capt
 
 FP8 experts (`Fp8ExpertScales`) run each projection through `fp8_linear`: on the CPU its
 emulation (the expert's weight dequantized per matmul, its tokens quantized per token, or per
-token and block-column group, as a fused FP8 MoE kernel would quantize them)."""
+token and block-column group, or with the layer's static scale, as the fused kernels quantize
+them)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from replaylm.layers.quantization.fp8_linear import fp8_linear
 class Fp8ExpertScales:
     """The scales of FP8 (e4m3) experts: `w13` and `w2` per channel (`[E, 2I]`, `[E, H]`) or
     per `block_size` block (`[E, 2I/bn, ceil(H/bk)]`, `[E, ceil(H/bn), ceil(I/bk)]`); static
-    input scales `w13_input` `[E, 2]` (gate, up: their largest is taken) and `w2_input`
-    `[E, 1]`, or None: dynamic per token."""
+    input scales `w13_input` `[E, 2]` (gate, up) and `w2_input` `[E, 1]`, each projection's
+    largest over all the experts taken (as vLLM and SGLang take it: the fused kernels quantize
+    every token once, whichever its experts), or None: dynamic per token."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -67,5 +69,5 @@ def _project(
         w[expert],
         scale[expert],
         fp8.block_size,
-        input_scale=None if inputs is None else inputs[expert],
+        input_scale=inputs,
     )

@@ -4,15 +4,27 @@ The routed (token, slot) pairs are sorted by expert into blocks of `block_m` row
 (`moe_align`); a grouped GEMM gives each program one block of one expert, its A rows gathered
 from the pairs' tokens. It runs twice: gate_up with SiluAndMul in its epilogue (a tile
 interleaves gate and up rows of the same columns), then down; a last kernel sums each token's k
-rows weighted by the router in float32, skipping other ranks' experts. Five launches, no host
-sync, buffers sized by T, k, E and the block config alone: CUDA graphs capture it. Under
-torch.compile (inside `kernels_in_compiled_code`) it is the custom op `replaylm::fused_experts`.
+rows weighted by the router in float32, skipping other ranks' experts. Four launches (five for
+more than a decode step's pairs), no host sync, buffers sized by T, k, E and the block config
+alone: CUDA graphs capture it. Under torch.compile (inside `kernels_in_compiled_code`) it is
+the custom op `replaylm::fused_experts`.
+
+FP8 (e4m3) experts run w8a8, as vLLM's and SGLang's `use_fp8_w8a8`: each GEMM's A is quantized
+to e4m3 first (`quantize_activation`: per token, per token and block-column group for block
+scales, or the layers' static scale), the MMA takes e4m3 tiles into float32, and the scales
+multiply the accumulator: per channel once in the epilogue (A's row times the weight's column),
+per block at each K step (A's row and K group times the weight's block), BLOCK_K dividing the
+block's columns so that a step lies in one group. The intermediate is quantized again for down.
 
 Same numbers as `torch_experts` up to summation order: fp32 accumulation, each product rounded to
 the input dtype (SiluAndMul rounded as the torch code rounds it), the weighted sum in float32.
+FP8 takes the same quantized inputs, but where the two orders round the intermediate apart its
+requantization can land on the neighbouring e4m3 value.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -25,9 +37,13 @@ from replaylm.layers.moe.block_configs import (
     MoeBlockConfig,
     config_tokens,
     device_name,
+    fits_block,
     moe_block_config,
 )
 from replaylm.layers.moe.moe_align import moe_align_block_size
+from replaylm.layers.moe.torch_experts import Fp8ExpertScales
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, Block, quantize_activation
+from replaylm.layers.quantization.layout import scale_shape
 
 _SUM_BLOCK = 1024  # columns per program of the weighted sum
 
@@ -84,6 +100,15 @@ def _store_tile(
     tl.store(ptrs, acc.to(C.dtype.element_ty), mask=live[:, None] & (cols[None, :] < width))
 
 
+@triton.jit
+def _outer_scales(a_scales, b_scales, live, rows_ok):
+    """`a_scales[row] * b_scales[col]` over a tile (the pointers of its rows' and weight rows'
+    scales), 0 where masked: what an FP8 product of the tile is multiplied by."""
+    a_scale = tl.load(a_scales, mask=live, other=0.0)
+    b_scale = tl.load(b_scales, mask=rows_ok, other=0.0)
+    return a_scale[:, None] * b_scale[None, :]
+
+
 # one variant for every batch size: the token-dependent arguments are not specialized
 @triton.jit(do_not_specialize=["num_pairs", "max_rows"])
 def _grouped_gemm_kernel(
@@ -101,8 +126,18 @@ def _grouped_gemm_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    AScale,
+    BScale,
+    stride_asm,
+    stride_ask,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
     PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr,
+    FP8: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -111,24 +146,40 @@ def _grouped_gemm_kernel(
     USE_PDL: tl.constexpr,
 ):
     """C[pair] = A[pair // PAIRS_PER_ROW] @ B[expert]^T for the `BLOCK_M` sorted pairs of one
-    block (padding rows masked); programs of blocks past the padded total exit."""
+    block (padding rows masked); programs of blocks past the padded total exit. With `FP8`, A
+    and B are e4m3 with float32 scales: AScale `[rows, groups]`, BScale per weight row
+    (`GROUP_N` 1, `GROUP_K` 0: per channel, applied once) or per `GROUP_N` x `GROUP_K` block
+    (applied at each K step, which `BLOCK_K` dividing `GROUP_K` keeps within one group)."""
     wait_for_producers(USE_PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), max_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(NumPostPad):
         return
     slots = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     live = slots < num_pairs
-    a_rows = A + (slots // PAIRS_PER_ROW).to(tl.int64)[:, None] * stride_am
+    a_index = (slots // PAIRS_PER_ROW).to(tl.int64)
+    a_rows = A + a_index[:, None] * stride_am
     rows, rows_ok = _weight_rows(pid_n, N, BLOCK_N, GATED)
     expert = tl.load(ExpertIds + pid_m).to(tl.int64)
     b_rows = B + expert * stride_be + rows.to(tl.int64)[None, :] * stride_bn
+    if FP8:
+        a_scales = AScale + a_index * stride_asm
+        b_scales = BScale + expert * stride_bse + (rows // GROUP_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k_block in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_rows + offs_k[:, None], mask=k_ok[:, None] & rows_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GROUP_K:
+            group = k_block * BLOCK_K // GROUP_K
+            scales = _outer_scales(
+                a_scales + group * stride_ask, b_scales + group * stride_bsk, live, rows_ok
+            )
+            acc += tl.dot(a, b) * scales
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if FP8 and not GROUP_K:
+        acc *= _outer_scales(a_scales, b_scales, live, rows_ok)
     _store_tile(C, acc, slots, live, pid_n, N, stride_cm, BLOCK_M, BLOCK_N, GATED)
 
 
@@ -160,6 +211,59 @@ def _weighted_sum_kernel(
     tl.store(Out + token * H + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
 
 
+class _Fp8Scales(NamedTuple):
+    """What an FP8 grouped GEMM scales by: A's float32 scales (`[rows, 1]`, per token or static,
+    or `[rows, groups]`), the weight's (`[E, N]` per channel, `[E, ceil(N/bn), ceil(K/bk)]` per
+    block) and the block (None: per channel)."""
+
+    a: torch.Tensor
+    weight: torch.Tensor
+    block: Block | None
+
+
+def _quantized(
+    a: torch.Tensor, fp8: Fp8ExpertScales | None, first: bool
+) -> tuple[torch.Tensor, _Fp8Scales | None]:
+    """A of the first (`w13`) or second (`w2`) GEMM as the kernel reads it: as it is without
+    `fp8`, else e4m3 with its scales, quantized as `torch_experts` quantizes it."""
+    if fp8 is None:
+        return a, None
+    weight_scale, static = (fp8.w13, fp8.w13_input) if first else (fp8.w2, fp8.w2_input)
+    group = None if fp8.block_size is None else fp8.block_size[1]
+    if a.device.type == "cuda":  # one launch, where the torch code takes several
+        from replaylm.layers.quantization import fp8_kernels
+
+        a_q, a_scale = fp8_kernels.quantize_activation(a, group, static)
+    else:
+        a_q, a_scale = quantize_activation(a, group, static)
+    return a_q, _Fp8Scales(a_scale, weight_scale, fp8.block_size)
+
+
+def _scale_args(scales: _Fp8Scales | None) -> dict[str, Any]:
+    """The grouped GEMM kernel's FP8 arguments for `scales` (None: not FP8)."""
+    if scales is None:
+        strides = ("stride_asm", "stride_ask", "stride_bse", "stride_bsn", "stride_bsk")
+        return {"AScale": None, "BScale": None, **dict.fromkeys(strides, 0)} | {
+            "FP8": False,
+            "GROUP_N": 1,
+            "GROUP_K": 0,
+        }
+    a_scale, weight_scale, block = scales
+    group_n, group_k = (1, 0) if block is None else block
+    return {
+        "AScale": a_scale,
+        "BScale": weight_scale,
+        "stride_asm": a_scale.stride(0),
+        "stride_ask": a_scale.stride(1),
+        "stride_bse": weight_scale.stride(0),
+        "stride_bsn": weight_scale.stride(1),
+        "stride_bsk": 0 if block is None else weight_scale.stride(2),
+        "FP8": True,
+        "GROUP_N": group_n,
+        "GROUP_K": group_k,
+    }
+
+
 def _grouped_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -168,9 +272,11 @@ def _grouped_gemm(
     pairs_per_row: int,
     gated: bool,
     config: MoeBlockConfig,
+    scales: _Fp8Scales | None = None,
 ) -> None:
     """Launch the grouped GEMM of `a` `[rows, K]` by `weight` `[E, N, K]` into `out`, over the
-    sorted pairs `routing` (`moe_align_block_size`'s result)."""
+    sorted pairs `routing` (`moe_align_block_size`'s result); FP8 (e4m3 `a` and `weight`) with
+    `scales`."""
     sorted_ids, expert_ids, num_post_pad = routing
     n, k = weight.shape[1], weight.shape[2]
     max_rows = sorted_ids.numel()
@@ -190,6 +296,7 @@ def _grouped_gemm(
         weight.stride(0),
         weight.stride(1),
         out.stride(0),
+        **_scale_args(scales),
         PAIRS_PER_ROW=pairs_per_row,
         GATED=gated,
         BLOCK_M=config.block_m,
@@ -203,19 +310,45 @@ def _grouped_gemm(
     )
 
 
-def _check(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> None:
+def _check(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    fp8: Fp8ExpertScales | None,
+) -> None:
     """ValueError for operands the kernels do not take."""
     num_experts, two_i, width = w13.shape
     if hidden.dim() != 2 or width != hidden.shape[1] or two_i % 2:
         raise ValueError(f"hidden {list(hidden.shape)} does not fit w13 {list(w13.shape)}")
     if w2.shape != (num_experts, width, two_i // 2):
         raise ValueError(f"w2 {list(w2.shape)} does not fit w13 {list(w13.shape)}")
-    if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
-        raise ValueError(f"weights {w13.dtype}/{w2.dtype} differ from hidden {hidden.dtype}")
+    weight_dtype = hidden.dtype if fp8 is None else FP8_DTYPE
+    if w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        raise ValueError(f"weights {w13.dtype}/{w2.dtype}: {weight_dtype} expected")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("the expert weights must be contiguous along their last dim")
     if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"topk_ids {list(ids.shape)} does not fit hidden {list(hidden.shape)}")
+    if fp8 is not None:
+        _check_scales(w13, w2, fp8)
+
+
+def _check_scales(w13: torch.Tensor, w2: torch.Tensor, fp8: Fp8ExpertScales) -> None:
+    """ValueError for FP8 weight scales of another shape than `Fp8ExpertScales` says, or block
+    scales whose blocks split an expert's gate and up rows (they are held apart)."""
+    block = fp8.block_size
+    intermediate = w2.shape[2]
+    if block is not None and intermediate % block[0]:
+        raise ValueError(
+            f"FP8 block scales: {intermediate} intermediate columns are not whole blocks of "
+            f"{block[0]}"
+        )
+    for name, weight, scale in (("w13", w13, fp8.w13), ("w2", w2, fp8.w2)):
+        experts, n, k = weight.shape
+        expected = (experts, *scale_shape(n, k, block))
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"{name} scales {list(scale.shape)}: {list(expected)} expected")
 
 
 def triton_experts(
@@ -224,27 +357,35 @@ def triton_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    fp8: Fp8ExpertScales | None = None,
     config: MoeBlockConfig | None = None,
 ) -> torch.Tensor:
-    """`torch_experts`'s contract (an id outside 0..E-1 adds nothing) in five launches with no
-    host sync. `config` overrides `moe_block_config`'s choice for this shape and token count."""
-    _check(hidden, w13, w2, topk_ids)
+    """`torch_experts`'s contract (an id outside 0..E-1 adds nothing; `fp8`: the scales of e4m3
+    weights, run w8a8) in five launches, plus each GEMM's input quantization with FP8, and no
+    host sync. `config` overrides `moe_block_config`'s choice for this shape and token count
+    (with block scales its BLOCK_K must divide the blocks' columns: ValueError)."""
+    _check(hidden, w13, w2, topk_ids, fp8)
     tokens, width = hidden.shape
     num_experts, intermediate, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     out = torch.empty((tokens, width), dtype=hidden.dtype, device=hidden.device)
     if tokens == 0:
         return out
+    block = None if fp8 is None else fp8.block_size
     if config is None:
         place = device_name(hidden.device)
         config, _ = moe_block_config(
-            num_experts, intermediate, width, config_tokens(tokens), hidden.dtype, place
+            num_experts, intermediate, width, config_tokens(tokens), w13.dtype, place, block
         )
+    if not fits_block(config, block):
+        raise ValueError(f"BLOCK_K {config.block_k} does not divide the FP8 blocks {block}")
     ids = topk_ids.to(torch.int32).contiguous()
     routing = moe_align_block_size(ids, num_experts, config.block_m)
     act = hidden.new_empty((tokens * top_k, intermediate))
-    _grouped_gemm(as_rows(hidden, width), w13, act, routing, top_k, True, config)
+    a, scales = _quantized(as_rows(hidden, width), fp8, first=True)
+    _grouped_gemm(a, w13, act, routing, top_k, True, config, scales)
     down = hidden.new_empty((tokens * top_k, width))
-    _grouped_gemm(act, w2, down, routing, 1, False, config)
+    a, scales = _quantized(act, fp8, first=False)
+    _grouped_gemm(a, w2, down, routing, 1, False, config, scales)
     weights = topk_weights.to(torch.float32).contiguous()
     _weighted_sum_kernel[(tokens, triton.cdiv(width, _SUM_BLOCK))](
         down,
@@ -261,6 +402,36 @@ def triton_experts(
     return out
 
 
+def _op_fp8_args(
+    fp8: Fp8ExpertScales | None,
+) -> tuple[
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    list[int] | None,
+]:
+    """`fp8` as the custom op's trailing arguments (its schema takes tensors and lists)."""
+    if fp8 is None:
+        return None, None, None, None, None
+    block = None if fp8.block_size is None else list(fp8.block_size)
+    return fp8.w13, fp8.w2, fp8.w13_input, fp8.w2_input, block
+
+
+def _op_fp8(
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    w13_input_scale: torch.Tensor | None,
+    w2_input_scale: torch.Tensor | None,
+    block_size: list[int] | None,
+) -> Fp8ExpertScales | None:
+    """The `Fp8ExpertScales` of the custom op's trailing arguments (`_op_fp8_args`'s inverse)."""
+    if w13_scale is None or w2_scale is None:
+        return None
+    block = None if block_size is None else (block_size[0], block_size[1])
+    return Fp8ExpertScales(w13_scale, w2_scale, block, w13_input_scale, w2_input_scale)
+
+
 @torch.library.custom_op("replaylm::fused_experts", mutates_args=())
 def _fused_experts_op(
     hidden: torch.Tensor,
@@ -268,8 +439,14 @@ def _fused_experts_op(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
+    block_size: list[int] | None = None,
 ) -> torch.Tensor:
-    return triton_experts(hidden, w13, w2, topk_weights, topk_ids)
+    fp8 = _op_fp8(w13_scale, w2_scale, w13_input_scale, w2_input_scale, block_size)
+    return triton_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)
 
 
 @_fused_experts_op.register_fake
@@ -279,6 +456,11 @@ def _(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
+    block_size: list[int] | None = None,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 
@@ -289,9 +471,13 @@ def triton_fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    fp8: Fp8ExpertScales | None = None,
 ) -> torch.Tensor:
     """`triton_experts` with its own config choice: a direct call when run eagerly, the custom
-    op `replaylm::fused_experts` when torch.compile traces it."""
+    op `replaylm::fused_experts` (`fp8`'s scales as its trailing arguments) when torch.compile
+    traces it."""
     if not torch.compiler.is_compiling():
-        return triton_experts(hidden, w13, w2, topk_weights, topk_ids)
-    return torch.ops.replaylm.fused_experts(hidden, w13, w2, topk_weights, topk_ids)
+        return triton_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)
+    return torch.ops.replaylm.fused_experts(
+        hidden, w13, w2, topk_weights, topk_ids, *_op_fp8_args(fp8)
+    )

@@ -1,10 +1,13 @@
 """The FP8 matmul: `x @ (q * scale).T (+ bias)`, its input quantized to FP8 first.
 
-On CUDA, per-channel scales run `torch._scaled_mm` (compute capability 8.9+): the input
-quantized per token (or with the layer's static scale) to e4m3, its row scales `[T, 1]` and the
-weight's column scales `[1, N]` applied in the GEMM's epilogue (row-wise scaling; K and N
-multiples of 16, the weight read column-major: `q.t()` of the row-major `[N, K]` weight).
-Block scales need a block-scaled GEMM kernel, not written yet: NotImplementedError names it.
+On CUDA (the kernels' device, `KERNEL_DEVICE_TYPE`), per-channel scales run `torch._scaled_mm`
+(compute capability 8.9+): the input quantized per token (or with the layer's static scale) to
+e4m3 by a Triton kernel (`fp8_kernels.quantize_activation`: one launch, where the torch code
+takes several), its row scales `[T, 1]` and the weight's column scales `[1, N]` applied in the
+GEMM's epilogue (row-wise scaling; K and N multiples of 16, the weight read column-major: `q.t()`
+of the row-major `[N, K]` weight). Block scales run the block-scaled Triton GEMM
+(`fp8_kernels.block_fp8_linear`), the input quantized per token and `block_size[1]`-column
+group.
 
 Elsewhere (the CPU) the matmul is emulated: the weight dequantized to float32 for each call, the
 input quantized and dequantized exactly as the GPU path quantizes it (per token, or per token
@@ -18,16 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from replaylm.layers import kernels
 from replaylm.layers.quantization.fp8 import (
     Block,
     dequantize_activation,
     dequantize_weight,
     quantize_activation,
-)
-
-BLOCK_GEMM_MISSING = (
-    "FP8 block-scaled weights on CUDA need a block-scaled FP8 GEMM kernel, which replaylm does "
-    "not have yet (per-channel FP8 runs torch._scaled_mm; the CPU emulates both)"
 )
 
 
@@ -43,11 +42,11 @@ def fp8_linear(
     """`x` `[..., K]` times the FP8 weight `[N, K]` (e4m3) with `weight_scale` (`[N]` per
     channel, or per `block_size` block), plus `bias`, in `out_dtype` (default x's). The input is
     quantized per token (per token and `block_size[1]`-column group with block scales), or with
-    `input_scale` (static: the largest of the layer's input scales). CUDA: `torch._scaled_mm`;
-    the CPU: the emulation (the module docstring's)."""
+    `input_scale` (static: the largest of the layer's input scales). CUDA: `torch._scaled_mm` or
+    the block-scaled Triton GEMM; the CPU: the emulation (the module docstring's)."""
     out_dtype = out_dtype or x.dtype
     rows = x.reshape(-1, x.shape[-1])
-    if x.is_cuda:
+    if x.device.type == kernels.KERNEL_DEVICE_TYPE:
         y = _scaled_mm(rows, weight, weight_scale, block_size, out_dtype, input_scale)
     else:
         y = _emulated(rows, weight, weight_scale, block_size, input_scale).to(out_dtype)
@@ -64,18 +63,70 @@ def _scaled_mm(
     out_dtype: torch.dtype,
     input_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Row-wise scaled FP8 GEMM: scale_a `[T, 1]`, scale_b `[1, N]`, both float32 and
-    contiguous."""
+    """The GPU's FP8 GEMM: with block scales the block-scaled Triton GEMM; else row-wise scaled
+    `torch._scaled_mm`, scale_a `[T, 1]`, scale_b `[1, N]`, both float32 and contiguous."""
     if block_size is not None:
-        raise NotImplementedError(BLOCK_GEMM_MISSING)
-    x_q, x_scale = quantize_activation(x, static_scale=input_scale)
-    return torch._scaled_mm(
+        # imported here: triton is optional, and only this route needs it
+        from replaylm.layers.quantization import fp8_kernels
+
+        return fp8_kernels.block_fp8_linear(x, weight, weight_scale, block_size, out_dtype)
+    if torch.compiler.is_compiling():
+        # torch._scaled_mm's shape checks guard on the traced batch size, which the compiled
+        # pieces leave symbolic: the quantization and the GEMM stay one opaque op
+        return torch.ops.replaylm.fp8_scaled_mm(x, weight, weight_scale, out_dtype, input_scale)
+    return _channel_scaled_mm(x, weight, weight_scale, out_dtype, input_scale)
+
+
+def _channel_scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    x_q, x_scale = _quantize_per_token(x, input_scale)
+    y = torch._scaled_mm(
         x_q,
         weight.t(),
         scale_a=x_scale,
         scale_b=weight_scale.reshape(1, -1),
-        out_dtype=out_dtype,
+        out_dtype=torch.bfloat16,  # row-wise scaling writes bf16 only
     )
+    return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+
+
+@torch.library.custom_op("replaylm::fp8_scaled_mm", mutates_args=())
+def _channel_scaled_mm_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    return _channel_scaled_mm(x, weight, weight_scale, out_dtype, input_scale)
+
+
+@_channel_scaled_mm_op.register_fake
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+def _quantize_per_token(
+    x: torch.Tensor, input_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activation(x, static_scale=input_scale)`: the Triton kernel where the layers run
+    their kernels; the torch code inside `native_only()`."""
+    if kernels.use_triton_kernels(x):
+        from replaylm.layers.quantization import fp8_kernels
+
+        return fp8_kernels.quantize_activation(x, static_scale=input_scale)
+    return quantize_activation(x, static_scale=input_scale)
 
 
 def _emulated(

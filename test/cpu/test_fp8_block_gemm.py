@@ -1,0 +1,312 @@
+"""The FP8 kernels (`fp8_kernels`) on the CPU, through Triton's interpreter: the activation
+quantization against `fp8.quantize_activation` bit for bit, the block-scaled GEMM against the
+float32 emulation (`fp8_linear._emulated`) at ragged and real shapes, `fp8_linear`'s GPU route
+with the kernel device pointed at the CPU (block scales, bias, output dtypes; the per-channel
+path's quantization kernel; one custom op under torch.compile), the launch configs; and
+benchmark/bench_fp8_gemm.py's shapes and arithmetic (timing needs a CUDA GPU).
+
+Tolerances: the GEMM sums the same float32 products as the emulation in another order and
+scales each block's sum at once, so the two differ by float32 rounding alone, checked against
+1e-6 of `|x| @ |w|^T` (the dequantized operands': what the sum's rounding error scales with).
+bf16 results may differ by one bf16 step more: the interpreter truncates float32 -> bf16 (the
+GPU rounds to nearest).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpreter import require_triton_interpreter, scalar_loop_bounds
+
+require_triton_interpreter()
+
+from replaylm.layers import kernels  # noqa: E402
+from replaylm.layers.kernels import native_only  # noqa: E402
+from replaylm.layers.quantization import fp8_kernels  # noqa: E402
+from replaylm.layers.quantization import fp8_linear as fp8_linear_module  # noqa: E402
+from replaylm.layers.quantization.fp8 import (  # noqa: E402
+    FP8_DTYPE,
+    dequantize_activation,
+    dequantize_weight,
+    quantize_activation,
+    quantize_weight,
+)
+from replaylm.layers.quantization.fp8_kernels import (  # noqa: E402
+    BlockGemmConfig,
+    block_fp8_matmul,
+    block_gemm_config,
+)
+from replaylm.layers.quantization.fp8_linear import fp8_linear  # noqa: E402
+
+from script_import import import_script  # noqa: E402
+
+BLOCK = (128, 128)
+ROUNDING = 1e-6  # of |x| @ |w|^T: float32 rounding of the sums (the module docstring)
+BF16_STEP = 2.0**-7  # bf16's largest spacing relative to a value
+EMULATED = fp8_linear_module._emulated  # the reference, kept from before any test replaces it
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_scalar_index():
+    with scalar_loop_bounds():
+        yield
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _activations(tokens: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows of magnitudes 1e-4 to 1e3 (the smallest quantize partly to e4m3 subnormals), row 1
+    all zeros, and the columns past 128 ten times larger than those before."""
+    x = torch.randn(tokens, width, generator=_gen(seed))
+    x *= torch.logspace(-4, 3, tokens)[:, None] if tokens > 1 else 1.0
+    x[:, 128:] *= 10.0
+    if tokens > 1:
+        x[1] = 0.0
+    return x.to(dtype)
+
+
+def _block_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 `[n, k]` weight and its 128x128 block scales, the blocks' magnitudes far apart
+    (a scale applied to the wrong rows or columns shows)."""
+    rows = torch.where(torch.arange(n) < 128, 1.0, 30.0)
+    cols = torch.tensor([1.0, 0.02, 5.0, 0.3])[torch.arange(k) // 128 % 4]
+    w = torch.randn(n, k, generator=_gen(seed)) * rows[:, None] * cols[None, :] / k**0.5
+    return quantize_weight(w, BLOCK)
+
+
+def _rounding_bound(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """ROUNDING of `|x| @ |w|^T` over the block-quantized operands."""
+    x_deq = dequantize_activation(*quantize_activation(x, BLOCK[1]), BLOCK[1])
+    return ROUNDING * x_deq.abs() @ dequantize_weight(weight, scale, BLOCK).abs().T
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# ---- activation quantization --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("group", [None, 128, 48], ids=["per_token", "group128", "group48"])
+def test_quantization_is_the_torch_codes_bit_for_bit(dtype: torch.dtype, group: int | None):
+    """320 columns: groups of 128 end with one of 64, groups of 48 with one of 32; the input a
+    column slice of a wider tensor (its row stride not its width)."""
+    wide = _activations(6, 400, dtype, seed=1)
+    x = wide[:, :320]
+    q, scale = fp8_kernels.quantize_activation(x, group)
+    want_q, want_scale = quantize_activation(x, group)
+    groups = {None: 1, 128: 3, 48: 7}[group]
+    assert scale.shape == (6, groups) and scale.is_contiguous() and q.shape == (6, 320)
+    assert _same_bits(q, want_q)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q[1].float(), torch.zeros(320)) and (scale[1] > 0).all()
+
+
+def test_ties_round_to_even_and_signed_zeros_stay():
+    """A row whose amax is 448 has scale 1: e4m3's midpoints (ties) and their float32
+    neighbours quantize as torch's cast does, and -0.0 keeps its sign."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = grid[grid.isfinite() & (grid.abs() <= 448)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    up, down = torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)
+    row = torch.cat([torch.tensor([448.0, -0.0]), mids, up.clamp(-448, 448), down])
+    q, scale = fp8_kernels.quantize_activation(row[None, :])
+    assert float(scale) == 1.0
+    assert _same_bits(q, quantize_activation(row[None, :])[0])
+
+
+@pytest.mark.parametrize("static", [[0.01, 0.04, 0.02], 0.03], ids=["shards", "one"])
+def test_a_static_scale_is_the_largest_and_saturates(static: list[float] | float):
+    """Values past 448 times the scale saturate at +-448; every row's scale is the largest."""
+    x = torch.randn(4, 200, generator=_gen(2)).to(torch.bfloat16) * 20
+    scale_in = torch.tensor(static)
+    q, scale = fp8_kernels.quantize_activation(x, static_scale=scale_in)
+    want_q, want_scale = quantize_activation(x, static_scale=scale_in)
+    assert _same_bits(q, want_q) and torch.equal(scale, want_scale)
+    assert torch.equal(scale, torch.full((4, 1), max(scale_in.reshape(-1).tolist())))
+    assert float(q.float().abs().max()) == 448.0
+
+
+# ---- the block-scaled GEMM ----------------------------------------------------------------
+
+CONFIGS = {
+    "default": None,
+    "16x128": BlockGemmConfig(16, 128, num_warps=4, num_stages=2, group_m=2),
+    # a tile wider than a weight block: its columns' scales come from two block rows
+    "16x256": BlockGemmConfig(16, 256, num_warps=4, num_stages=2, group_m=2),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_block_gemm_equals_the_emulation(tokens: int, config: BlockGemmConfig | None):
+    """N = 200 and K = 320 (the last block of each ragged), 1 to 3 row tiles."""
+    weight, scale = _block_weight(200, 320, seed=3)
+    x = _activations(tokens, 320, torch.bfloat16, seed=4)
+    x_q, x_scale = fp8_kernels.quantize_activation(x, BLOCK[1])
+    got = block_fp8_matmul(x_q, x_scale, weight, scale, BLOCK, torch.float32, config)
+    want = EMULATED(x, weight, scale, BLOCK, None)
+    bound = _rounding_bound(x, weight, scale)
+    assert got.dtype == torch.float32 and got.shape == (tokens, 200)
+    assert want.abs().max() > 1e3 * bound.max()
+    assert ((got - want).abs() <= bound).all()
+
+
+def test_block_gemm_at_qwen3_0_6b_o_projection():
+    """Qwen3-0.6B's o projection (N 1024, K 2048: 16 steps of K), two tokens, default launch."""
+    weight, scale = _block_weight(1024, 2048, seed=5)
+    x = _activations(2, 2048, torch.bfloat16, seed=6)
+    got = fp8_kernels.block_fp8_linear(x, weight, scale, BLOCK, torch.float32)
+    want = EMULATED(x, weight, scale, BLOCK, None)
+    assert ((got - want).abs() <= _rounding_bound(x, weight, scale)).all()
+
+
+def test_operands_it_does_not_take_are_refused():
+    weight, scale = _block_weight(64, 96, seed=7)
+    x_q, x_scale = fp8_kernels.quantize_activation(torch.ones(2, 96), 96)
+    with pytest.raises(ValueError, match="block k must be a power of two >= 16, not 96"):
+        block_fp8_matmul(x_q, x_scale, weight, torch.ones(1, 1), (128, 96), torch.float32)
+    x_q, x_scale = fp8_kernels.quantize_activation(torch.ones(2, 96), 128)
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \[1, 1\], not \[64\]"):
+        block_fp8_matmul(x_q, x_scale, weight, torch.ones(64), BLOCK, torch.float32)
+    with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
+        block_fp8_matmul(x_q.float(), x_scale, weight, scale, BLOCK, torch.float32)
+
+
+def test_launch_configs_by_rows_and_width():
+    """Decode: 16-row tiles, columns as wide as still make 128 programs (else 32); prefill:
+    128 x 128 tiles on 8 warps."""
+    assert block_gemm_config(1, 28672) == BlockGemmConfig(16, 128, num_warps=4, num_stages=4)
+    assert block_gemm_config(8, 12288).block_n == 64
+    assert block_gemm_config(1, 4096).block_n == 32  # 32 tiles of 128 would leave SMs idle
+    assert [block_gemm_config(m, 4096).block_m for m in (16, 17, 32, 64, 256, 257)] == [
+        16,
+        32,
+        32,
+        64,
+        64,
+        128,
+    ]
+    assert block_gemm_config(8192, 28672) == BlockGemmConfig(128, 128, num_warps=8, num_stages=3)
+    assert block_gemm_config(1024, 1024).block_n == 64  # 8 x 16 tiles
+
+
+# ---- fp8_linear's GPU route on the CPU ----------------------------------------------------
+
+
+@pytest.fixture
+def kernel_device_cpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Point the kernel device at the CPU (fp8_linear takes its GPU route there; the emulation
+    would raise) and count the quantization kernel's calls."""
+    monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
+    calls = {"quantize": 0}
+    quantize = fp8_kernels.quantize_activation
+
+    def counted(*args, **kwargs):
+        calls["quantize"] += 1
+        return quantize(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the emulation ran on the kernel device")
+
+    monkeypatch.setattr(fp8_kernels, "quantize_activation", counted)
+    monkeypatch.setattr(fp8_linear_module, "_emulated", refuse)
+    return calls
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_runs_block_scales_on_the_kernels(
+    out_dtype: torch.dtype, kernel_device_cpu: dict[str, int]
+):
+    """A 3-D bf16 input and a bias in the output dtype: the emulation's numbers, up to the
+    rounding of adding the bias (bf16: and a step for the truncating cast)."""
+    weight, scale = _block_weight(200, 320, seed=8)
+    x = _activations(6, 320, torch.bfloat16, seed=9)
+    bias = torch.randn(200, generator=_gen(10)).to(out_dtype)
+    want = EMULATED(x, weight, scale, BLOCK, None).reshape(2, 3, 200)
+    bound = _rounding_bound(x, weight, scale).reshape(2, 3, 200)
+    got = fp8_linear(x.reshape(2, 3, 320), weight, scale, BLOCK, bias, out_dtype=out_dtype)
+    assert kernel_device_cpu["quantize"] == 1
+    assert got.dtype == out_dtype and got.shape == (2, 3, 200)
+    want = want + bias.float()
+    step = BF16_STEP if out_dtype == torch.bfloat16 else 2.0**-23  # the bias add's rounding
+    bound = bound + step * ((want - bias.float()).abs() + want.abs())
+    assert ((got.float() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("static", [None, torch.tensor([0.05, 0.2])], ids=["dynamic", "static"])
+def test_the_per_channel_path_quantizes_with_the_kernel(
+    static: torch.Tensor | None, kernel_device_cpu: dict[str, int]
+):
+    """Per-channel weights on the kernel device: one quantization kernel call, then
+    torch._scaled_mm (where this torch runs it on the CPU); inside native_only() the torch
+    quantization. Both give the emulation's numbers, rounded to bf16 (row-wise scaling's
+    output) before the cast to float32."""
+    weight, scale = quantize_weight(torch.randn(64, 96, generator=_gen(11)), None)
+    x = torch.randn(5, 96, generator=_gen(12)).to(torch.bfloat16)
+    try:
+        got = fp8_linear(x, weight, scale, None, out_dtype=torch.float32, input_scale=static)
+    except RuntimeError as err:
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {err}")
+    assert kernel_device_cpu["quantize"] == 1
+    with native_only():
+        native = fp8_linear(x, weight, scale, None, out_dtype=torch.float32, input_scale=static)
+    assert kernel_device_cpu["quantize"] == 1
+    assert torch.equal(got, native)
+    x_q, x_scale = quantize_activation(x, static_scale=static)
+    want = dequantize_activation(x_q, x_scale) @ dequantize_weight(weight, scale, None).T
+    bound = (
+        ROUNDING
+        * dequantize_activation(x_q, x_scale).abs()
+        @ (dequantize_weight(weight, scale, None).abs().T)
+    ) + want.abs() * 2.0**-8
+    assert ((got - want).abs() <= bound).all()
+
+
+def test_the_block_path_traces_as_one_custom_op(kernel_device_cpu: dict[str, int]):
+    """Under torch.compile (fullgraph) the quantization and GEMM are the custom op
+    `replaylm::fp8_block_linear`, with the eager numbers."""
+    weight, scale = _block_weight(200, 320, seed=13)
+    x = _activations(3, 320, torch.bfloat16, seed=14)
+    eager = fp8_linear(x, weight, scale, BLOCK, out_dtype=torch.float32)
+    targets: list[object] = []
+
+    def recording(gm: torch.fx.GraphModule, _inputs):
+        targets.extend(node.target for node in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_linear, backend=recording, fullgraph=True)
+    got = compiled(x, weight, scale, BLOCK, out_dtype=torch.float32)
+    assert torch.ops.replaylm.fp8_block_linear in targets
+    assert torch.equal(got, eager)
+
+
+# ---- benchmark/bench_fp8_gemm.py ----------------------------------------------------------
+
+
+def test_the_benchmark_takes_the_models_projections_and_counts_flops(capsys):
+    bench = import_script("benchmark/bench_fp8_gemm.py")
+    assert bench.projections(bench.model_config("llama-3.1-8b")) == {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+    }
+    assert bench.projections(bench.model_config("qwen3-0.6b")) == {
+        "qkv": (4096, 1024),
+        "o": (1024, 2048),
+        "gate_up": (6144, 1024),
+        "down": (1024, 3072),
+    }
+    assert bench.tflops(1000, 2000, 3000, us=1e6) == pytest.approx(1.2e-2)
+    l2 = 50 * 2**20
+    assert bench.weight_copies(1024, 2048, l2) == 50  # 2 MiB each, L2 twice over
+    assert bench.weight_copies(28672, 4096, l2) == 1
+    assert bench.weight_copies(16, 16, l2) == bench.MAX_COPIES
+    with pytest.raises(SystemExit) as done:
+        bench.main(["--help"])
+    assert done.value.code == 0 and "do_bench_cudagraph" in capsys.readouterr().out
