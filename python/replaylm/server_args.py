@@ -35,6 +35,7 @@ def _opt(
 # choices from torch-free tables: the HTTP process parses its command line without importing
 # torch (it starts the scheduler process first; see launch_server)
 ATTENTION_BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")  # fp8: vLLM's name of fp8_e4m3
 REDACTED = "<set>"
 SPECULATIVE_ALGORITHMS = ("ngram", "draft_model", "eagle", "eagle3")
 # the algorithms whose drafter is a model at --speculative-draft-model-path
@@ -156,10 +157,10 @@ class ServerArgs:
             "FP8 quantization_config (quant_method fp8, block-scaled or per-tensor, or "
             "compressed-tensors FP8) is served in FP8 without this flag, and with it alike; "
             "one quantized otherwise is refused. The embedding and the LM head stay "
-            "unquantized, so do a mixture of experts' routers. On a GPU the FP8 matmuls run "
-            "torch._scaled_mm (compute capability 8.9+; block-scaled weights and FP8 experts "
-            "need kernels not written yet); on the CPU they are emulated. Default: as the "
-            "checkpoint is.",
+            "unquantized, so do a mixture of experts' routers. On a GPU (compute capability "
+            "8.9+) per-channel weights run torch._scaled_mm, block-scaled weights a Triton GEMM "
+            "and FP8 experts the fused MoE kernels; on the CPU they are emulated. Not with "
+            "--deterministic. Default: as the checkpoint is.",
             QUANTIZATION_METHODS,
         ),
     )
@@ -252,6 +253,19 @@ class ServerArgs:
             "Size of the KV cache in tokens, shared by all running requests. Default: what "
             "--mem-fraction-static leaves on a GPU, 1 GiB worth on the CPU. Set it to cap the "
             "server's memory."
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_opt(
+            "Data type of the KV cache. auto: the model's (--dtype). fp8_e4m3 (or fp8, vLLM's "
+            "name for it): float8 e4m3, one byte an element, so the same memory holds twice the "
+            "tokens of a 16-bit cache, for a small loss of accuracy; each layer stores K / "
+            "k_scale and V / v_scale saturated at +-448, the scales an FP8 checkpoint's "
+            "(k_scale / v_scale, or k_proj / v_proj output_scale), else 1.0. Every attention "
+            "backend reads it; on the CPU the torch_native backend runs it (torch's float8 "
+            "type), whatever --dtype.",
+            KV_CACHE_DTYPES,
         ),
     )
     max_running_requests: int | None = field(

@@ -13,14 +13,21 @@ from dataclasses import dataclass
 
 import torch
 
+from replaylm.layers.quantization.fp8 import FP8_DTYPE
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
 from replaylm.mem_cache.token_allocator import TokenSlotAllocator
 
 
+def resolve_kv_cache_dtype(flag: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for `--kv-cache-dtype flag`, one of its choices: auto is the model's
+    dtype, fp8_e4m3 (and vLLM's alias fp8) float8 e4m3."""
+    return model_dtype if flag == "auto" else FP8_DTYPE
+
+
 @dataclass(frozen=True)
 class KVShape:
-    """What one token's K and V are made of, on this rank."""
+    """What one token's K and V are made of, on this rank (`dtype`: the pool's)."""
 
     num_layers: int
     num_kv_heads: int

@@ -29,7 +29,9 @@ from replaylm.layers.kernels import (
 from replaylm.layers.linear import AUTO_SKINNY_MAX_BYTES, set_matmul
 from replaylm.layers.moe.block_configs import device_name, moe_block_config, set_batch_invariant
 from replaylm.layers.moe.layer import FusedMoE
-from replaylm.mem_cache.kv_cache import KVCache, KVShape
+from replaylm.layers.quantization.config import resolve_quantization
+from replaylm.layers.quantization.fp8 import FP8_DTYPE
+from replaylm.mem_cache.kv_cache import KVCache, KVShape, resolve_kv_cache_dtype
 from replaylm.model_executor.draft_heads import attach_head, check_draft, feature_bytes_per_token
 from replaylm.model_executor.engine_config import EngineConfig
 from replaylm.model_executor.model_runner import ModelRunner
@@ -113,6 +115,7 @@ class _Loaded:
     attn_backend: AttentionBackend
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV pool's: `dtype`, or float8 e4m3 (`--kv-cache-dtype`)
     tp: TPPlace
     kernels: str
     label: str  # "" for the served model, "draft " for a draft model (in stage names and logs)
@@ -121,7 +124,7 @@ class _Loaded:
     def kv_shape(self) -> KVShape:
         cfg = self.model.config
         shard = HeadShard.for_rank(cfg.num_attention_heads, cfg.num_key_value_heads, self.tp)
-        return KVShape(cfg.num_hidden_layers, shard.kv_heads, cfg.head_dim, self.dtype)
+        return KVShape(cfg.num_hidden_layers, shard.kv_heads, cfg.head_dim, self.kv_dtype)
 
 
 def _load(
@@ -146,6 +149,9 @@ def _load(
     path = resolve_model_path(args.model_path)
     model_config = load_model_config(path)
     dtype = resolve_dtype(args.dtype, device, model_config.torch_dtype)
+    kv_dtype = _kv_cache_dtype(args, dtype, device)
+    if args.deterministic and resolve_quantization(model_config.hf_config, args.quantization):
+        raise ValueError(DETERMINISTIC_FP8)
     tp = TPPlace(tp_rank, args.tp_size)
     _join_tensor_parallel(args, model_config, tp, device, dtype)
     stages.mark(f"{label}model config")
@@ -159,10 +165,36 @@ def _load(
             args.seed,
             stages,
             args.quantization,
+            kv_scales=kv_dtype == FP8_DTYPE,
         )
     attn_backend.init_model(attention_layers(model), dtype)
     kernels = _choose_kernels(args, model, device)
-    return _Loaded(config, model, attn_backend, device, dtype, tp, kernels, label)
+    return _Loaded(config, model, attn_backend, device, dtype, kv_dtype, tp, kernels, label)
+
+
+DETERMINISTIC_FP8 = (
+    "--deterministic does not cover FP8 weights: the FP8 GEMMs (torch._scaled_mm, the "
+    "block-scaled Triton GEMM) pick their kernels by batch size"
+)
+# float8 e4m3 in Triton's kernels (the KV stores and attention): Ada and Hopper or newer
+FP8_KV_CAPABILITY = (8, 9)
+
+
+def _kv_cache_dtype(args: ServerArgs, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype (`--kv-cache-dtype`); ValueError naming the flag for an fp8 cache on
+    a GPU whose Triton has no float8 e4m3."""
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    if (
+        kv_dtype == FP8_DTYPE
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < FP8_KV_CAPABILITY
+    ):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"--kv-cache-dtype {args.kv_cache_dtype} needs a GPU of compute capability 8.9+ "
+            f"(Triton's float8 e4m3); {torch.cuda.get_device_name(device)} has {major}.{minor}"
+        )
+    return kv_dtype
 
 
 def _make_runner(loaded: _Loaded, kv_tokens: int, stages: StartupStages) -> ModelRunner:
@@ -180,12 +212,13 @@ def _make_runner(loaded: _Loaded, kv_tokens: int, stages: StartupStages) -> Mode
         )
     stages.mark(f"{label}KV allocation")
     logger.info(
-        "%smodel runner ready: %s on %s%s, KV cache %d tokens (%.2f GiB), attention %s, %s%s",
+        "%smodel runner ready: %s on %s%s, KV cache %d tokens in %s (%.2f GiB), attention %s, %s%s",
         label,
         loaded.dtype,
         device,
         f" (tensor-parallel rank {loaded.tp.rank} of {args.tp_size})" if args.tp_size > 1 else "",
         kv.size,
+        kv.pool.dtype,
         kv.pool.memory_bytes() / 2**30,
         config.attention.describe(),
         loaded.kernels,
@@ -267,7 +300,11 @@ def _choose_kernels(args: ServerArgs, model: LlamaForCausalLM, device: torch.dev
         logger.info(
             "%d FP8 linear layers: %s, whatever --small-batch-matmul says",
             layers["fp8"],
-            "torch._scaled_mm" if device.type == "cuda" else "emulated (dequantized per matmul)",
+            (
+                "torch._scaled_mm per channel, a Triton GEMM per block"
+                if device.type == "cuda"
+                else "emulated (dequantized per matmul)"
+            ),
         )
     set_batch_invariant(args.deterministic)
     _log_experts(model, device, triton_kernels, args.deterministic)
@@ -302,6 +339,7 @@ def _log_experts(
         1,
         moe.w13_weight.dtype,
         device_name(device),
+        None if moe.quant is None else moe.quant.block_size,
     )
     tables = (
         "the defaults (no tuned table for this GPU and shape)"

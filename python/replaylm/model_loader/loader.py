@@ -8,7 +8,8 @@ FP8: the checkpoint's `quantization_config`, or `--quantization fp8`, resolves t
 `Fp8Config` (`layers/quantization/config.py`) before the model is built; its linear layers and
 experts are built in FP8 (those the checkpoint's ignore list names re-made in the model's dtype),
 FP8 tensors load as they are, and a higher-precision weight is quantized as it arrives, on the
-device, so that memory peaks about one such weight above the FP8 model.
+device, so that memory peaks about one such weight above the FP8 model. The checkpoint's
+KV-cache scales go to the attention layers for an fp8 KV cache, else unused (`kv_scales`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from replaylm.model_loader.gguf_loader import (
     iter_gguf_weights,
     read_gguf_config,
 )
+from replaylm.model_loader.kv_scales import set_kv_scales, without_kv_scales
 from replaylm.model_loader.safetensors_loader import (
     count_safetensors_tensors,
     iter_safetensors_weights,
@@ -89,12 +91,15 @@ def load_model(
     seed: int = 0,
     stages: StartupStages | None = None,
     quantization: str | None = None,
+    kv_scales: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model of `config` on `device` in `dtype` and fill its weights from `path`
     (a resolved model path, see `resolve_model_path`); FP8 as the checkpoint's
-    quantization_config or `quantization` (`--quantization`) says. `stages`: marked `model
-    build`, then `weights read` (reading the checkpoint's tensors) and `weights to device`
-    (filling the parameters with them; the two interleave, tensor by tensor)."""
+    quantization_config or `quantization` (`--quantization`) says. `kv_scales`: the KV cache is
+    fp8, so the checkpoint's KV-cache scales are set on the attention layers (else unused).
+    `stages`: marked `model build`, then `weights read` (reading the checkpoint's tensors) and
+    `weights to device` (filling the parameters with them; the two interleave, tensor by
+    tensor)."""
     fmt = resolve_load_format(path, load_format)
     model_cls = get_model_class(config.architecture)
     quant = resolve_quantization(config.hf_config, quantization)
@@ -122,9 +127,13 @@ def load_model(
         logger.info("loading %d %s tensors from %s", count, fmt, path)
         weights = TimedIterator(tensors)
         shown = shows_progress()
-        model.load_weights(
-            tqdm(weights, total=count, desc="Loading weights", unit="tensor", disable=not shown)
+        found: dict[str, torch.Tensor] = {}
+        progress = tqdm(
+            weights, total=count, desc="Loading weights", unit="tensor", disable=not shown
         )
+        model.load_weights(without_kv_scales(progress, found))
+        if kv_scales:
+            set_kv_scales(model, found)
     model.eval()
     if device.type == "cuda":
         # the copies are asynchronous (the stage waits for them), and the memory the checkpoint's

@@ -51,8 +51,8 @@ _FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
-# skipped checkpoint tensors: rope's cached frequencies, and FP8 KV-cache scales (the KV cache
-# stays in the model's dtype; an FP8 KV cache would read them)
+# skipped checkpoint tensors: rope's cached frequencies, and FP8 KV-cache scales where a loader
+# passes them on (the checkpoint loader takes them out first: model_loader/kv_scales.py)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".kv_scale")
 # FP8 block-quantized checkpoints name their weight scales so (DeepSeek's, Qwen3-*-FP8)
 _SCALE_ALIASES = {".weight_scale_inv": ".weight_scale"}

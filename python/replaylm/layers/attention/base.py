@@ -8,6 +8,12 @@ attention break, and lets the break write straight into a static output, with no
 `init_forward_metadata` runs once per batch (before the layers) and prepares whatever every layer
 shares (index tables, masks). Backends usable inside a `full` CUDA graph also implement the three
 `*_cuda_graph` hooks of `CudaGraphAttentionBackend`.
+
+An fp8 KV pool (`--kv-cache-dtype fp8_e4m3`) holds each layer's K / k_scale and V / v_scale
+(`Attention`'s scales). Every backend attends over K and V as stored, a prefill's new tokens
+too, so all of them compute the same thing; float8 converts exactly to the model's dtype, so
+they fold k_scale into the softmax scale and v_scale into the output: one multiply per output
+element, not one per cached element read.
 """
 
 from __future__ import annotations
@@ -49,15 +55,17 @@ class AttentionBackend(ABC):
         self, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
     ) -> None:
         """Write K/V of the new tokens at their KV slots. Must not sync with the host nor size a
-        launch by anything but the token count (it is captured inside graph segments)."""
-        batch.kv.pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        launch by anything but the token count (it is captured inside graph segments). An fp8
+        cache stores them divided by the layer's `k_scale` / `v_scale`."""
+        batch.kv.pool.store(layer.layer_id, batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
 
     def kv_store_target(
         self, layer: Attention, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(k cache, v cache, slots) where a fused kernel that produces K/V may store them itself
-        instead of `store_kv` (exactly where `store_kv` would: same caches, same slots, inside
-        graph segments too); None when this backend stores them only through `store_kv`."""
+        instead of `store_kv` (exactly where and as `store_kv` would: same caches, same slots,
+        the layer's scales for an fp8 cache, inside graph segments too); None when this backend
+        stores them only through `store_kv`."""
         return None
 
     def forward(

@@ -10,6 +10,8 @@ prefill after a prefix, and mixed steps, run the paged kernel over prefix and ne
 are stored before attention). Decode runs the decode kernel, through tensor cores where a KV
 head serves 4 or more query heads (the rule SGLang uses). A `full` decode graph gets one wrapper
 per batch size over static buffers, planned again with the live lengths before each replay.
+An fp8 KV pool is planned as FlashInfer's fp8 cache (`kv_data_type`), every prefill over it
+paged (the new tokens as stored, base.py), each layer's `k_scale` / `v_scale` handed to `run`.
 """
 
 from __future__ import annotations
@@ -118,20 +120,22 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         if batch.forward_mode.is_decode_shaped():
             wrapper = self._eager_wrapper("decode", batch)
             indptr, indices = self._page_table(batch, batch.batch_size)
-            self._plan_decode(wrapper, indptr, indices)
+            self._plan_decode(wrapper, indptr, indices, batch.kv.pool.dtype)
             self._meta = _Plan(wrapper)
             return
         geometry = self._model_geometry()
         ext = batch.extend_seq_lens_cpu
         qo_indptr = _pinned(list(accumulate(ext, initial=0)))
+        kv_dtype = batch.kv.pool.dtype
         common = {
             "causal": True,
             "sm_scale": geometry.scaling,
             "q_data_type": geometry.dtype,
-            "kv_data_type": geometry.dtype,
+            "kv_data_type": kv_dtype,
         }
         h, hkv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
-        if batch.num_decode == 0 and ext == batch.seq_lens_cpu:  # no prefix: K/V are the step's
+        no_prefix = batch.num_decode == 0 and ext == batch.seq_lens_cpu
+        if no_prefix and kv_dtype == geometry.dtype:  # K/V are the step's, as the pool holds them
             wrapper = self._eager_wrapper("ragged", batch)
             wrapper.plan(qo_indptr, qo_indptr, h, hkv, d, **common)
             self._meta = _Plan(wrapper, ragged=True)
@@ -173,7 +177,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         plan = self._plan()
         if plan.ragged:
             return plan.wrapper.run(q, k, v, out=out)
-        return plan.wrapper.run(q, self._paged_cache(layer, batch), out=out)
+        return self._run_paged(plan, q, layer, batch, out)
 
     def forward_decode(
         self,
@@ -184,7 +188,20 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         batch: ForwardBatch,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        return self._plan().wrapper.run(q, self._paged_cache(layer, batch), out=out)
+        return self._run_paged(self._plan(), q, layer, batch, out)
+
+    def _run_paged(
+        self, plan: _Plan, q: torch.Tensor, layer: Attention, batch: ForwardBatch, out: torch.Tensor
+    ) -> torch.Tensor:
+        """`plan`'s kernel over the layer's paged K/V, with its scales (1.0 but for an fp8
+        cache: FlashInfer folds k_scale into the softmax scale, v_scale into the output)."""
+        return plan.wrapper.run(
+            q,
+            self._paged_cache(layer, batch),
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
+            out=out,
+        )
 
     # ---- CUDA graphs ------------------------------------------------------------------------
 
@@ -216,7 +233,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         bs = batch.batch_size
         wrapper = graph.wrappers[bs]
         indptr, indices = self._page_table(batch, bs, graph.indptr[: bs + 1], graph.indices)
-        self._plan_decode(wrapper, indptr, indices)
+        self._plan_decode(wrapper, indptr, indices, batch.kv.pool.dtype)
         self._meta = _Plan(wrapper)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -247,7 +264,10 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         )
         return indptr_host, indices_out[: host[-1]]
 
-    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor) -> None:
+    def _plan_decode(
+        self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, kv_dtype: torch.dtype
+    ) -> None:
+        """Plan decode over pages of `kv_dtype` (the pool's)."""
         g = self._model_geometry()
         wrapper.plan(
             indptr,
@@ -259,7 +279,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
             1,
             sm_scale=g.scaling,
             q_data_type=g.dtype,
-            kv_data_type=g.dtype,
+            kv_data_type=kv_dtype,
         )
 
     def _ones(self, n: int) -> torch.Tensor:

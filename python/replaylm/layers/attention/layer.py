@@ -29,6 +29,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        # an fp8 KV cache holds K / k_scale and V / v_scale (the checkpoint's scales, else 1.0);
+        # a cache in the model's dtype holds K and V as they are, its scales left at 1.0
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,

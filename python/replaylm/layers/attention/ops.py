@@ -148,6 +148,7 @@ def norm_rope_store(
         head_dim,
         norm,
         kv_store=None if target is None else (v, *target),
+        kv_scales=(layer.k_scale, layer.v_scale),
     )
     if target is None:
         t = k.shape[0]

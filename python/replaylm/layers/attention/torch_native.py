@@ -70,10 +70,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             k,
             v,
             attn_mask=meta.mask,
-            scale=layer.scaling,
+            scale=layer.scaling * layer.k_scale,  # an fp8 cache's scales, folded (base.py)
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
-        return out.copy_(attn.transpose(1, 2)[meta.q_valid])  # [T, H, D], packed token order
+        # [T, H, D], packed token order
+        return out.copy_(attn.transpose(1, 2)[meta.q_valid]).mul_(layer.v_scale)
 
     def forward_extend(
         self,

@@ -7,7 +7,8 @@ input dtype. Per head: the optional norm has the same numbers as `RMSNorm` (floa
 the dtype, times the weight, rounded again); then rope with cos/sin from the float32 tables at
 `positions`, rounded to the dtype as the torch code does, `x*cos + rotate_half(x)*sin`
 computed in float32 and rounded once (the torch code rounds each product and the sum, so
-half-precision outputs can differ by one rounding).
+half-precision outputs can differ by one rounding). K and V are stored as the Triton KV store
+writes them (`to_cache`: an fp8 cache's divided by the layer's scales and saturated).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from replaylm.layers.attention.triton.kv_store import to_cache
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
@@ -29,6 +31,7 @@ def _norm_rope_heads(
     Dst,
     W,
     Cache,
+    scale,
     first_head,
     num_heads,
     stride_ch,
@@ -45,8 +48,8 @@ def _norm_rope_heads(
     STORE: tl.constexpr,
 ):
     """Heads `first_head ..` (BLOCK_H of them, masked at `num_heads`) of one token: `Src` and
-    `Dst` point at the token's row, `Cache` (with STORE) at its KV slot, heads `stride_ch`
-    apart; each head is two halves of HALF columns."""
+    `Dst` point at the token's row, `Cache` (with STORE, its fp8 `scale`) at its KV slot, heads
+    `stride_ch` apart; each head is two halves of HALF columns."""
     heads = first_head + tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (cols < HALF)
@@ -68,20 +71,28 @@ def _norm_rope_heads(
     tl.store(Dst + offs + HALF, y2, mask=mask)
     if STORE:
         slot_offs = heads * stride_ch + cols
-        tl.store(Cache + slot_offs, y1.to(Cache.dtype.element_ty), mask=mask)
-        tl.store(Cache + slot_offs + HALF, y2.to(Cache.dtype.element_ty), mask=mask)
+        tl.store(Cache + slot_offs, to_cache(y1, Cache, scale), mask=mask)
+        tl.store(Cache + slot_offs + HALF, to_cache(y2, Cache, scale), mask=mask)
 
 
 @triton.jit
 def _copy_heads(
-    Src, Cache, first_head, num_heads, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr
+    Src,
+    Cache,
+    scale,
+    first_head,
+    num_heads,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    """Heads `first_head ..` of one token's row `Src` into its KV slot `Cache` as they are."""
+    """Heads `first_head ..` of one token's row `Src` into its KV slot `Cache` as they are (an
+    fp8 cache's divided by `scale`)."""
     heads = first_head + tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, HEAD_DIM)[None, :]
     ok = heads < num_heads
     x = tl.load(Src + heads * HEAD_DIM + cols, mask=ok)
-    tl.store(Cache + heads * stride_ch + cols, x.to(Cache.dtype.element_ty), mask=ok)
+    tl.store(Cache + heads * stride_ch + cols, to_cache(x, Cache, scale), mask=ok)
 
 
 # one element per token is read through Pos and Loc: their alignment (a batch's packed index
@@ -108,6 +119,8 @@ def _qk_norm_rope_kernel(
     stride_ct,
     stride_ch,
     eps,
+    k_scale,
+    v_scale,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -138,6 +151,7 @@ def _qk_norm_rope_kernel(
             QOut + t * (NUM_HEADS * HEAD_DIM),
             QW,
             Q,
+            1.0,
             block * BLOCK_H,
             NUM_HEADS,
             0,
@@ -163,6 +177,7 @@ def _qk_norm_rope_kernel(
             KOut + t * (NUM_KV_HEADS * HEAD_DIM),
             KW,
             KCache + slot,
+            k_scale,
             first,
             NUM_KV_HEADS,
             stride_ch,
@@ -180,7 +195,14 @@ def _qk_norm_rope_kernel(
         )
         if STORE:
             _copy_heads(
-                V + t * stride_v, VCache + slot, first, NUM_KV_HEADS, stride_ch, HEAD_DIM, BLOCK_H
+                V + t * stride_v,
+                VCache + slot,
+                v_scale,
+                first,
+                NUM_KV_HEADS,
+                stride_ch,
+                HEAD_DIM,
+                BLOCK_H,
             )
 
 
@@ -194,14 +216,16 @@ def qk_norm_rope(
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     heads_per_program: int = 4,
     kv_store: KVStore | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rope (after a per-head RMSNorm when `norm` = (q weight, k weight, eps)) of q `[T, H*D]`
     and k `[T, Hkv*D]` (same dtype; unit column stride, any row stride) at `positions` `[T]`;
     `cos_cache`/`sin_cache` `[max_positions, D]` float32 (neox layout). Returns new contiguous
     q and k. With `kv_store` = (v `[T, Hkv*D]` like k, k cache, v cache `[slots, Hkv, D]` with
     equal strides and unit column stride, slots `[T]`), also `k_cache[slots[t]]` = the returned
-    k[t] and `v_cache[slots[t]] = v[t]`. `heads_per_program` (a power of two) sets the launch:
-    (T, head blocks)."""
+    k[t] and `v_cache[slots[t]] = v[t]` (an fp8 cache's divided by `kv_scales` = (k_scale,
+    v_scale), saturated). `heads_per_program` (a power of two) sets the launch: (T, head
+    blocks)."""
     if q.stride(1) != 1 or k.stride(1) != 1 or q.dtype != k.dtype:
         raise ValueError("q and k must have unit column stride and one dtype")
     if head_dim % 2 or q.shape[1] % head_dim or k.shape[1] % head_dim:
@@ -247,6 +271,7 @@ def qk_norm_rope(
             k_cache.stride(0),
             k_cache.stride(1) if kv_store is not None else 0,
             eps,
+            *kv_scales,
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,

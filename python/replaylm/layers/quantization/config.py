@@ -43,8 +43,8 @@ class Fp8Config:
     per-tensor `input_scale`). `ignored`: the checkpoint's names and patterns of modules left
     unquantized (`ignores`). `quantize_at_load`: the checkpoint is not FP8 (`--quantization
     fp8`): each weight is quantized as it loads. `method`: where the scheme came from, for the log;
-    `kv_cache_scales`: the checkpoint carries FP8 KV-cache scales (not used: the KV cache stays in
-    the model's dtype)."""
+    `kv_cache_scales`: the checkpoint carries FP8 KV-cache scales (read with `--kv-cache-dtype
+    fp8_e4m3`, else unused)."""
 
     weight_scales: str
     activations: str = "dynamic"
@@ -92,7 +92,7 @@ class Fp8Config:
             if self.quantize_at_load
             else f"from the checkpoint ({self.method})"
         )
-        kv = "; its KV-cache scales unused (the KV cache stays in the model's dtype)"
+        kv = "; KV-cache scales in the checkpoint (read with --kv-cache-dtype fp8_e4m3)"
         return f"FP8 e4m3 weights, {scales}, {source}; activations {acts}" + (
             kv if self.kv_cache_scales else ""
         )

@@ -158,6 +158,8 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             self._metadata().out_cache_loc,
             k,
             v,
+            layer.k_scale,
+            layer.v_scale,
         )
 
     def kv_store_target(
@@ -201,6 +203,8 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             meta.max_extend_len,
             layer.scaling,
             aligned=self.deterministic,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
         )
 
     def forward_decode(
@@ -246,6 +250,8 @@ class TritonAttnBackend(CudaGraphAttentionBackend):
             separate_merge=meta.separate_merge,
             order=meta.order,
             rows_per_program=meta.rows_per_program,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
         )
 
     # ---- CUDA graphs ------------------------------------------------------------------------

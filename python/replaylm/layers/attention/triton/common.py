@@ -9,7 +9,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
-KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the model's dtypes, and float8 e4m3 (`--kv-cache-dtype fp8_e4m3`), whose tiles the kernels
+# convert to q's dtype (exactly) as they load them
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 
 class KernelConfig(NamedTuple):
@@ -41,6 +43,12 @@ def check_inputs(
     if k_cache.dtype not in KV_DTYPES:
         raise ValueError(f"KV cache dtype {k_cache.dtype} is not one of {KV_DTYPES}")
     return num_heads, num_kv_heads, head_dim
+
+
+def qk_scale(scale: float, k_scale: float) -> float:
+    """The kernels' logit scale: the softmax scale with an fp8 cache's `k_scale` folded in
+    (base.py), in base 2."""
+    return scale * k_scale * LOG2E
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -43,10 +43,10 @@ import triton
 import triton.language as tl
 
 from replaylm.layers.attention.triton.common import (
-    LOG2E,
     KernelConfig,
     check_inputs,
     dot_precision,
+    qk_scale,
     softmax_update,
 )
 from replaylm.layers.kernels import pdl_launch
@@ -138,6 +138,7 @@ def _decode_kernel(
     MidLse,
     Arrivals,
     qk_scale,
+    v_scale,
     min_split_len,
     num_splits,
     has_order,
@@ -206,10 +207,8 @@ def _decode_kernel(
         mid_o_at = MidO + rows[:, None] * stride_mot
         mid_lse_at = MidLse + rows * stride_mlt
     q = tl.load(
-        q_at + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=head_ok[:, None],
-        other=0.0,
-    ).to(KCache.dtype.element_ty)
+        q_at + heads[:, None] * stride_qh + offs_d[None, :], mask=head_ok[:, None], other=0.0
+    )
     split_len = _split_len(seq_len, num_splits, min_split_len)
     num_active = tl.cdiv(seq_len, split_len)
     start = split * split_len
@@ -243,12 +242,12 @@ def _decode_kernel(
                 KCache + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                 mask=valid[:, None],
                 other=0.0,
-            )
+            ).to(q.dtype)
             v = tl.load(
                 VCache + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                 mask=valid[:, None],
                 other=0.0,
-            )
+            ).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if ROWS == 1:
                 qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -256,7 +255,7 @@ def _decode_kernel(
                 own = valid[None, :] & (cols[None, :] < row_len[:, None])
                 qk = tl.where(own, qk, -1.0e30)
             m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, PRECISION)
-        value = acc / l_i[:, None]
+        value = acc / l_i[:, None] * v_scale
         lse = m_i + tl.log2(l_i)
         if ROWS > 1:  # a row ending before this slice: a part the merge weighs 0
             mine = row_len > start
@@ -446,6 +445,8 @@ def decode_attention(
     separate_merge: bool = False,
     order: torch.Tensor | None = None,
     rows_per_program: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of `q` `[bs, H, D]` (request i's one new token) over the `seq_lens[i]` tokens of
     request i, whose KV slots are `req_to_token[req_pool_indices[i], :seq_lens[i]]` in
@@ -456,11 +457,13 @@ def decode_attention(
     numbers as the default single launch, which costs one launch less of host time).
     `order`: a permutation of the requests `[bs]` in which the programs start (`longest_first`);
     the output is the same. `rows_per_program` > 1: the rows are a verify step's (runs of rows
-    of one request, at most MAX_RUN long), attended that many at a time (no `order`)."""
+    of one request, at most MAX_RUN long), attended that many at a time (no `order`).
+    `k_scale`, `v_scale`: an fp8 cache's (it holds K / k_scale, V / v_scale); the dots run in
+    q's dtype."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     bs = q.shape[0]
     group = num_heads // num_kv_heads
-    cfg = config or (FLOAT32_CONFIG if k_cache.dtype == torch.float32 else CONFIG)
+    cfg = config or (FLOAT32_CONFIG if q.dtype == torch.float32 else CONFIG)
     ws = workspace or decode_workspace(q, num_kv_heads, num_splits)
     mid_o, mid_lse = ws.mid_o, ws.mid_lse
     separate = separate_merge and num_splits > 1  # one slice: written directly either way
@@ -477,7 +480,8 @@ def decode_attention(
         mid_o,
         mid_lse,
         ws.arrivals,
-        scale * LOG2E,
+        qk_scale(scale, k_scale),
+        v_scale,
         min_split_len,
         num_splits,
         int(order is not None),
@@ -502,7 +506,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n,
         MERGE_UNROLL=merge_unroll(num_splits),
-        PRECISION=dot_precision(k_cache.dtype),
+        PRECISION=dot_precision(q.dtype),
         SEPARATE_MERGE=separate,
         ROWS=rows_per_program,
         num_warps=cfg.num_warps,

@@ -12,7 +12,8 @@ mask). Query blocks run latest first: they have the most keys, so the tail of th
 `aligned=True` (the batch-invariant attention of `--deterministic`) makes one pass instead, over
 the keys in tiles at fixed positions of the sequence, all read from the cache (the layer stores
 the new tokens' K/V before attending): a query's softmax then folds the same tiles in the same
-order however its prompt was chunked and whichever batch it came in.
+order however its prompt was chunked and whichever batch it came in. An fp8 cache takes that
+pass too: the new tokens attend to their K/V as stored, as every other reader sees them.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import triton
 import triton.language as tl
 
 from replaylm.layers.attention.triton.common import (
-    LOG2E,
     KernelConfig,
     check_inputs,
     dot_precision,
+    qk_scale,
     softmax_update,
 )
 from replaylm.layers.kernels import pdl_launch
@@ -64,19 +65,19 @@ def _fold_cached_keys(
     offs_d,
     PRECISION: tl.constexpr,
 ):
-    """Fold the request's cached keys at positions `cols` (loaded where `load_ok`) into the
-    running softmax; logits outside `visible` `[M, N]` are masked."""
+    """Fold the request's cached keys at positions `cols` (loaded where `load_ok`, in q's
+    dtype) into the running softmax; logits outside `visible` `[M, N]` are masked."""
     slots = tl.load(row + cols, mask=load_ok, other=0).to(tl.int64)
     k = tl.load(
         KCache + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
         mask=load_ok[:, None],
         other=0.0,
-    )
+    ).to(q.dtype)
     v = tl.load(
         VCache + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
         mask=load_ok[:, None],
         other=0.0,
-    )
+    ).to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
     return softmax_update(qk, v, m_i, l_i, acc, PRECISION)
@@ -101,6 +102,7 @@ def _extend_kernel(
     ExtendLens,
     ExtendStart,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_knt,
@@ -129,7 +131,7 @@ def _extend_kernel(
     ext_len = tl.load(ExtendLens + b).to(tl.int32)
     if m_start < ext_len:
         kv_head = head // GROUP
-        dtype = KCache.dtype.element_ty
+        dtype = Q.dtype.element_ty  # the dots': q's (an fp8 cache's tiles convert to it)
         prefix_len = tl.load(PrefixLens + b).to(tl.int32)
         first = tl.load(ExtendStart + b).to(tl.int64)
         row = ReqToToken + tl.load(ReqPoolIndices + b).to(tl.int64) * stride_rt
@@ -141,7 +143,7 @@ def _extend_kernel(
             Q + (first + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
             mask=q_ok[:, None],
             other=0.0,
-        ).to(dtype)
+        )
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -228,7 +230,7 @@ def _extend_kernel(
                 )
                 m_i, l_i, acc = softmax_update(qk, v.to(dtype), m_i, l_i, acc, PRECISION)
 
-        out = acc / l_i[:, None]
+        out = acc / l_i[:, None] * v_scale
         tl.store(
             Out + (first + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
             out.to(Out.dtype.element_ty),
@@ -252,15 +254,18 @@ def extend_attention(
     scale: float,
     config: KernelConfig | None = None,
     aligned: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the new tokens `q` `[T, H, D]` (with their own `k`, `v` `[T, Hkv, D]`)
     over each request's cached prefix plus themselves. `max_extend_len` (>= every extend length)
     sizes the grid. `aligned`: the batch-invariant single pass (the new tokens' K/V must be in the
-    cache already). Writes and returns `out` `[T, H, D]`."""
+    cache already), which an fp8 cache takes too, its `k_scale`, `v_scale` applied (it holds
+    K / k_scale, V / v_scale). The dots run in q's dtype. Writes and returns `out` `[T, H, D]`."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v must be contiguous along the head dim")
-    cfg = config or (FLOAT32_CONFIG if k_cache.dtype == torch.float32 else CONFIGS[head_dim])
+    cfg = config or (FLOAT32_CONFIG if q.dtype == torch.float32 else CONFIGS[head_dim])
     if cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m {cfg.block_m} is not a multiple of block_n {cfg.block_n}")
     bs = prefix_lens.shape[0]
@@ -279,7 +284,8 @@ def extend_attention(
         prefix_lens,
         extend_lens,
         extend_start,
-        scale * LOG2E,
+        qk_scale(scale, k_scale),
+        v_scale,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -297,8 +303,8 @@ def extend_attention(
         HEAD_DIM=head_dim,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        PRECISION=dot_precision(k_cache.dtype),
-        ALIGNED=aligned,
+        PRECISION=dot_precision(q.dtype),
+        ALIGNED=aligned or k_cache.dtype == torch.float8_e4m3fn,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(),

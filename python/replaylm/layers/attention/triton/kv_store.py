@@ -1,6 +1,7 @@
 """This step's K and V into the paged cache, in one launch for both (faster than two index_put
 calls). A layer whose rope kernel stores K/V at the backend's `kv_store_target` skips it:
-docs/tuning.md, "KV store in the rope kernel"."""
+docs/tuning.md, "KV store in the rope kernel". `to_cache` is how both write a value: an fp8
+cache's divided by the layer's scale and saturated, as `KVPool.store` does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ import triton.language as tl
 
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
+
+FP8_MAX = tl.constexpr(448.0)  # float8 e4m3's largest finite value
+
+
+@triton.jit
+def to_cache(x, Cache, scale):
+    """`x` as the cache `Cache` points into holds it: in float8 `x / scale` saturated at
+    +-FP8_MAX (readers multiply by `scale` again), else `x` in the cache's dtype."""
+    if Cache.dtype.element_ty.is_fp8():
+        x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    return x.to(Cache.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize_on_alignment=["Loc"])  # one slot per token: any 8-byte offset
@@ -25,6 +37,8 @@ def _store_kv_kernel(
     stride_vh,
     stride_ct,
     stride_ch,
+    k_scale,
+    v_scale,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -38,9 +52,9 @@ def _store_kv_kernel(
     ok = offs_h < NUM_KV_HEADS
     dst = slot * stride_ct + offs_h * stride_ch + offs_d
     k = tl.load(K + t * stride_kt + offs_h * stride_kh + offs_d, mask=ok)
-    tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=ok)
+    tl.store(KCache + dst, to_cache(k, KCache, k_scale), mask=ok)
     v = tl.load(V + t * stride_vt + offs_h * stride_vh + offs_d, mask=ok)
-    tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=ok)
+    tl.store(VCache + dst, to_cache(v, VCache, v_scale), mask=ok)
 
 
 def store_kv(
@@ -49,9 +63,12 @@ def store_kv(
     loc: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """`k_cache[loc[t]] = k[t]` and `v_cache[loc[t]] = v[t]` for every token t; `k`, `v` are
-    `[T, Hkv, D]` (any row and head strides), the caches `[slots, Hkv, D]` with equal strides."""
+    """`k_cache[loc[t]] = k[t]` and `v_cache[loc[t]] = v[t]` for every token t (an fp8 cache's:
+    `k[t] / k_scale`, `v[t] / v_scale`, saturated); `k`, `v` are `[T, Hkv, D]` (any row and
+    head strides), the caches `[slots, Hkv, D]` with equal strides."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError(
@@ -73,6 +90,8 @@ def store_kv(
         v.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
+        k_scale,
+        v_scale,
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
