@@ -389,6 +389,57 @@ def http_table(sources: list[Source]) -> Table:
     )
 
 
+# ---- bench_moe_kernel ----------------------------------------------------------------------------
+
+
+def moe_kernel_table(sources: list[Source]) -> Table:
+    """Per model and token count: the experts reached, the fused kernels' and cuBLAS-per-expert
+    microseconds, the weight-read floor and the ratios."""
+    table = [
+        [r["model"], str(r["tokens"]), str(r["experts_reached"])]
+        + [num(r["fused_us"], 1), num(r["cublas_us"], 1), num(r["floor_us"], 1)]
+        + [ratio(r["fused_over_floor"]), ratio(r["cublas_over_fused"], 1)]
+        for r in rows_of(sources, "rows")
+    ]
+    configs = sorted({r["block_configs"] for r in rows_of(sources, "rows")})
+    return Table(
+        ["model", "tokens", "experts reached", "fused us", "cuBLAS per expert us", "floor us"]
+        + ["fused / floor", "cuBLAS / fused"],
+        table,
+        labels=2,
+        note=f"Block configs: {'; '.join(configs)}.",
+    )
+
+
+# ---- bench_fp8_gemm ------------------------------------------------------------------------------
+
+FP8_GEMM_VARIANTS = ("bf16", "channel", "channel_gemm", "block", "block_gemm")
+
+
+def fp8_gemm_table(sources: list[Source]) -> Table:
+    """Per projection and row count: microseconds of bf16 cuBLAS and of each FP8 variant, the
+    bf16 and best FP8 TFLOP/s, and bf16's time over the faster FP8 path's (quantization in)."""
+    table = []
+    for r in rows_of(sources, "rows"):
+        us, tflops = r["us"], r["tflops"]
+        best = min(us["channel"], us["block"])
+        table.append(
+            [r["model"], r["proj"], f"{r['n']} x {r['k']}", str(r["rows"])]
+            + [num(us[v], 1) for v in FP8_GEMM_VARIANTS]
+            + [num(tflops["bf16"], 0), num(max(tflops[v] for v in FP8_GEMM_VARIANTS[1:]), 0)]
+            + [ratio(us["bf16"] / best)]
+        )
+    return Table(
+        ["model", "projection", "N x K", "rows", "bf16 us", "channel us", "channel GEMM us"]
+        + ["block us", "block GEMM us", "bf16 TFLOP/s", "best FP8 TFLOP/s", "bf16 / FP8"],
+        table,
+        labels=4,
+        note="channel: per-token quantization kernel + torch._scaled_mm (row-wise scales); "
+        "block: per-token-group quantization + the 128 x 128 block-scaled Triton GEMM; the GEMM "
+        "columns leave the quantization out. bf16 / FP8: against the faster of channel and block.",
+    )
+
+
 # ---- the accuracy suite --------------------------------------------------------------------------
 
 

@@ -35,8 +35,10 @@ from doc_tables import (
     backends_table,
     capture_table,
     decode_host_table,
+    fp8_gemm_table,
     http_table,
     modes_table,
+    moe_kernel_table,
     offline_table,
     prefix_table,
     rates_table,
@@ -95,6 +97,43 @@ SECTIONS = (
         "eagerly between graph segments: their decode steps are host-bound and vary between runs.",
         modes_table,
         Plot("--one-batch", "one_batch_qwen3-0.6b.png"),
+    ),
+    Section(
+        "Mixture of experts: one batch per mode (`bench_one_batch.py --models qwen3-30b-a3b`)",
+        ("one_batch_moe",),
+        "Dummy Qwen3-30B-A3B (128 experts, top 8, 48 layers) per CUDA-graph mode, as above. "
+        "*floor*: attention, norms and LM head plus the experts a step's routing reaches (8 a "
+        "layer at bs 1; E(1 - (1 - k/E)^bs) expected at larger batches) over the copy bandwidth.",
+        modes_table,
+    ),
+    Section(
+        "Mixture of experts: one layer's experts (`bench_moe_kernel.py`)",
+        ("moe_kernel",),
+        "Qwen3-30B-A3B's MoE layer alone (routing given): the fused Triton kernels (sort, grouped "
+        "gate_up with SiLU-and-mul, grouped down, weighted sum), a cuBLAS matmul per reached "
+        "expert, and the floor: the reached experts' weights over the copy bandwidth.",
+        moe_kernel_table,
+    ),
+    Section(
+        "Mixture of experts: offline throughput",
+        ("offline_moe",),
+        "nano-vllm's offline workload on dummy Qwen3-30B-A3B, full decode graphs.",
+        offline_table,
+    ),
+    Section(
+        "Mixture of experts: prefill",
+        ("prefill_moe",),
+        "64 prompts of 512 tokens and one output token each (`bench_offline.py --num-seqs 64 "
+        "--min-len 512 --max-len 512 --output-len 1`) on dummy Qwen3-30B-A3B: *seconds* is the "
+        "prefill + 1.",
+        offline_table,
+    ),
+    Section(
+        "FP8 GEMMs (`bench_fp8_gemm.py`)",
+        ("fp8_gemm",),
+        "Each projection of a model alone, bf16 cuBLAS against FP8 (e4m3) weights and "
+        "activations, CUDA-graph replays over enough weight copies to miss L2.",
+        fp8_gemm_table,
     ),
     Section(
         "Tensor parallelism (`bench_one_batch.py --tp-size`)",

@@ -45,7 +45,12 @@
 #   tok/s per rate, a line per server) when matplotlib imports.
 #   moe: dummy Qwen3-30B-A3B: bench_moe_kernel.py (one layer's experts: the fused kernels, cuBLAS
 #   per expert, the weight-read floor), bench_one_batch.py (decode at bs 1, 8, 64, 256 in every
-#   graph mode, prefill, against the routed floor) and bench_offline.py (nano-vllm's workload).
+#   graph mode, prefill, against the routed floor) and bench_offline.py (nano-vllm's workload)
+#   (and bench_offline.py's 64 x 512 prefill + 1 as prefill_moe).
+#   fp8: bench_fp8_gemm.py (the FP8 GEMMs per projection and row count against bf16 cuBLAS), and
+#   Llama-3.1-8B and Qwen3-0.6B in bf16, with --quantization fp8, and with the FP8 KV cache too:
+#   bench_one_batch.py (decode at bs 1, 8, 64, 256), bench_offline.py (nano-vllm's workload) and
+#   its 64 x 512 prefill + 1.
 #   http: bench_http.py, the HTTP server against the in-process Engine (SmolLM2-135M, Qwen3-0.6B
 #   and Llama-3.1-8B, dummy weights, the built-in model's tokenizer), 1,024 requests of 512 tokens
 #   at once, with GPU_CHECK_HTTP_COUNTS front ends (default "1 8").
@@ -183,6 +188,9 @@ serving_rates_local() {  # per GPU_CHECK_SERVING_ARGS entry: a server, its rate 
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     kernel_variants=('{"small_batch_matmul": "cublas"}' '{}' '{"enable_pdl": false}'
                      '{"small_batch_matmul": "triton"}')
+    fp8_variants=('{}' '{"quantization": "fp8"}' \
+                  '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}')
+    prefill_64x512=(--num-seqs 64 --min-len 512 --max-len 512 --output-len 1)  # prefill + 1
     all_reduce_variants=('{"tp_all_reduce": "nccl"}' '{"tp_all_reduce": "one-shot"}')
     for bench in ${GPU_CHECK_BENCHES:-attention matmul decode_chain one_batch one_batch_native \
                   decode_host one_batch_kernels one_batch_det profile startup offline offline_bs1 \
@@ -195,7 +203,20 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
                 run_bench bench_one_batch_moe benchmark/bench_one_batch.py --models qwen3-30b-a3b \
                 --bs 1 8 64 256
                 run_bench bench_offline_moe benchmark/bench_offline.py --modes full \
-                --model-path benchmark/configs/qwen3-30b-a3b.json ;;
+                --model-path benchmark/configs/qwen3-30b-a3b.json
+                run_bench bench_prefill_moe benchmark/bench_offline.py --modes full \
+                --model-path benchmark/configs/qwen3-30b-a3b.json "${prefill_64x512[@]}" ;;
+            fp8) run_bench bench_fp8_gemm benchmark/bench_fp8_gemm.py
+                run_bench bench_one_batch_fp8 benchmark/bench_one_batch.py \
+                --models llama-3.1-8b qwen3-0.6b --bs 1 8 64 256 \
+                --runs '{"decode": "full", "prefill": "breakable"}' --server-args "${fp8_variants[@]}"
+                for model in llama-3.1-8b qwen3-0.6b; do
+                    run_bench "bench_offline_fp8_$model" benchmark/bench_offline.py --modes full \
+                    --model-path "benchmark/configs/$model.json" --server-args "${fp8_variants[@]}"
+                    run_bench "bench_prefill_fp8_$model" benchmark/bench_offline.py --modes full \
+                    --model-path "benchmark/configs/$model.json" --server-args "${fp8_variants[@]}" \
+                    "${prefill_64x512[@]}"
+                done ;;
             http) gguf=$(smollm2_gguf) || { bench_rc=1; continue; }
                 run_bench bench_http benchmark/bench_http.py --device cuda --tokenizer-path "$gguf" \
                 --model-path benchmark/configs/{smollm2-135m,qwen3-0.6b,llama-3.1-8b}.json \
