@@ -69,17 +69,16 @@ def check_fp8_device(model: nn.Module, device: torch.device) -> None:
             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
         )
     for name, layer in layers:
+        if not isinstance(layer, Linear):
+            continue
         block_k = None if layer.block_size is None else layer.block_size[1]
-        odd_block = block_k is not None and (block_k < 16 or block_k & (block_k - 1))
-        if isinstance(layer, Linear) and odd_block:
+        if block_k is not None and (block_k < 16 or block_k & (block_k - 1)):
             raise ValueError(
                 f"FP8 block scales on CUDA need a block k that is a power of two of 16 or more "
                 f"(the block-scaled GEMM's k step); {name} has {block_k}"
             )
-        if (
-            isinstance(layer, Linear)
-            and layer.block_size is None
-            and any(size % SCALED_MM_MULTIPLE for size in layer.weight.shape)
+        if layer.block_size is None and any(
+            size % SCALED_MM_MULTIPLE for size in layer.weight.shape
         ):
             raise ValueError(
                 f"FP8 on CUDA needs weights whose sizes are multiples of {SCALED_MM_MULTIPLE} "
