@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from replaylm.layers.attention.layer import Attention
-    from replaylm.mem_cache.kv_pool import KVPool
     from replaylm.model_executor.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended split-K workspace, shared by all plans
@@ -92,7 +91,7 @@ class FlashInferAttnBackend(CudaGraphAttentionBackend):
         self._meta: _Plan | None = None
         self._graph_max_bs: int | None = None
         self._graph: _GraphBuffers | None = None  # made at the first capture, which knows the pool
-        self._pool: KVPool | None = None
+        self._pool: object | None = None  # the pool `_caches` views (compared by identity)
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._ones_host = _pinned([1])
 
