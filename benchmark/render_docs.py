@@ -129,6 +129,15 @@ SECTIONS = (
         offline_table,
     ),
     Section(
+        "FP8 weights: one batch (`bench_one_batch.py --server-args`)",
+        ("one_batch_fp8",),
+        "Dummy Llama-3.1-8B in bf16 and with `--quantization fp8` (e4m3 weights per channel, "
+        "activations per token), full decode graphs and breakable prefill, columns as in the "
+        "first table; *floor* and *best / floor* are the bf16 run's (FP8's weights read in about "
+        "half the time).",
+        modes_table,
+    ),
+    Section(
         "FP8 GEMMs (`bench_fp8_gemm.py`)",
         ("fp8_gemm",),
         "Each projection of a model alone, bf16 cuBLAS against FP8 (e4m3) weights and "

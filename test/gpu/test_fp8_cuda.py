@@ -78,7 +78,9 @@ def test_checkpoint_on_cuda_matches_the_cpu_emulation(
     got = _last_logits(cuda, prompts)
     want = _last_logits(make_runner(str(tmp_path), "cpu", "float32"), prompts)
     assert rel_error(got, want) < CHECKPOINT_TOLERANCE
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+    top2 = want.topk(2, dim=-1).values
+    decisive = top2[:, 0] - top2[:, 1] > 1.0  # the random tiny models' near-ties may flip
+    assert (got.argmax(-1) == want.argmax(-1))[decisive].all()
 
 
 @pytest.fixture(scope="module", params=["llama3", "qwen3_moe"])
