@@ -36,7 +36,7 @@ from replaylm.layers.quantization.fp8_kernels import (  # noqa: E402
     block_fp8_matmul,
     block_gemm_config,
 )
-from replaylm.layers.quantization.fp8_linear import fp8_linear  # noqa: E402
+from replaylm.layers.quantization.fp8_linear import SKINNY_ROWS, fp8_linear  # noqa: E402
 
 from script_import import import_script  # noqa: E402
 
@@ -241,12 +241,12 @@ def test_fp8_linear_runs_block_scales_on_the_kernels(
 def test_the_per_channel_path_quantizes_with_the_kernel(
     static: torch.Tensor | None, kernel_device_cpu: dict[str, int]
 ):
-    """Per-channel weights on the kernel device: one quantization kernel call, then
-    torch._scaled_mm (where this torch runs it on the CPU); inside native_only() the torch
-    quantization. Both give the emulation's numbers, rounded to bf16 (row-wise scaling's
-    output) before the cast to float32."""
+    """Per-channel weights on the kernel device, more rows than the skinny kernel's: one
+    quantization kernel call, then torch._scaled_mm (where this torch runs it on the CPU);
+    inside native_only() the torch quantization. Both give the emulation's numbers, rounded to
+    bf16 (row-wise scaling's output) before the cast to float32."""
     weight, scale = quantize_weight(torch.randn(64, 96, generator=_gen(11)), None)
-    x = torch.randn(5, 96, generator=_gen(12)).to(torch.bfloat16)
+    x = torch.randn(SKINNY_ROWS + 3, 96, generator=_gen(12)).to(torch.bfloat16)
     try:
         got = fp8_linear(x, weight, scale, None, out_dtype=torch.float32, input_scale=static)
     except RuntimeError as err:
@@ -310,3 +310,18 @@ def test_the_benchmark_takes_the_models_projections_and_counts_flops(capsys):
     with pytest.raises(SystemExit) as done:
         bench.main(["--help"])
     assert done.value.code == 0 and "do_bench_cudagraph" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rows", [1, 5, SKINNY_ROWS])
+def test_decode_rows_run_weight_only_in_the_skinny_kernel(
+    rows: int, kernel_device_cpu: dict[str, int]
+) -> None:
+    """Up to SKINNY_ROWS rows, per-channel weights run the skinny matmul on the unquantized
+    input: the input times the dequantized weight (float32 sums, the scale after them), no
+    quantization kernel; K over several split-K slices."""
+    weight, scale = quantize_weight(torch.randn(48, 1024, generator=_gen(13)), None)
+    x = torch.randn(rows, 1024, generator=_gen(14))
+    got = fp8_linear(x, weight, scale, None, out_dtype=torch.float32)
+    assert kernel_device_cpu["quantize"] == 0
+    want = x @ dequantize_weight(weight, scale, None).T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -8,6 +8,10 @@ writes `y` and zeroes the counter. Narrow projections have too few output tiles 
 memory bandwidth busy; slicing K gives them more programs (docs/tuning.md, "Split-K skinny
 matmul").
 
+FP8 (e4m3) weights with per-output-channel scales run the same way (weight-only: each tile
+converted to x's dtype, exactly, and the scale applied to the float32 sums at the end), so a
+decode step reads half the weight bytes without quantizing its input.
+
 With `gated_silu` the weight is a `[gate; up]` pair and a program's tile interleaves gate and up
 rows of the same output columns, so its epilogue applies SiluAndMul and writes half as many
 columns: the MLP's gate-up projection and activation in one launch, with no intermediate tensor
@@ -87,6 +91,7 @@ def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 def _write_tile(
     Y,
     B,
+    Scale,
     acc,
     offs_m,
     offs_n,
@@ -98,9 +103,13 @@ def _write_tile(
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
-    """Store the tile `acc` (+ bias) of W rows `offs_n`; with `GATED`, `silu(gate) * up` over its
-    column pairs, rounded as SiluAndMul rounds the separate launch's bf16/fp16 input."""
+    """Store the tile `acc` (times the rows' scales with `SCALED`, + bias) of W rows `offs_n`;
+    with `GATED`, `silu(gate) * up` over its column pairs, rounded as SiluAndMul rounds the
+    separate launch's bf16/fp16 input."""
+    if SCALED:
+        acc *= tl.load(Scale + offs_n, mask=offs_n < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -138,7 +147,8 @@ def _dot_tile(
         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
         other=0.0,
     )
-    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    # an FP8 weight's tile converts to x's dtype exactly
+    return tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
 
 
 # one variant for every row count: docs/tuning.md, "Few compiled variants"
@@ -147,6 +157,7 @@ def _skinny_matmul_kernel(
     X,
     W,
     B,
+    Scale,
     Y,
     Partials,
     Arrivals,
@@ -164,6 +175,7 @@ def _skinny_matmul_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     GATED: tl.constexpr,
+    SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -185,7 +197,21 @@ def _skinny_matmul_kernel(
             acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION)
     if SPLIT_K == 1:
         _write_tile(
-            Y, B, acc, offs_m, offs_n, pid_n, M, N, stride_ym, HAS_BIAS, GATED, BLOCK_M, BLOCK_N
+            Y,
+            B,
+            Scale,
+            acc,
+            offs_m,
+            offs_n,
+            pid_n,
+            M,
+            N,
+            stride_ym,
+            HAS_BIAS,
+            GATED,
+            BLOCK_M,
+            BLOCK_N,
+            SCALED,
         )
     else:
         tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -201,6 +227,7 @@ def _skinny_matmul_kernel(
             _write_tile(
                 Y,
                 B,
+                Scale,
                 total,
                 offs_m,
                 offs_n,
@@ -212,6 +239,7 @@ def _skinny_matmul_kernel(
                 GATED,
                 BLOCK_M,
                 BLOCK_N,
+                SCALED,
             )
 
 
@@ -244,15 +272,17 @@ def skinny_matmul(
     gated_silu: bool = False,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
-    `[N, K]` contiguous; a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums
-    are rounded to it once, e.g. float32 logits unrounded). `config` overrides
-    `matmul_config(N, K)`; a split-K config takes at most its `block_m` (<= 16) rows.
-    `gated_silu`: `weight` is `[gate; up]` (N even) and the result `[..., N / 2]` is SiluAndMul
-    of the product, bit-equal to `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype).
-    `out`: a contiguous tensor of the result's shape and dtype to write (and return) instead of a
-    new one (e.g. a buffer that outlives a CUDA graph's private pool)."""
+    `[N, K]` contiguous (e4m3 with `weight_scale`: float32 `[N]`, the weight `weight * scale`);
+    a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums are rounded to it once,
+    e.g. float32 logits unrounded). `config` overrides `matmul_config(N, K)`; a split-K config
+    takes at most its `block_m` (<= 16) rows. `gated_silu`: `weight` is `[gate; up]` (N even)
+    and the result `[..., N / 2]` is SiluAndMul of the product, bit-equal to
+    `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype). `out`: a contiguous tensor of
+    the result's shape and dtype to write (and return) instead of a new one (e.g. a buffer that
+    outlives a CUDA graph's private pool)."""
     n, k = weight.shape
     out_dtype = out_dtype or x.dtype
     x2 = as_rows(x, k)
@@ -288,6 +318,7 @@ def skinny_matmul(
             x2,
             weight,
             weight if bias is None else bias,
+            weight if weight_scale is None else weight_scale,
             y,
             partials,
             arrivals,
@@ -305,6 +336,7 @@ def skinny_matmul(
             BLOCK_K=cfg.block_k,
             PRECISION=dot_precision(x.dtype),
             GATED=gated_silu,
+            SCALED=weight_scale is not None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl_launch(),

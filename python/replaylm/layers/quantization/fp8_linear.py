@@ -1,6 +1,11 @@
-"""The FP8 matmul: `x @ (q * scale).T (+ bias)`, its input quantized to FP8 first.
+"""The FP8 matmul: `x @ (q * scale).T (+ bias)`, its input quantized to FP8 first (but for
+decode rows on CUDA, below).
 
-On CUDA (the kernels' device, `KERNEL_DEVICE_TYPE`), per-channel scales run `torch._scaled_mm`
+On CUDA (the kernels' device, `KERNEL_DEVICE_TYPE`), per-channel weights times at most
+`SKINNY_ROWS` rows (decode) run the skinny matmul weight-only: each weight tile converted to the
+input's dtype exactly and the column scales applied to the float32 sums, the input not quantized
+(a decode matmul is bound by reading the weight, which FP8 halves; cuBLASLt's FP8 GEMM at a few
+rows is slower than bf16's, docs/tuning.md "FP8 GEMMs"). More rows run `torch._scaled_mm`
 (compute capability 8.9+): the input quantized per token (or with the layer's static scale) to
 e4m3 by a Triton kernel (`fp8_kernels.quantize_activation`: one launch, where the torch code
 takes several), its row scales `[T, 1]` and the weight's column scales `[1, N]` applied in the
@@ -12,8 +17,9 @@ group.
 Elsewhere (the CPU) the matmul is emulated: the weight dequantized to float32 for each call, the
 input quantized and dequantized exactly as the GPU path quantizes it (per token, or per token
 and block-column group for block scales), one float32 F.linear, the result cast to the
-output dtype. The emulation is the numerics' reference and what the CPU tests run; it saves no
-memory bandwidth or time.
+output dtype. The emulation is the quantized-input paths' reference and what the CPU tests run
+(the skinny path's is the input times the dequantized weight); it saves no memory bandwidth or
+time.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from replaylm.layers.quantization.fp8 import (
     dequantize_weight,
     quantize_activation,
 )
+
+# up to this many rows (decode) per-channel weights run weight-only in the skinny kernel
+SKINNY_ROWS = 16
 
 
 def fp8_linear(
@@ -84,6 +93,10 @@ def _channel_scaled_mm(
     out_dtype: torch.dtype,
     input_scale: torch.Tensor | None,
 ) -> torch.Tensor:
+    if x.shape[0] <= SKINNY_ROWS and kernels.use_triton_kernels(x):
+        from replaylm.layers.kernels.skinny_matmul import skinny_matmul
+
+        return skinny_matmul(x, weight, out_dtype=out_dtype, weight_scale=weight_scale)
     x_q, x_scale = _quantize_per_token(x, input_scale)
     y = torch._scaled_mm(
         x_q,
