@@ -1,10 +1,15 @@
 """Mixtures of experts on CUDA (bfloat16): the tiny Qwen3-MoE, Qwen2-MoE and Mixtral of
 test/tiny_checkpoints.py under every decode x prefill graph cell give the all-eager cell's greedy
 tokens (a divergence only at a near-tie: bf16 rounding differs between batch shapes), with their
-steps replayed from graphs; and the fused kernels equal the torch path at a real model's shape.
+steps replayed from graphs, and so do 8 layers of Qwen3-30B-A3B's shape with dummy weights (the
+kernels at a real model's sizes, the tuned table's configs); and the fused kernels equal the torch
+path at that shape.
 Parity with transformers in bf16: test_model_vs_hf_cuda.py (it runs the MoE families too)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +24,8 @@ from graph_cells import CELLS, assert_cell_matches_eager, cell_engine, greedy, r
 from tiny_checkpoints import TINY_MOE_CONFIGS, write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
+
+QWEN3_30B_A3B = Path(__file__).resolve().parents[2] / "benchmark" / "configs" / "qwen3-30b-a3b.json"
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_MOE_CONFIGS))
@@ -39,6 +46,27 @@ def eager(checkpoint) -> tuple[Engine, list[list[int]], list[list[int]]]:
 @pytest.mark.parametrize("cell", CELLS, ids="-".join)
 def test_every_cell_gives_the_eager_greedy_tokens(checkpoint, eager, cell):
     assert_cell_matches_eager(*eager, checkpoint, cell)
+
+
+@pytest.fixture(scope="module")
+def dummy_qwen3_30b_a3b(tmp_path_factory) -> str:
+    """Qwen3-30B-A3B's config cut to 8 of its 48 layers, for dummy weights."""
+    config = json.loads(QWEN3_30B_A3B.read_text()) | {"num_hidden_layers": 8}
+    path = tmp_path_factory.mktemp("qwen3_30b_a3b") / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dummy_eager(dummy_qwen3_30b_a3b) -> tuple[Engine, list[list[int]], list[list[int]]]:
+    engine = cell_engine(dummy_qwen3_30b_a3b, DISABLED, DISABLED, load_format="dummy")
+    prompts = random_prompts(engine.runner.model.config.vocab_size, count=8)
+    return engine, prompts, greedy(engine, prompts)
+
+
+@pytest.mark.parametrize("cell", CELLS, ids="-".join)
+def test_every_cell_at_qwen3_30b_a3bs_shape(dummy_qwen3_30b_a3b, dummy_eager, cell):
+    assert_cell_matches_eager(*dummy_eager, dummy_qwen3_30b_a3b, cell, load_format="dummy")
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 300])
