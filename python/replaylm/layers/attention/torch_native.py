@@ -73,8 +73,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             scale=layer.scaling * layer.k_scale,  # an fp8 cache's scales, folded (base.py)
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
-        # [T, H, D], packed token order
-        return out.copy_(attn.transpose(1, 2)[meta.q_valid]).mul_(layer.v_scale)
+        out.copy_(attn.transpose(1, 2)[meta.q_valid])  # [T, H, D], packed token order
+        return out if layer.v_scale == 1.0 else out.mul_(layer.v_scale)
 
     def forward_extend(
         self,

@@ -11,16 +11,17 @@ import triton.language as tl
 
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
+from replaylm.layers.quantization.fp8 import FP8_MAX
 
-FP8_MAX = tl.constexpr(448.0)  # float8 e4m3's largest finite value
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
 def to_cache(x, Cache, scale):
     """`x` as the cache `Cache` points into holds it: in float8 `x / scale` saturated at
-    +-FP8_MAX (readers multiply by `scale` again), else `x` in the cache's dtype."""
+    +-448 (e4m3's largest) (readers multiply by `scale` again), else `x` in the cache's dtype."""
     if Cache.dtype.element_ty.is_fp8():
-        x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+        x = tl.clamp(x.to(tl.float32) / scale, -_FP8_MAX, _FP8_MAX)
     return x.to(Cache.dtype.element_ty)
 
 
