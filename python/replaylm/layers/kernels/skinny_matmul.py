@@ -60,15 +60,19 @@ INVARIANT_CONFIG = MatmulConfig(
 )
 
 
-def matmul_config(n: int, k: int) -> MatmulConfig:
+def matmul_config(n: int, k: int, fp8: bool = False) -> MatmulConfig:
     """The launch for `[<= 16, k] x [n, k]^T`: when the output has too few tiles of 32 columns to
     occupy the GPU (n < 4096), K in 8 slices of 128-column blocks (K of at least 8 blocks) or 4
     (at least 4); else one slice per tile. Where K fits in at most 8 blocks of 256
     (1024 < K <= 2048), each slice is one such block, so that with PDL a program loads all its
-    weights before it waits for its input. Why these slice counts and stages: docs/tuning.md,
-    "Split-K skinny matmul"; the PDL overlap: "Programmatic dependent launch"."""
+    weights before it waits for its input. FP8 weights (`fp8`) of 128 to 511 tiles take K in 2
+    slices of 256-column blocks: a tile of e4m3 is half the bytes. Why these slice counts and
+    stages: docs/tuning.md, "Split-K skinny matmul" and "FP8 GEMMs"; the PDL overlap:
+    "Programmatic dependent launch"."""
     block_n, block_k = 32, 128
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    if fp8 and 128 <= tiles < 512:
+        return MatmulConfig(block_n, 256, 2, num_warps=4, num_stages=3 if k <= 4096 else 5)
     if tiles >= 128:
         return MatmulConfig(block_n, block_k, 1, num_warps=4, num_stages=6)
     if 8 < k_blocks <= 16:
@@ -277,7 +281,7 @@ def skinny_matmul(
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous (e4m3 with `weight_scale`: float32 `[N]`, the weight `weight * scale`);
     a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums are rounded to it once,
-    e.g. float32 logits unrounded). `config` overrides `matmul_config(N, K)`; a split-K config
+    e.g. float32 logits unrounded). `config` overrides `matmul_config(N, K, fp8)`; a split-K config
     takes at most its `block_m` (<= 16) rows. `gated_silu`: `weight` is `[gate; up]` (N even)
     and the result `[..., N / 2]` is SiluAndMul of the product, bit-equal to
     `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype). `out`: a contiguous tensor of
@@ -287,7 +291,7 @@ def skinny_matmul(
     out_dtype = out_dtype or x.dtype
     x2 = as_rows(x, k)
     m = x2.shape[0]
-    cfg = config or matmul_config(n, k)
+    cfg = config or matmul_config(n, k, fp8=weight_scale is not None)
     if cfg.split_k > 1 and m > min(cfg.block_m, MAX_ROWS):
         raise ValueError(f"split-K takes at most {min(cfg.block_m, MAX_ROWS)} rows, got {m}")
     if weight.stride(1) != 1 or weight.stride(0) != k:
