@@ -107,6 +107,22 @@ SECTIONS = (
         modes_table,
     ),
     Section(
+        "Mixture of experts: every mode",
+        ("one_batch_moe_modes",),
+        "Dummy Qwen3-30B-A3B in every CUDA-graph mode at bs 1 and 8 (each mode's decode and "
+        "prefill), columns and floor as above.",
+        modes_table,
+    ),
+    Section(
+        "Mixture of experts: tensor parallelism",
+        ("one_batch_moe_tp",),
+        "Dummy Mixtral-8x7B (8 experts, top 2, 32 layers) at TP 2, one GPU per rank (NVLink "
+        "multicast off): every expert's columns split over the ranks, one all-reduce a layer. "
+        "Columns as in the tensor-parallel table below; *floor*: one rank's bytes, the experts "
+        "a step's routing reaches.",
+        tp_table,
+    ),
+    Section(
         "Mixture of experts: one layer's experts (`bench_moe_kernel.py`)",
         ("moe_kernel",),
         "Qwen3-30B-A3B's MoE layer alone (routing given): the fused Triton kernels (sort, grouped "

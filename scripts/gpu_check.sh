@@ -44,9 +44,10 @@
 #   enable-mixed-chunk, ...); img/serving_rates.png plots the sweeps (ITL p99, TTFT p50, output
 #   tok/s per rate, a line per server) when matplotlib imports.
 #   moe: dummy Qwen3-30B-A3B: bench_moe_kernel.py (one layer's experts: the fused kernels, cuBLAS
-#   per expert, the weight-read floor), bench_one_batch.py (decode at bs 1, 8, 64, 256 in every
-#   graph mode, prefill, against the routed floor) and bench_offline.py (nano-vllm's workload)
-#   (and bench_offline.py's 64 x 512 prefill + 1 as prefill_moe).
+#   per expert, the weight-read floor), bench_one_batch.py (decode at bs 1, 8, 64, 256 with full
+#   graphs, and every graph mode at bs 1 and 8 as one_batch_moe_modes, against the routed floor)
+#   and bench_offline.py (nano-vllm's workload) (and bench_offline.py's 64 x 512 prefill + 1 as
+#   prefill_moe).
 #   fp8: bench_fp8_gemm.py (the FP8 GEMMs per projection and row count against bf16 cuBLAS), and
 #   Llama-3.1-8B and Qwen3-0.6B in bf16, with --quantization fp8, and with the FP8 KV cache too:
 #   bench_one_batch.py (decode at bs 1, 8, 64, 256; dummy Qwen3-30B-A3B too, its experts in FP8),
@@ -63,7 +64,8 @@
 #   runs with the tests where the machine has 2 GPUs or more):
 #   one_batch_tp: Llama-3.1-8B, full decode and breakable prefill, at TP 1, 2 and 4 (those the
 #   machine's GPUs allow), decode with the all-reduce's time per step, with NCCL's all-reduce and
-#   with --tp-all-reduce one-shot; one_batch_70b: Llama-3.1-70B's shape at TP 4 and 8 (as allowed)
+#   with --tp-all-reduce one-shot; one_batch_moe_tp: dummy Mixtral-8x7B at TP 2, full decode and
+#   breakable prefill; one_batch_70b: Llama-3.1-70B's shape at TP 4 and 8 (as allowed)
 #   against its floor, the same two all-reduces; offline_tp: nano-vllm's offline workload on
 #   Llama-3.1-8B at TP 1 and 2, full decode graphs, the default --tp-all-reduce (auto).
 #   NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and its torch and NVSHMEM switches).
@@ -201,7 +203,9 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
             serving_rates) serving_rates_local ;;
             moe) run_bench bench_moe_kernel benchmark/bench_moe_kernel.py
                 run_bench bench_one_batch_moe benchmark/bench_one_batch.py --models qwen3-30b-a3b \
-                --bs 1 8 64 256
+                --bs 1 8 64 256 --runs '{"decode": "full", "prefill": "breakable"}'
+                run_bench bench_one_batch_moe_modes benchmark/bench_one_batch.py \
+                --models qwen3-30b-a3b --bs 1 8
                 run_bench bench_offline_moe benchmark/bench_offline.py --modes full \
                 --model-path benchmark/configs/qwen3-30b-a3b.json
                 run_bench bench_prefill_moe benchmark/bench_offline.py --modes full \
@@ -238,6 +242,9 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
             one_batch_tp) run_bench bench_one_batch_tp benchmark/bench_one_batch.py \
                 --models llama-3.1-8b --runs '{"decode": "full", "prefill": "breakable"}' \
                 --tp-size $(tp_sizes 1 2 4) --server-args "${all_reduce_variants[@]}" ;;
+            one_batch_moe_tp) run_bench bench_one_batch_moe_tp benchmark/bench_one_batch.py \
+                --models mixtral-8x7b --bs 1 8 64 --runs '{"decode": "full", "prefill": "breakable"}' \
+                --tp-size $(tp_sizes 2) ;;
             one_batch_70b) run_bench bench_one_batch_70b benchmark/bench_one_batch.py \
                 --models llama-3.1-70b --runs '{"decode": "full", "prefill": "breakable"}' \
                 --tp-size $(tp_sizes 4 8) --server-args "${all_reduce_variants[@]}" ;;
