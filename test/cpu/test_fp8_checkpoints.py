@@ -46,7 +46,7 @@ from replaylm.layers.linear import Linear
 from replaylm.layers.moe.layer import FusedMoE
 from replaylm.layers.quantization import fp8_linear as fp8_linear_module
 from replaylm.layers.quantization.config import resolve_quantization
-from replaylm.layers.quantization.fp8 import FP8_DTYPE
+from replaylm.layers.quantization.fp8 import CLIP_RATIOS, FP8_DTYPE, FP8_MAX
 from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.model_executor.runner_setup import load_model_runner
@@ -63,7 +63,6 @@ from tiny_checkpoints import (
     E4M3_MAX,
     QUANTIZED_WEIGHT,
     eager_experts,
-    fp8_quantize,
     write_fp8_checkpoint,
     write_tiny_checkpoint,
 )
@@ -141,7 +140,21 @@ def _quantize_in_place(model: PreTrainedModel) -> None:
             stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
             if stacked or QUANTIZED_WEIGHT.fullmatch(name):
                 for matrix in param.view(-1, *param.shape[-2:]):
-                    matrix.copy_(fp8_quantize(matrix, "channel")[2])
+                    matrix.copy_(_round_trip_at_load(matrix))
+
+
+def _round_trip_at_load(w: torch.Tensor) -> torch.Tensor:
+    """`w` through e4m3 and back as `--quantization fp8` takes each row's scale: of the
+    `CLIP_RATIOS` fractions of amax / 448, the one of least squared error (the first on a
+    tie)."""
+    w = w.float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    backs = []
+    for ratio in CLIP_RATIOS:
+        scale = amax * ratio / FP8_MAX
+        backs.append((w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale)
+    pick = torch.stack([(back - w).square().sum(dim=1) for back in backs]).argmin(dim=0)
+    return torch.stack(backs)[pick, torch.arange(w.shape[0])]
 
 
 def _assert_matches_reference(

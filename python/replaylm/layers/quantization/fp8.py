@@ -2,9 +2,11 @@
 
 A weight `[..., N, K]` is held as e4m3 values `q` and float32 scales, `w ~ q * scale`: one scale
 per output channel (`[..., N]`) or per `[bn, bk]` block (`[..., ceil(N/bn), ceil(K/bk)]`, the
-last row and column of blocks possibly ragged, as checkpoints hold them). Each scale is the
-amax of its channel or block over 448, e4m3's largest value. An activation `[T, K]` is quantized
-per token (a row) or per token and `group`-column group, or with one static scale.
+last row and column of blocks possibly ragged, as checkpoints hold them). A block's scale is its
+amax over 448, e4m3's largest value; a channel's is the one of least round-trip squared error
+among `CLIP_RATIOS` of that (its few largest values saturate, the rest get a finer grid). An
+activation `[T, K]` is quantized per token (a row) or per token and `group`-column group, or with
+one static scale.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max
 MIN_AMAX = 1e-12
 # elements of a weight quantized at once: its float32 temporaries stay at 64 MiB
 CHUNK_ELEMENTS = 1 << 24
+# a channel's scales tried, as fractions of amax / 448 (the first wins ties): on the built-in
+# SmolLM2 this halves the perplexity cost of FP8 weights against amax alone
+CLIP_RATIOS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)
 
 Block = tuple[int, int]
 
@@ -60,12 +65,33 @@ def _chunk_rows(k: int, block: Block | None) -> int:
 
 def _quantize_rows(w: torch.Tensor, block: Block | None) -> tuple[torch.Tensor, torch.Tensor]:
     if block is None:
-        scale = w.abs().amax(dim=-1).float().clamp(min=MIN_AMAX) / FP8_MAX
-        return to_fp8(w.float() / scale[:, None]), scale
+        return _quantize_channels(w.float())
     blocks = _blocks(w.float(), block)  # [nbn, bn, nbk, bk]
     scale = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
     q = to_fp8(blocks / scale[:, None, :, None])
     return q.flatten(0, 1).flatten(1, 2)[: w.shape[0], : w.shape[1]], scale
+
+
+def _quantize_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `w` (float32) to e4m3, each with the scale of `CLIP_RATIOS` whose round trip has
+    the least squared error."""
+    amax = w.abs().amax(dim=-1).clamp(min=MIN_AMAX)
+    best_q, best_scale, best_error = _channel_round_trip(w, amax * CLIP_RATIOS[0] / FP8_MAX)
+    for ratio in CLIP_RATIOS[1:]:
+        q, scale, error = _channel_round_trip(w, amax * ratio / FP8_MAX)
+        better = error < best_error
+        best_q = torch.where(better[:, None], q, best_q)
+        best_scale = torch.where(better, scale, best_scale)
+        best_error = torch.where(better, error, best_error)
+    return best_q, best_scale
+
+
+def _channel_round_trip(
+    w: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 rows of `w` by their `scale`, `scale`, each row's squared round-trip error)."""
+    q = to_fp8(w / scale[:, None])
+    return q, scale, (q.float() * scale[:, None] - w).square().sum(dim=-1)
 
 
 def _blocks(w: torch.Tensor, block: Block) -> torch.Tensor:
