@@ -154,6 +154,20 @@ SECTIONS = (
         modes_table,
     ),
     Section(
+        "FP8 weights: offline throughput",
+        ("offline_fp8_llama-3.1-8b",),
+        "nano-vllm's offline workload on dummy Llama-3.1-8B, full decode graphs, in bf16 and with "
+        "`--quantization fp8`.",
+        offline_table,
+    ),
+    Section(
+        "FP8 weights: prefill",
+        ("prefill_fp8_llama-3.1-8b",),
+        "64 prompts of 512 tokens and one output token each on dummy Llama-3.1-8B, in bf16 and "
+        "with `--quantization fp8`: *seconds* is the prefill + 1.",
+        offline_table,
+    ),
+    Section(
         "FP8 GEMMs (`bench_fp8_gemm.py`)",
         ("fp8_gemm",),
         "Each projection of a model alone, bf16 cuBLAS against FP8 (e4m3) weights and "
