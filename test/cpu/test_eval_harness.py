@@ -1,5 +1,5 @@
 """The eval harness against a real replaylm server (the built-in SmolLM2-135M on CPU, the shared
-`http_server` of conftest.py): gsm8k, 10 questions, 5 shots. It checks that the run is complete
+`http_server` of conftest.py): gsm8k, 4 questions, 2 shots. It checks that the run is complete
 and self-consistent, not how good the model is."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import httpx
 
 from replaylm.eval.run_eval import main
 
-NUM_EXAMPLES, MAX_TOKENS = 6, 96  # the CPU budget: the harness, not the model, is under test
-TOKENS_PER_REQUEST = 1550  # a 5-shot prompt (under 1,450 tokens for seed 0) plus MAX_TOKENS
+# the CPU budget: the harness, not the model, is under test
+NUM_EXAMPLES, NUM_SHOTS, MAX_TOKENS = 4, 2, 96
+TOKENS_PER_REQUEST = 720  # a 2-shot prompt (under 620 tokens for seed 0) plus MAX_TOKENS
 
 
 def test_gsm8k_against_a_real_server(http_server, tmp_path, capsys):
@@ -30,7 +31,7 @@ def test_gsm8k_against_a_real_server(http_server, tmp_path, capsys):
             "--num-examples",
             str(NUM_EXAMPLES),
             "--num-shots",
-            "5",
+            str(NUM_SHOTS),
             "--max-tokens",
             str(MAX_TOKENS),
             "--parallel",
@@ -50,7 +51,7 @@ def test_gsm8k_against_a_real_server(http_server, tmp_path, capsys):
     assert [r["index"] for r in records] == list(range(NUM_EXAMPLES))
     assert [r["error"] for r in records] == [None] * NUM_EXAMPLES, err
     shots = records[0]["prompt"].rsplit("Question: ", 1)[0]
-    assert shots.count("Question: ") == 5
+    assert shots.count("Question: ") == NUM_SHOTS
     for r in records:
         assert r["prompt"] == f"{shots}Question: {r['question']}\nAnswer:"  # the same shots
         assert "Question:" not in r["completion"]  # the stop string was honoured
