@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 ruff check python test benchmark scripts
 ruff format --check python test benchmark scripts
 mypy
-python -m pytest test -q "$@"
+# Two workers, each taking whole test files (module-scoped servers stay with their file); one
+# OpenMP thread per process, or the workers and their servers' spinning threads fight for the cores.
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" python -m pytest test -q -n 2 --dist loadfile "$@"

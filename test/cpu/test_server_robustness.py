@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_process import ServerProcess
+from server_process import ServerProcess, free_port
 from tiny_checkpoints import write_tiny_checkpoint
 
 BIG_TEXT = "hello world, this is a test. " * (5_000_000 // 29)  # ~5 MB, ~1.4M tokens
@@ -35,8 +35,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:
-    """`launch_server` with `args` on the CPU, expected to exit by itself."""
-    cmd = [sys.executable, "-m", "replaylm.launch_server", "--device", "cpu", *args]
+    """`launch_server` with `args` on the CPU and a free port (not the default one another
+    test's server may hold), expected to exit by itself."""
+    port = ["--port", str(free_port())]
+    cmd = [sys.executable, "-m", "replaylm.launch_server", "--device", "cpu", *port, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 

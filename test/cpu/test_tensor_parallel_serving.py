@@ -260,6 +260,7 @@ def test_a_rank_that_dies_while_loading_fails_the_start(checkpoint):
     front end sees the exit and ends the start with one error line (exit code 2)."""
     cmd = [sys.executable, "-m", "replaylm.launch_server", "--device", "cpu"]
     flags = ["--model-path", checkpoint, "--tp-size", "2", "--log-level", "warning"]
+    flags += ["--port", str(free_port())]  # it listens before loading: not a port in use
     proc = subprocess.Popen([*cmd, *flags], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(children := _spawned_children(proc.pid)) < 2 and time.monotonic() < deadline:
