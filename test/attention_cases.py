@@ -16,6 +16,7 @@ from replaylm.layers.attention.base import AttentionBackend
 from replaylm.layers.attention.layer import Attention
 from replaylm.layers.attention.torch_native import TorchNativeAttnBackend
 from replaylm.layers.attention.triton.decode import decode_attention
+from replaylm.layers.attention.triton.extend import extend_attention
 from replaylm.mem_cache.kv_cache import KVCache
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -149,3 +150,27 @@ def triton_decode(
         splits,
         **launch,
     )
+
+
+def triton_extend(case: Case, **launch) -> torch.Tensor:
+    """The Triton extend kernel on an extend case (its new q/k/v over layer 0 of its pool, its
+    table and rows), as a new tensor; `launch`: further keywords of `extend_attention`."""
+    b = case.batch
+    out = torch.full_like(case.q, float("nan"))
+    extend_attention(
+        case.q,
+        case.k,
+        case.v,
+        out,
+        b.kv.pool.k_buffers[0],
+        b.kv.pool.v_buffers[0],
+        b.kv.req_to_token.req_to_token,
+        b.req_pool_indices,
+        b.prefix_lens,
+        b.extend_seq_lens,
+        b.extend_start_loc,
+        int(b.extend_seq_lens.max()),
+        case.layer.scaling,
+        **launch,
+    )
+    return out

@@ -31,14 +31,20 @@ from replaylm.layers.attention.layer import attention_layers  # noqa: E402
 from replaylm.layers.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from replaylm.layers.attention.triton import TritonAttnBackend  # noqa: E402
 from replaylm.layers.attention.triton.common import KernelConfig  # noqa: E402
-from replaylm.layers.attention.triton.extend import extend_attention  # noqa: E402
 from replaylm.layers.attention.triton.kv_store import store_kv  # noqa: E402
 from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 from replaylm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from replaylm.mem_cache.kv_pool import KVPool  # noqa: E402
 from replaylm.model_executor.forward_batch import ForwardMode  # noqa: E402
 
-from attention_cases import Case, make_case, rel_error, store_and_attend, triton_decode  # noqa: E402
+from attention_cases import (  # noqa: E402
+    Case,
+    make_case,
+    rel_error,
+    store_and_attend,
+    triton_decode,
+    triton_extend,
+)
 from model_parity import scripted_logits, tiny_dummy_runner  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -188,26 +194,7 @@ def test_extend_over_an_fp8_cache_equals_torch_native(dtype, prefix, extend, hea
         ForwardMode.EXTEND, prefix, extend, heads, kv_heads, 16, dtype, seed=sum(extend)
     )
     _store(case)
-    b = case.batch
-    out = torch.full_like(case.q, float("nan"))
-    extend_attention(
-        case.q,
-        case.k,
-        case.v,
-        out,
-        b.kv.pool.k_buffers[0],
-        b.kv.pool.v_buffers[0],
-        b.kv.req_to_token.req_to_token,
-        b.req_pool_indices,
-        b.prefix_lens,
-        b.extend_seq_lens,
-        b.extend_start_loc,
-        max(extend),
-        case.layer.scaling,
-        config=SMALL_TILES,
-        k_scale=K_SCALE,
-        v_scale=V_SCALE,
-    )
+    out = triton_extend(case, config=SMALL_TILES, k_scale=K_SCALE, v_scale=V_SCALE)
     assert rel_error(out, _native(case)) < TOL[dtype]
 
 

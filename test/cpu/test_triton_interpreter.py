@@ -25,7 +25,6 @@ from replaylm.layers.attention.triton.decode import (  # noqa: E402
     decode_workspace,
     longest_first,
 )
-from replaylm.layers.attention.triton.extend import extend_attention  # noqa: E402
 from replaylm.layers.attention.triton.kv_store import store_kv  # noqa: E402
 from replaylm.model_executor.forward_batch import ForwardMode  # noqa: E402
 from replaylm.server_args import MAX_SPECULATIVE_STEPS, ServerArgs  # noqa: E402
@@ -36,6 +35,7 @@ from attention_cases import (  # noqa: E402
     rel_error,
     store_and_attend,
     triton_decode,
+    triton_extend,
 )
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -274,25 +274,7 @@ def test_extend_matches_reference(dtype, prefix, extend, heads, kv_heads, aligne
         seed=sum(prefix) + sum(extend),
     )
     _store(case)
-    b = case.batch
-    out = torch.full_like(case.q, float("nan"))
-    extend_attention(
-        case.q,
-        case.k,
-        case.v,
-        out,
-        b.kv.pool.k_buffers[0],
-        b.kv.pool.v_buffers[0],
-        b.kv.req_to_token.req_to_token,
-        b.req_pool_indices,
-        b.prefix_lens,
-        b.extend_seq_lens,
-        b.extend_start_loc,
-        max(extend),
-        case.layer.scaling,
-        config=SMALL_TILES,
-        aligned=aligned,
-    )
+    out = triton_extend(case, config=SMALL_TILES, aligned=aligned)
     assert rel_error(out, reference(case)) < TOL[dtype]
 
 

@@ -20,12 +20,11 @@ from replaylm.cuda_graph_modes import DISABLED, modes_serving
 from replaylm.entrypoints.engine import Engine
 from replaylm.layers.attention.layer import attention_layers
 from replaylm.layers.attention.torch_native import TorchNativeAttnBackend
-from replaylm.layers.attention.triton.extend import extend_attention
 from replaylm.layers.attention.triton.kv_store import store_kv
 from replaylm.mem_cache.kv_pool import KVPool
 from replaylm.model_executor.forward_batch import ForwardMode
 
-from attention_cases import Case, make_case, rel_error, triton_decode
+from attention_cases import Case, make_case, rel_error, triton_decode, triton_extend
 from model_parity import divergence_gaps
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -101,25 +100,7 @@ def test_decode_over_an_fp8_cache_matches_torch_native(heads):
 def test_extend_over_an_fp8_cache_matches_torch_native(heads):
     prefix, extend = [0, 300, 17, 1000], [513, 1, 64, 200]
     case = _fp8_case(ForwardMode.EXTEND, prefix, extend, heads)
-    b = case.batch
-    out = torch.full_like(case.q, float("nan"))
-    extend_attention(
-        case.q,
-        case.k,
-        case.v,
-        out,
-        b.kv.pool.k_buffers[0],
-        b.kv.pool.v_buffers[0],
-        b.kv.req_to_token.req_to_token,
-        b.req_pool_indices,
-        b.prefix_lens,
-        b.extend_seq_lens,
-        b.extend_start_loc,
-        max(extend),
-        case.layer.scaling,
-        k_scale=K_SCALE,
-        v_scale=V_SCALE,
-    )
+    out = triton_extend(case, k_scale=K_SCALE, v_scale=V_SCALE)
     assert rel_error(out, _native(case)) < BF16_TOL
 
 
