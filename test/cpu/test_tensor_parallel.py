@@ -13,7 +13,7 @@ import torch
 
 from replaylm.distributed.launch import run_on_ranks
 from replaylm.distributed.parallel_state import init_tensor_parallel, shows_progress
-from replaylm.distributed.peer_all_reduce import choose_all_reduce
+from replaylm.distributed.peer_all_reduce import all_reduce_for_rank_zero, choose_all_reduce
 from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.model_executor.runner_setup import load_model_runner
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
@@ -133,6 +133,19 @@ def test_auto_all_reduce_takes_one_shot_only_where_every_gpu_reaches_every_other
     assert (choice, "cannot reach" in why) == ("nccl", True) and (2, 1) in asked
     assert choose_all_reduce("nccl", cuda, 4, 4, every) == ("nccl", "as asked")
     assert choose_all_reduce("one-shot", cpu, 2, 2, every) == ("one-shot", "as asked")
+
+
+def test_a_process_meets_peers_over_peer_memory_once() -> None:
+    """An Engine's process is rank 0 of each group it starts; torch's symmetric memory meets
+    peers once per process, so after one such group auto falls back to NCCL for every rank
+    (saying why) and one-shot is a start-up error naming the field, never a hang."""
+    for choice in ("auto", "nccl", "one-shot"):
+        assert all_reduce_for_rank_zero(choice, met_before=False) == (choice, None)
+    choice, why = all_reduce_for_rank_zero("auto", met_before=True)
+    assert choice == "nccl" and why is not None and "once per process" in why
+    assert all_reduce_for_rank_zero("nccl", met_before=True) == ("nccl", None)
+    with pytest.raises(ValueError, match=r"^tp_all_reduce: 'one-shot' can serve one"):
+        all_reduce_for_rank_zero("one-shot", met_before=True)
 
 
 def test_one_rank_builds_no_parallel_layers(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@ Mixtral of test/tiny_checkpoints.py with their experts' columns split (`tp_size`
 experts placed whole (`--enable-expert-parallel`) give one GPU's greedy tokens, in float32 so
 that the all-reduce's other summation order cannot flip a token but at a tie (a divergence only
 where one GPU's top-2 logits are within float32 noise), under the default graph modes and
-tc_piecewise. Skipped on a machine with one GPU."""
+tc_piecewise. The sums go by NCCL: an Engine's process meets peers over peer memory once
+(test_tensor_parallel_cuda.py's one-shot cases keep that for themselves). Skipped on a machine
+with one GPU."""
 
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ def _engine(path: str, modes: dict[str, str], **parallel: object) -> Engine:
         max_total_tokens=8192,
         max_running_requests=32,
         cuda_graph_mode=json.dumps(modes),
+        tp_all_reduce="nccl",
         **parallel,
     )
 

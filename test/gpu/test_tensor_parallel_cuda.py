@@ -10,6 +10,9 @@ weights (16 heads and 8 KV heads divide by 2 and 4), under the three graph-mode 
   all-reduce's other summation order cannot flip a token: a divergence is allowed only where
   TP=1's top-2 logits tie within float32 noise. The Engine shuts down (graphs that captured
   NCCL's collectives are freed first, or the group's teardown would hang).
+- Engines of TP 2 started one after another in one process: the second takes NCCL's sums where
+  the first met its peers over peer memory (torch's symmetric memory meets them once per
+  process), and asking one-shot then is an error naming the field.
 
 Skipped on a machine with one GPU.
 """
@@ -20,6 +23,8 @@ import functools
 import gc
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +235,46 @@ def test_one_shot_sum_norm_equals_rank_order_sum_then_norm():
         print(f"TP={tp_size}: (one-shot, NCCL: difference from the reference; same bits) {results}")
         assert results[-1] is None  # 4 MiB: left to NCCL
         assert all(r is not None and r[0] == 0.0 and r[2] for r in results[:-1]), results
+
+
+# Engines of TP 2 one after another in one process, then one asking for one-shot: what each used
+_SEQUENTIAL_ENGINES = """
+import json, sys
+from replaylm.entrypoints.engine import Engine
+
+def engine(**kw):
+    return Engine(model_path=sys.argv[1], load_format="dummy", device="cuda", dtype="bfloat16",
+                  tp_size=2, max_total_tokens=4096, max_running_requests=4, context_length=512,
+                  decode_cuda_graph_bs=[1, 2, 4], prefill_cuda_graph_tokens=[64], **kw)
+
+runs = []
+for _ in range(2):
+    e = engine()
+    out = e.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4,
+                                                             "ignore_eos": True})
+    runs.append([e.server_args.tp_all_reduce, len(out[0]["output_ids"])])
+    e.shutdown()
+try:
+    engine(tp_all_reduce="one-shot")
+    runs.append("started")
+except ValueError as err:
+    runs.append(str(err))
+print(json.dumps(runs))
+"""
+
+
+def test_an_engine_process_starts_groups_one_after_another():
+    """The offline Engine's process is rank 0 of every group it starts, and torch's symmetric
+    memory meets peers once per process: the second Engine of TP 2 takes NCCL's sums (auto) and
+    generates instead of waiting forever for the peer buffer's rendezvous; asking one-shot then
+    is an error naming the field. In a child process, so that this one's peers stay unmet."""
+    child = subprocess.run(
+        [sys.executable, "-c", _SEQUENTIAL_ENGINES, str(CONFIG)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    first, second, third = json.loads(child.stdout.strip().splitlines()[-1])
+    assert first == ["auto", 4] and second == ["nccl", 4]
+    assert third.startswith("tp_all_reduce: 'one-shot' can serve one"), third

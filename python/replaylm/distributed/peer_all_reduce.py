@@ -26,6 +26,10 @@ SLOTS = 2
 # the empty mark per element width: -0.0's bits as a signed integer
 EMPTY_MARK = {2: -(1 << 15), 4: -(1 << 31)}
 _INT_OF_WIDTH = {2: torch.int16, 4: torch.int32}
+# whether a PeerAllReduce was built in this process: torch's symmetric memory keeps per-process
+# rendezvous state (keyed by group name, numbered exchanges), so a process meets peers over it
+# once; a later group whose other ranks are fresh processes would wait for them forever
+_met_peers = False
 
 
 def mark_empty(buffer: torch.Tensor, width: int) -> None:
@@ -56,6 +60,30 @@ def choose_all_reduce(
     return "one-shot", f"auto: {tp_size} GPUs of one machine with peer access"
 
 
+def met_peers() -> bool:
+    """Whether this process has built a PeerAllReduce (met a group's peers over peer memory)."""
+    return _met_peers
+
+
+def all_reduce_for_rank_zero(choice: str, met_before: bool) -> tuple[str, str | None]:
+    """`--tp-all-reduce` for a group whose rank 0 is a long-lived process (the offline
+    Engine's), decided before the other ranks start so that all take the same: `choice`, or,
+    where a group of that process met over peer memory before (`met_before`), nccl for auto
+    (and why). ValueError naming the field for one-shot then."""
+    if not met_before or choice == "nccl":
+        return choice, None
+    if choice == "one-shot":
+        raise ValueError(
+            "tp_all_reduce: 'one-shot' can serve one tensor-parallel group per process (torch's "
+            "symmetric memory meets its peers once), and an earlier Engine here used it: "
+            "give 'nccl' or 'auto', or start a new process"
+        )
+    return "nccl", (
+        "auto: an earlier group of this process met over peer memory, which torch meets once "
+        "per process"
+    )
+
+
 class PeerAllReduce:
     """The symmetric buffer of one tensor-parallel group for one dtype, which the fused sum's
     kernel runs over. Built on every rank of the group at once (the buffer's rendezvous is a
@@ -68,6 +96,8 @@ class PeerAllReduce:
         self.region_elems = ONE_SHOT_MAX_BYTES // dtype.itemsize
         self.buffer = symm_mem.empty(SLOTS * ranks * self.region_elems, dtype=dtype, device=device)
         mark_empty(self.buffer, dtype.itemsize)
+        global _met_peers
+        _met_peers = True
         handle = symm_mem.rendezvous(self.buffer, group.group_name)
         slot_bytes = ranks * ONE_SHOT_MAX_BYTES
         self.regions = [

@@ -11,11 +11,14 @@ ends them.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import random
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, overload
 
-from replaylm.model_executor.engine_config import resolve_engine_config
+from replaylm.distributed.peer_all_reduce import all_reduce_for_rank_zero, met_peers
+from replaylm.model_executor.engine_config import EngineConfig, resolve_engine_config
 from replaylm.model_loader.builtin_models import DEFAULT_MODEL
 from replaylm.model_loader.tokenizer import chat_input_ids, text_decoder, tokenizer_info
 from replaylm.runtime.io_struct import FlushCacheReq, ShutdownReq, TokenizedGenerateReq
@@ -40,6 +43,8 @@ if TYPE_CHECKING:
     from replaylm.model_loader.tokenizer import HFTokenizer
     from replaylm.structured.compiler import GrammarCompiler
     from replaylm.structured.grammar import RequestGrammar
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[str] | None
 TokenIds = list[int] | list[list[int]] | None
@@ -68,7 +73,7 @@ class Engine:
         args.validate()
         if args.nnodes > 1:
             raise ValueError("the offline Engine runs every tensor-parallel rank here: nnodes 1")
-        self.config = with_dist_init_addr(resolve_engine_config(args))
+        self.config = with_dist_init_addr(_rank_zero_all_reduce(resolve_engine_config(args)))
         self.config.log()
         self.server_args = self.config.args  # with the defaults resolved for the device
         # the other ranks load alongside this one, and follow its scheduler
@@ -313,3 +318,16 @@ class _RankGrammars:
         constraint = msg.sampling_params.constraint
         assert constraint is not None
         return self.loader.load(constraint, msg.grammar)
+
+
+def _rank_zero_all_reduce(config: EngineConfig) -> EngineConfig:
+    """`config` with the all-reduce every rank takes when this process is rank 0 of a new
+    group (`all_reduce_for_rank_zero`), logged where it differs from the asked one."""
+    args = config.args
+    if args.tp_size == 1:
+        return config
+    choice, why = all_reduce_for_rank_zero(args.tp_all_reduce, met_peers())
+    if why is None:
+        return config
+    logger.info("tensor-parallel sums: %s (%s)", choice, why)
+    return dataclasses.replace(config, args=dataclasses.replace(args, tp_all_reduce=choice))
