@@ -3,7 +3,7 @@ that `replaylm.layers.moe.block_configs` looks up.
 
     python benchmark/tuning/tune_moe.py --experts 128 --hidden 2048 --intermediate 768 --top-k 8
         [--dtype bfloat16 | fp8_w8a8 [--block-shape 128 128]] [--tokens 1 2 4 ... 4096]
-        [--max-configs N] [--out-dir DIR]
+        [--max-configs N] [--fix block_m=128 ...] [--out-dir DIR]
 
 `--intermediate` is the size per rank (a tensor-parallel shard's). Per token count M: random
 hidden states routed by random logits (softmax, top-k, renormalized) through random experts; each
@@ -21,6 +21,7 @@ the same scales, run on the CPU (its FP8 emulation there, the numbers' reference
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -86,8 +87,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="time at most this many configs per token count, evenly spaced in the search space",
     )
+    parser.add_argument(
+        "--fix",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="time only configs with these MoeBlockConfig fields (e.g. block_m=128 block_k=64): "
+        "a large token count's search in minutes",
+    )
     parser.add_argument("--out-dir", type=Path, default=CONFIG_DIR)
     args = parser.parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(MoeBlockConfig)}
+    args.fix = dict(item.split("=", 1) for item in args.fix)
+    if not set(args.fix) <= fields:
+        unknown = sorted(set(args.fix) - fields)
+        parser.error(f"--fix takes fields of {sorted(fields)}, not {unknown}")
+    args.fix = {name: int(value) for name, value in args.fix.items()}
     if args.block_shape is not None and args.dtype != FP8_W8A8:
         parser.error(f"--block-shape needs --dtype {FP8_W8A8}")
     args.block_shape = None if args.block_shape is None else tuple(args.block_shape)
@@ -128,6 +143,11 @@ def search_space(
         if shared_memory_bytes(config, dtype_bytes) <= SHARED_MEMORY:
             space.append(config)
     return space
+
+
+def fixed(configs: list[MoeBlockConfig], fields: dict[str, int]) -> list[MoeBlockConfig]:
+    """Those of `configs` with the values `fields` gives (`--fix`)."""
+    return [c for c in configs if all(getattr(c, f) == v for f, v in fields.items())]
 
 
 def sampled(configs: list[MoeBlockConfig], limit: int | None) -> list[MoeBlockConfig]:
@@ -196,7 +216,7 @@ def tune_tokens(tokens: int, args: argparse.Namespace) -> tuple[MoeBlockConfig, 
     want = reference(case)
     dtype_bytes = weight_dtype(args).itemsize  # FP8: both tiles e4m3
     space = search_space(tokens, args.top_k, args.experts, dtype_bytes, args.block_shape)
-    space = sampled(space, args.max_configs)
+    space = sampled(fixed(space, args.fix), args.max_configs)
     timed = {config: time_config(case, want, config) for config in space}
     results = {config: ms for config, ms in timed.items() if ms is not None}
     if not results:

@@ -89,6 +89,10 @@ def test_committed_tables_parse():
         assert table and all(isinstance(m, int) and m > 0 for m in table)
 
 
+def args_of(flags: dict[str, str]) -> list[str]:
+    return [word for pair in flags.items() for word in pair]
+
+
 def test_tuning_tool_search_space_and_command_line(capsys):
     pytest.importorskip("triton", reason="the tuning tool imports the kernels")
     tool = import_script("benchmark/tuning/tune_moe.py")
@@ -100,9 +104,15 @@ def test_tuning_tool_search_space_and_command_line(capsys):
         assert tool.shared_memory_bytes(config, 2) <= tool.SHARED_MEMORY
         assert config.num_warps == 4 or config.block_m * config.block_n >= 64 * 64
     assert len(tool.sampled(prefill, 10)) == 10 and tool.sampled(decode, None) == decode
+    tall = tool.fixed(prefill, {"block_m": 128, "block_k": 64})
+    assert tall and {(c.block_m, c.block_k) for c in tall} == {(128, 64)}
     shape = {"--experts": "8", "--hidden": "64", "--intermediate": "32", "--top-k": "2"}
-    args = tool.parse_args([word for pair in shape.items() for word in pair])
+    args = tool.parse_args(args_of(shape))
     assert (args.dtype, args.tokens[0], args.out_dir) == ("bfloat16", 1, CONFIG_DIR)
+    assert tool.parse_args([*args_of(shape), "--fix", "block_m=64"]).fix == {"block_m": 64}
+    with pytest.raises(SystemExit):
+        tool.parse_args([*args_of(shape), "--fix", "tile=64"])
+    assert "not ['tile']" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         tool.parse_args(["--help"])
     assert exit_info.value.code == 0 and "--max-configs" in capsys.readouterr().out

@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from replaylm.distributed.parallel_state import TPPlace
 from replaylm.layers.moe.layer import FusedMoE
+from replaylm.model_executor.prefill_chunk import default_prefill_chunk, prefill_chunk
 from replaylm.models import llama
 from replaylm.models.config import ModelConfig
 from replaylm.models.moe import MoeForCausalLM, MoeSpec, Qwen2MoeForCausalLM
@@ -278,3 +279,24 @@ def test_shrunk_real_configs_on_dummy_weights_match_on_two_ranks(
     logits = _assert_two_ranks_match_one(args)
     _assert_two_ranks_match(args, logits, enable_expert_parallel=True)
     assert all(np.isfinite(step).all() and step.std() > 0 for step in logits)
+
+
+@pytest.mark.parametrize(
+    ("config", "chunk", "why"),
+    [
+        ("qwen3-30b-a3b.json", 8192, "128 experts, top 8: about 512 rows per expert a step"),
+        ("mixtral-8x7b.json", 2048, "8 experts, top 2: about 512 rows per expert a step"),
+        ("qwen3-0.6b.json", 2048, "the default"),
+    ],
+)
+def test_the_default_prefill_chunk_gives_each_expert_its_rows(
+    config: str, chunk: int, why: str
+) -> None:
+    """Without --chunked-prefill-size a mixture of experts prefills chunks that give each expert
+    about 512 rows (its grouped GEMMs' tiles full), at most 8192; a dense model keeps 2048."""
+    model_config = ModelConfig.from_json_file(str(CONFIGS / config))
+    with torch.device("meta"):
+        model = get_model_class(model_config.architecture)(model_config)
+    assert default_prefill_chunk(model) == (chunk, why)
+    assert prefill_chunk(None, model) == (chunk, why)
+    assert prefill_chunk(1024, model) == (1024, "--chunked-prefill-size")

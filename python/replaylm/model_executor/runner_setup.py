@@ -35,6 +35,7 @@ from replaylm.mem_cache.kv_cache import KVCache, KVShape, resolve_kv_cache_dtype
 from replaylm.model_executor.draft_heads import attach_head, check_draft, feature_bytes_per_token
 from replaylm.model_executor.engine_config import EngineConfig
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.prefill_chunk import prefill_chunk
 from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.model_loader.loader import load_model, load_model_config
 from replaylm.models.config import ModelConfig
@@ -92,18 +93,20 @@ def load_model_runners(
         config.args, [m.kv_shape for m in loaded], target.tp, target.device, features_bytes
     )
     if draft is not None and isinstance(draft.model, EagleHead):
-        attach_head(draft.model, target.model, tokens + 1, _head_rows(draft.config), target.device)
+        chunk, _ = prefill_chunk(config.args.chunked_prefill_size, target.model)
+        rows = _head_rows(draft.config, chunk)
+        attach_head(draft.model, target.model, tokens + 1, rows, target.device)
     runners = [_make_runner(m, tokens, stages) for m in loaded]
     return runners[0], runners[1] if draft is not None else None
 
 
-def _head_rows(config: EngineConfig) -> int:
-    """The most tokens one forward of an EAGLE head runs: a catch-up chunk (at most
-    `--chunked-prefill-size`; speculative/eagle.py), a batch of the running cap, or a graph's
+def _head_rows(config: EngineConfig, chunk: int) -> int:
+    """The most tokens one forward of an EAGLE head runs: a catch-up chunk (at most the
+    target's prefill `chunk`; speculative/eagle.py), a batch of the running cap, or a graph's
     shape."""
     shapes = [s for phase in ("decode", "prefill") for s in config.cuda_graphs.phase(phase).shapes]
     assert config.args.max_running_requests is not None
-    return max(config.args.chunked_prefill_size, config.args.max_running_requests, *shapes)
+    return max(chunk, config.args.max_running_requests, *shapes)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from replaylm.layers.logit_adjust import LogitAdjuster, LogitAdjustments
 from replaylm.layers.sampler import RankZeroSampler, Sampler, SamplingBatchInfo
 from replaylm.mem_cache.errors import OutOfKVCacheError, OutOfRequestSlotsError
 from replaylm.model_executor.model_runner import ModelRunner
+from replaylm.model_executor.prefill_chunk import prefill_chunk
 from replaylm.runtime.batch_ops import (
     prepare_decode,
     prepare_extend,
@@ -216,11 +217,13 @@ class Scheduler:
     ) -> Scheduler:
         """The scheduler the server's flags describe (`draft`: the draft model's or EAGLE
         head's runner, for speculation with one)."""
+        chunk, why = prefill_chunk(args.chunked_prefill_size, runner.model)
+        logger.info("prefill chunks: up to %d tokens a step (%s)", chunk, why)
         return cls(
             runner,
             eos_ids,
             decode_text,
-            args.chunked_prefill_size,
+            chunk,
             args.max_prefill_tokens,
             overlap=not args.disable_overlap_schedule,
             prefix_cache=not args.disable_radix_cache,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from replaylm.model_executor.prefill_chunk import prefill_chunk
 from replaylm.speculative.draft_model import DraftModelDrafter
 from replaylm.speculative.drafter import Drafter, Speculation
 from replaylm.speculative.eagle import EagleDrafter
@@ -34,7 +35,8 @@ def speculation_from_args(
     elif algorithm in ("eagle", "eagle3"):
         store = target.model.model.feature_store
         assert draft is not None and store is not None  # load_model_runners wires them
-        drafter = EagleDrafter(draft, store, target.kv.req_to_token, args.chunked_prefill_size)
+        chunk, _ = prefill_chunk(args.chunked_prefill_size, target.model)
+        drafter = EagleDrafter(draft, store, target.kv.req_to_token, chunk)
         what = f"head {args.speculative_draft_model_path}, proposing greedily"
     else:
         low = args.speculative_ngram_min_match_window_size

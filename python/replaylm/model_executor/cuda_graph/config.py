@@ -38,7 +38,7 @@ from replaylm.cuda_graph_modes import (
 )
 from replaylm.layers.attention.registry import BACKENDS_WITH_GRAPH_HOOKS
 from replaylm.layers.attention.selection import PhaseAttentionBackends
-from replaylm.server_args import DRAFT_MODEL_ALGORITHMS
+from replaylm.server_args import DEFAULT_PREFILL_CHUNK, DRAFT_MODEL_ALGORITHMS
 
 GRAPH_DEVICES = ("cuda",)
 
@@ -74,7 +74,7 @@ class GraphArgs(Protocol):
     prefill_cuda_graph_tokens: list[int] | None
     prefill_cuda_graph_max_tokens: int | None
     max_running_requests: int | None  # None: not resolved for the device yet (checks only)
-    chunked_prefill_size: int
+    chunked_prefill_size: int | None  # None: the model's default, at least DEFAULT_PREFILL_CHUNK
     debug_cuda_graph: bool
     tc_piecewise_compiler: str
     tc_piecewise_kernels: str
@@ -391,7 +391,8 @@ def _shapes(args: GraphArgs, phase: str, enabled: bool, warnings: list[str]) -> 
         list_flag, max_flag = "--prefill-cuda-graph-tokens", "--prefill-cuda-graph-max-tokens"
         given = _check_shapes(args.prefill_cuda_graph_tokens, list_flag)
         max_given = _check_max(args.prefill_cuda_graph_max_tokens, max_flag)
-        limit, limit_flag = args.chunked_prefill_size, "--chunked-prefill-size"
+        limit = args.chunked_prefill_size or DEFAULT_PREFILL_CHUNK
+        limit_flag = "--chunked-prefill-size"
         default_max = DEFAULT_PREFILL_MAX_TOKENS
         make_default = default_prefill_token_buckets
     if not enabled:

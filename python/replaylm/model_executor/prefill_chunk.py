@@ -1,0 +1,38 @@
+"""The prefill chunk a model takes when `--chunked-prefill-size` is not given.
+
+A dense model's matmuls run near peak from a few hundred rows, so its chunk stays small
+(`DEFAULT_PREFILL_CHUNK`), which keeps other requests' decode steps frequent. A mixture of
+experts' grouped GEMMs see a step's tokens spread over its experts: a chunk of T tokens gives
+each expert T * k / E rows on average, and below `ROWS_PER_EXPERT` of them its weight tiles are
+reread for few rows (docs/tuning.md, "MoE prefill chunks"). Such a model's chunk is raised to
+give each expert that many rows, up to `MOE_CHUNK_CAP` (a step's stall of the running requests).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from replaylm.layers.moe.layer import FusedMoE
+from replaylm.server_args import DEFAULT_PREFILL_CHUNK
+
+ROWS_PER_EXPERT = 512
+MOE_CHUNK_CAP = 8192
+
+
+def default_prefill_chunk(model: nn.Module) -> tuple[int, str]:
+    """(tokens per prefill chunk, why) for `model` without a `--chunked-prefill-size`."""
+    experts = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
+    if experts is None:
+        return DEFAULT_PREFILL_CHUNK, "the default"
+    wanted = ROWS_PER_EXPERT * experts.num_experts // experts.top_k
+    chunk = min(MOE_CHUNK_CAP, max(DEFAULT_PREFILL_CHUNK, -(-wanted // 256) * 256))
+    return chunk, (
+        f"{experts.num_experts} experts, top {experts.top_k}: about "
+        f"{chunk * experts.top_k // experts.num_experts} rows per expert a step"
+    )
+
+
+def prefill_chunk(asked: int | None, model: nn.Module) -> tuple[int, str]:
+    """(tokens per prefill chunk, why): `--chunked-prefill-size` where given, else `model`'s
+    default."""
+    return (asked, "--chunked-prefill-size") if asked is not None else default_prefill_chunk(model)
