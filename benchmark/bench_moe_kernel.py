@@ -1,8 +1,8 @@
 """One mixture-of-experts layer's experts alone: the fused Triton kernels against cuBLAS per
 expert and against the weight-read floor.
 
-    python benchmark/bench_moe_kernel.py [--model qwen3-30b-a3b] [--tokens 1 8 64 256 1024 4096]
-        [--json out.json]
+    python benchmark/bench_moe_kernel.py [--model qwen3-30b-a3b]
+        [--tokens 1 8 64 256 1024 4096 8192] [--json out.json]
 
 The layer's shape comes from the model's config in benchmark/configs/ (experts, hidden size,
 an expert's columns, top k), bfloat16, random weights and random routing logits (softmax top k,
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="qwen3-30b-a3b", help="a config of benchmark/configs")
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 256, 1024, 4096])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 256, 1024, 4096, 8192])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     shape = layer_shape(args.model)
