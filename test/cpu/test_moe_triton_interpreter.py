@@ -115,7 +115,9 @@ def _check_aligned(ids: torch.Tensor, experts: int, block_m: int) -> None:
         (40, 2, 3, 16, (), 5),  # several blocks per expert
         (33, 4, 8, 32, (0, 5), 9),
         (5, 3, 6, 16, (), 15),  # every pair another rank's: nothing to compute
-        (300, 4, 5, 64, (2,), 40),  # more pairs than one scan step
+        (300, 4, 5, 64, (2,), 40),  # more pairs than one launch takes: one chunk
+        (700, 4, 40, 16, (3, 17), 50),  # three chunks, the last ragged
+        (600, 8, 128, 64, (), 30),  # Qwen3-30B-A3B's experts: five chunks
     ],
 )
 def test_align_is_a_block_aligned_permutation(tokens, top_k, experts, block_m, unused, foreign):

@@ -2,11 +2,13 @@
 
 The T x k routed (token, slot) pairs are numbered `token * k + slot`. Sorted by expert, each
 expert's run padded with a sentinel (T * k) to a multiple of `block_m`, they let the grouped GEMM
-give each program one expert's `block_m` rows. Two launches of one program per expert (count,
-then place; one for a decode step's few pairs, each program counting them all), no host sync,
-buffer sizes fixed by T, k, E and `block_m`: CUDA graphs capture it.
-Ids outside 0..E-1 (experts of other ranks) belong to no program, so their pairs are left out.
-Within an expert the pairs keep their order: the result is deterministic.
+give each program one expert's `block_m` rows. A decode step's few pairs take one launch of one
+program per expert, each counting them all. More pairs take three launches, each linear in the
+pairs: a histogram per chunk of `_CHUNK` pairs; one program per expert, which lays out its run
+and where each chunk's pairs of it start; one program per chunk, which sorts its pairs by expert
+and writes each into place. No host sync, buffer sizes fixed by T, k, E and `block_m`: CUDA
+graphs capture it. Ids outside 0..E-1 (experts of other ranks) belong to no run, so their pairs
+are left out. Within an expert the pairs keep their order: the result is deterministic.
 """
 
 from __future__ import annotations
@@ -18,53 +20,67 @@ import triton.language as tl
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
-_SCAN = 1024  # ids a program reads per step
-# up to this many pairs every program of the place kernel counts them all: one launch, not two
+# up to this many pairs every program of the place kernel counts them all: one launch, not three
 _ONE_LAUNCH_PAIRS = 256
+_CHUNK = 1024  # pairs per program of the histogram and scatter kernels
+
+
+@triton.jit
+def _bins(Ids, start, numel, num_experts, SIZE: tl.constexpr):
+    """The `SIZE` ids from `start`, those outside 0..num_experts-1 or past `numel` as
+    num_experts (a bin of no expert)."""
+    offs = start + tl.arange(0, SIZE)
+    ids = tl.load(Ids + offs, mask=offs < numel, other=-1)
+    return tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
 
 
 @triton.jit(do_not_specialize=["numel"])
-def _count_kernel(Ids, Counts, numel, SCAN: tl.constexpr, USE_PDL: tl.constexpr):
-    """Counts[e] = how many of the `numel` ids equal e, for e = this program."""
+def _histogram_kernel(
+    Ids, Hist, numel, num_experts, CHUNK: tl.constexpr, BINS: tl.constexpr, USE_PDL: tl.constexpr
+):
+    """Hist[c, e] = how many of chunk c's ids equal e, for this program's chunk c."""
     wait_for_producers(USE_PDL)
-    expert = tl.program_id(0)
-    hits = tl.zeros((SCAN,), tl.int32)
-    for start in range(0, numel, SCAN):
-        offs = start + tl.arange(0, SCAN)
-        ids = tl.load(Ids + offs, mask=offs < numel, other=-1)
-        hits += (ids == expert).to(tl.int32)
-    tl.store(Counts + expert, tl.sum(hits, axis=0))
+    chunk = tl.program_id(0)
+    ids = _bins(Ids, chunk * CHUNK, numel, num_experts, CHUNK)
+    tl.store(Hist + chunk * BINS + tl.arange(0, BINS), tl.histogram(ids, BINS))
 
 
-@triton.jit(do_not_specialize=["numel"])
+@triton.jit(do_not_specialize=["numel", "num_chunks"])
 def _place_kernel(
     Ids,
-    Counts,
+    Hist,
+    Base,
     SortedIds,
     ExpertIds,
     NumPostPad,
     numel,
     num_experts,
+    num_chunks,
     BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BINS: tl.constexpr,
     SCAN: tl.constexpr,
+    CHUNKS: tl.constexpr,
     COUNT_ALL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """This program's expert: its pairs in order from its run's start (the padded runs of the
-    experts before it), the sentinel after them up to the run's padded end, its id for each of
-    the run's blocks; program 0 also writes the padded total. With `COUNT_ALL` (all `numel`
-    ids within one SCAN) it counts every expert's pairs itself instead of reading Counts."""
+    """This program's expert's run: from its start (the padded runs of the experts before it),
+    the sentinel after its pairs up to the run's padded end, its id for each of the run's
+    blocks; program 0 also writes the padded total. With `COUNT_ALL` (every id within one SCAN)
+    it counts every expert's pairs itself and writes its own in order; else it reads the
+    chunks' histograms and writes, per chunk c, Base[c, expert]: where the chunk's pairs of this
+    expert start less how many of the chunk's pairs belong to lower experts (the scatter
+    kernel's offset for its sorted pairs)."""
     wait_for_producers(USE_PDL)
     expert = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
+    e = tl.arange(0, BINS)
     if COUNT_ALL:
-        offs = tl.arange(0, SCAN)
-        ids = tl.load(Ids + offs, mask=offs < numel, other=-1)
-        hits = (ids[:, None] == e[None, :]) & (e[None, :] < num_experts)
-        counts = tl.sum(hits.to(tl.int32), axis=0)
+        ids = _bins(Ids, 0, numel, num_experts, SCAN)
+        counts = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
     else:
-        counts = tl.load(Counts + e, mask=e < num_experts, other=0)
+        c = tl.arange(0, CHUNKS)
+        hist = tl.load(Hist + c[:, None] * BINS + e[None, :], mask=c[:, None] < num_chunks, other=0)
+        counts = tl.sum(hist, axis=0)
+    counts = tl.where(e < num_experts, counts, 0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     if expert == 0:
         tl.store(NumPostPad, tl.sum(padded, axis=0))
@@ -77,13 +93,39 @@ def _place_kernel(
         blocks = block + tl.arange(0, SCAN)
         mine = expert + tl.zeros((SCAN,), tl.int32)
         tl.store(ExpertIds + blocks, mine, mask=blocks < run_end // BLOCK_M)
-    placed = run_start
-    for start in range(0, numel, SCAN):
-        offs = start + tl.arange(0, SCAN)
-        hit = (tl.load(Ids + offs, mask=offs < numel, other=-1) == expert).to(tl.int32)
+    if COUNT_ALL:
+        hit = (ids == expert).to(tl.int32)
         rank = tl.cumsum(hit, axis=0) - hit
-        tl.store(SortedIds + placed + rank, offs, mask=hit > 0)
-        placed += tl.sum(hit, axis=0)
+        tl.store(SortedIds + run_start + rank, tl.arange(0, SCAN), mask=hit > 0)
+    else:
+        mine = tl.sum(tl.where(e[None, :] == expert, hist, 0), axis=1)
+        lower = tl.sum(tl.where(e[None, :] < expert, hist, 0), axis=1)
+        base = run_start + tl.cumsum(mine, axis=0) - mine - lower
+        tl.store(Base + c * BINS + expert, base, mask=c < num_chunks)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _scatter_kernel(
+    Ids,
+    Base,
+    SortedIds,
+    numel,
+    num_experts,
+    CHUNK: tl.constexpr,
+    BINS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """This program's chunk's pairs sorted by (expert, position), each written to its place:
+    Base[chunk, expert] plus its index in the sorted chunk."""
+    wait_for_producers(USE_PDL)
+    chunk = tl.program_id(0)
+    index = tl.arange(0, CHUNK)
+    ids = _bins(Ids, chunk * CHUNK, numel, num_experts, CHUNK)
+    keys = tl.sort(ids * CHUNK + index)
+    experts = keys // CHUNK
+    kept = experts < num_experts
+    base = tl.load(Base + chunk * BINS + experts, mask=kept, other=0)
+    tl.store(SortedIds + base + index, chunk * CHUNK + keys % CHUNK, mask=kept)
 
 
 def max_padded_rows(numel: int, num_experts: int, block_m: int) -> int:
@@ -108,22 +150,34 @@ def moe_align_block_size(
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=device)
     expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_experts + 1)  # a bin past the experts: other ranks' ids
     count_all = numel <= _ONE_LAUNCH_PAIRS
-    counts = torch.empty(0 if count_all else num_experts, dtype=torch.int32, device=device)
+    chunks = 0 if count_all else triton.cdiv(numel, _CHUNK)
+    hist = torch.empty((chunks, bins), dtype=torch.int32, device=device)
+    base = torch.empty((chunks, bins), dtype=torch.int32, device=device)
     if not count_all:
-        _count_kernel[(num_experts,)](ids, counts, numel, SCAN=_SCAN, **pdl_launch())
+        _histogram_kernel[(chunks,)](
+            ids, hist, numel, num_experts, CHUNK=_CHUNK, BINS=bins, **pdl_launch()
+        )
     _place_kernel[(num_experts,)](
         ids,
-        counts,
+        hist,
+        base,
         sorted_ids,
         expert_ids,
         num_post_pad,
         numel,
         num_experts,
+        chunks,
         BLOCK_M=block_m,
-        BLOCK_E=triton.next_power_of_2(num_experts),
-        SCAN=triton.next_power_of_2(max(numel, 16)) if count_all else _SCAN,
+        BINS=bins,
+        SCAN=triton.next_power_of_2(max(numel, 16)) if count_all else 1024,
+        CHUNKS=triton.next_power_of_2(max(chunks, 1)),
         COUNT_ALL=count_all,
         **pdl_launch(),
     )
+    if not count_all:
+        _scatter_kernel[(chunks,)](
+            ids, base, sorted_ids, numel, num_experts, CHUNK=_CHUNK, BINS=bins, **pdl_launch()
+        )
     return sorted_ids, expert_ids, num_post_pad

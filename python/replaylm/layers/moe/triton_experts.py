@@ -4,7 +4,7 @@ The routed (token, slot) pairs are sorted by expert into blocks of `block_m` row
 (`moe_align`); a grouped GEMM gives each program one block of one expert, its A rows gathered
 from the pairs' tokens. It runs twice: gate_up with SiluAndMul in its epilogue (a tile
 interleaves gate and up rows of the same columns), then down; a last kernel sums each token's k
-rows weighted by the router in float32, skipping other ranks' experts. Four launches (five for
+rows weighted by the router in float32, skipping other ranks' experts. Four launches (six for
 more than a decode step's pairs), no host sync, buffers sized by T, k, E and the block config
 alone: CUDA graphs capture it. Under torch.compile (inside `kernels_in_compiled_code`) it is
 the custom op `replaylm::fused_experts`.
@@ -361,7 +361,7 @@ def triton_experts(
     config: MoeBlockConfig | None = None,
 ) -> torch.Tensor:
     """`torch_experts`'s contract (an id outside 0..E-1 adds nothing; `fp8`: the scales of e4m3
-    weights, run w8a8) in five launches, plus each GEMM's input quantization with FP8, and no
+    weights, run w8a8) in four to six launches, plus each GEMM's input quantization with FP8, and no
     host sync. `config` overrides `moe_block_config`'s choice for this shape and token count
     (with block scales its BLOCK_K must divide the blocks' columns: ValueError)."""
     _check(hidden, w13, w2, topk_ids, fp8)
