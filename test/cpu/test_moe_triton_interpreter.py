@@ -118,6 +118,7 @@ def _check_aligned(ids: torch.Tensor, experts: int, block_m: int) -> None:
         (300, 4, 5, 64, (2,), 40),  # more pairs than one launch takes: one chunk
         (700, 4, 40, 16, (3, 17), 50),  # three chunks, the last ragged
         (600, 8, 128, 64, (), 30),  # Qwen3-30B-A3B's experts: five chunks
+        (1100, 8, 128, 128, (9,), 70),  # 69 chunks: the place kernel reads them in two tiles
     ],
 )
 def test_align_is_a_block_aligned_permutation(tokens, top_k, experts, block_m, unused, foreign):

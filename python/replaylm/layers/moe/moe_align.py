@@ -4,11 +4,12 @@ The T x k routed (token, slot) pairs are numbered `token * k + slot`. Sorted by 
 expert's run padded with a sentinel (T * k) to a multiple of `block_m`, they let the grouped GEMM
 give each program one expert's `block_m` rows. A decode step's few pairs take one launch of one
 program per expert, each counting them all. More pairs take three launches, each linear in the
-pairs: a histogram per chunk of `_CHUNK` pairs; one program per expert, which lays out its run
-and where each chunk's pairs of it start; one program per chunk, which sorts its pairs by expert
-and writes each into place. No host sync, buffer sizes fixed by T, k, E and `block_m`: CUDA
-graphs capture it. Ids outside 0..E-1 (experts of other ranks) belong to no run, so their pairs
-are left out. Within an expert the pairs keep their order: the result is deterministic.
+pairs: a histogram per chunk of `_CHUNK` pairs; one program per expert, which lays out its run and
+where each chunk's pairs of it start; one program per chunk, which writes each of its pairs there,
+after those of the chunk's earlier pairs with the same expert. No host sync, buffer sizes fixed by
+T, k, E and `block_m`: CUDA graphs capture it. Ids outside 0..E-1 (experts of other ranks) belong to
+no run, so their pairs are left out. Within an expert the pairs keep their order: the result is
+deterministic.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 
 # up to this many pairs every program of the place kernel counts them all: one launch, not three
 _ONE_LAUNCH_PAIRS = 256
-_CHUNK = 1024  # pairs per program of the histogram and scatter kernels
+# pairs per program of the histogram and scatter kernels (the scatter ranks them pairwise)
+_CHUNK = 128
+_CHUNK_TILE = 1024  # chunks the place kernel reads at a time
 
 
 @triton.jit
@@ -36,19 +39,31 @@ def _bins(Ids, start, numel, num_experts, SIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["numel"])
 def _histogram_kernel(
-    Ids, Hist, numel, num_experts, CHUNK: tl.constexpr, BINS: tl.constexpr, USE_PDL: tl.constexpr
+    Ids,
+    Hist,
+    Totals,
+    numel,
+    num_experts,
+    CHUNK: tl.constexpr,
+    BINS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Hist[c, e] = how many of chunk c's ids equal e, for this program's chunk c."""
+    """Hist[c, e] = how many of chunk c's ids equal e, for this program's chunk c, added to
+    Totals[e] (zeroed before)."""
     wait_for_producers(USE_PDL)
     chunk = tl.program_id(0)
     ids = _bins(Ids, chunk * CHUNK, numel, num_experts, CHUNK)
-    tl.store(Hist + chunk * BINS + tl.arange(0, BINS), tl.histogram(ids, BINS))
+    bins = tl.arange(0, BINS)
+    hist = tl.histogram(ids, BINS)
+    tl.store(Hist + chunk * BINS + bins, hist)
+    tl.atomic_add(Totals + bins, hist, mask=hist > 0)
 
 
 @triton.jit(do_not_specialize=["numel", "num_chunks"])
 def _place_kernel(
     Ids,
     Hist,
+    Totals,
     Base,
     SortedIds,
     ExpertIds,
@@ -67,9 +82,10 @@ def _place_kernel(
     the sentinel after its pairs up to the run's padded end, its id for each of the run's
     blocks; program 0 also writes the padded total. With `COUNT_ALL` (every id within one SCAN)
     it counts every expert's pairs itself and writes its own in order; else it reads the
-    chunks' histograms and writes, per chunk c, Base[c, expert]: where the chunk's pairs of this
-    expert start less how many of the chunk's pairs belong to lower experts (the scatter
-    kernel's offset for its sorted pairs)."""
+    experts' totals and its column of the chunks' histograms and writes, per chunk c,
+    Base[c, expert]: where the chunk's pairs of this expert start, `CHUNKS` chunks at a time
+    (one variant for any number of pairs, so the prefill graphs' capture compiles what a longer
+    eager chunk runs)."""
     wait_for_producers(USE_PDL)
     expert = tl.program_id(0)
     e = tl.arange(0, BINS)
@@ -77,9 +93,7 @@ def _place_kernel(
         ids = _bins(Ids, 0, numel, num_experts, SCAN)
         counts = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
     else:
-        c = tl.arange(0, CHUNKS)
-        hist = tl.load(Hist + c[:, None] * BINS + e[None, :], mask=c[:, None] < num_chunks, other=0)
-        counts = tl.sum(hist, axis=0)
+        counts = tl.load(Totals + e)
     counts = tl.where(e < num_experts, counts, 0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     if expert == 0:
@@ -98,10 +112,13 @@ def _place_kernel(
         rank = tl.cumsum(hit, axis=0) - hit
         tl.store(SortedIds + run_start + rank, tl.arange(0, SCAN), mask=hit > 0)
     else:
-        mine = tl.sum(tl.where(e[None, :] == expert, hist, 0), axis=1)
-        lower = tl.sum(tl.where(e[None, :] < expert, hist, 0), axis=1)
-        base = run_start + tl.cumsum(mine, axis=0) - mine - lower
-        tl.store(Base + c * BINS + expert, base, mask=c < num_chunks)
+        before = run_start  # this expert's pairs in the chunks before the tile
+        for first in range(0, num_chunks, CHUNKS):
+            c = first + tl.arange(0, CHUNKS)
+            column = tl.load(Hist + c * BINS + expert, mask=c < num_chunks, other=0)
+            base = before + tl.cumsum(column, axis=0) - column
+            tl.store(Base + c * BINS + expert, base, mask=c < num_chunks)
+            before += tl.sum(column, axis=0)
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -115,17 +132,17 @@ def _scatter_kernel(
     BINS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """This program's chunk's pairs sorted by (expert, position), each written to its place:
-    Base[chunk, expert] plus its index in the sorted chunk."""
+    """This program's chunk's pairs, each written to its place: Base[chunk, expert] plus how
+    many of the chunk's pairs before it have its expert."""
     wait_for_producers(USE_PDL)
     chunk = tl.program_id(0)
     index = tl.arange(0, CHUNK)
     ids = _bins(Ids, chunk * CHUNK, numel, num_experts, CHUNK)
-    keys = tl.sort(ids * CHUNK + index)
-    experts = keys // CHUNK
-    kept = experts < num_experts
-    base = tl.load(Base + chunk * BINS + experts, mask=kept, other=0)
-    tl.store(SortedIds + base + index, chunk * CHUNK + keys % CHUNK, mask=kept)
+    earlier = (ids[:, None] == ids[None, :]) & (index[None, :] < index[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    kept = ids < num_experts
+    base = tl.load(Base + chunk * BINS + ids, mask=kept, other=0)
+    tl.store(SortedIds + base + rank, chunk * CHUNK + index, mask=kept)
 
 
 def max_padded_rows(numel: int, num_experts: int, block_m: int) -> int:
@@ -155,13 +172,15 @@ def moe_align_block_size(
     chunks = 0 if count_all else triton.cdiv(numel, _CHUNK)
     hist = torch.empty((chunks, bins), dtype=torch.int32, device=device)
     base = torch.empty((chunks, bins), dtype=torch.int32, device=device)
+    totals = torch.zeros(0 if count_all else bins, dtype=torch.int32, device=device)
     if not count_all:
         _histogram_kernel[(chunks,)](
-            ids, hist, numel, num_experts, CHUNK=_CHUNK, BINS=bins, **pdl_launch()
+            ids, hist, totals, numel, num_experts, CHUNK=_CHUNK, BINS=bins, **pdl_launch()
         )
     _place_kernel[(num_experts,)](
         ids,
         hist,
+        totals,
         base,
         sorted_ids,
         expert_ids,
@@ -172,7 +191,7 @@ def moe_align_block_size(
         BLOCK_M=block_m,
         BINS=bins,
         SCAN=triton.next_power_of_2(max(numel, 16)) if count_all else 1024,
-        CHUNKS=triton.next_power_of_2(max(chunks, 1)),
+        CHUNKS=_CHUNK_TILE,
         COUNT_ALL=count_all,
         **pdl_launch(),
     )
