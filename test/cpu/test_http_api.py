@@ -301,6 +301,7 @@ def test_models_server_info_and_health(client, http):
     assert info["served_model_name"] == MODEL and info["device"] == "cpu"
     assert info["context_len"] == CONTEXT_LEN and info["max_total_tokens"] == KV_TOKENS
     assert info["api_key"] is None and info["healthy"] is True
+    assert info["chunked_prefill_size"] == 2048  # a dense model's, resolved by the scheduler
     assert info["cuda_graph"]["decode"]["mode"] == "disabled"  # CPU: nothing captured
     assert info["cuda_graph_capture"] == {}
     assert http.get("/health").status_code == 200

@@ -134,6 +134,7 @@ class SchedulerReady:
     vocab_size: int
     cuda_graph_capture: dict[str, dict[str, Any]]  # ModelRunner.cuda_graph_stats()
     startup: dict[str, Any]  # the scheduler process's StartupStages.to_dict()
+    chunked_prefill_size: int  # the chunk the scheduler took (the model's default unless given)
 
 
 @dataclass

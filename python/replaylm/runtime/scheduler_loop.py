@@ -151,6 +151,7 @@ def run_scheduler_process(
                 vocab_size=runner.config.vocab_size,
                 cuda_graph_capture=runner.cuda_graph_stats(),
                 startup=stages.to_dict(),
+                chunked_prefill_size=scheduler.chunk_size,
             )
         )
     except (EOFError, BrokenPipeError):

@@ -142,6 +142,7 @@ class TokenizerManager:
         self.cuda_graphs = config.cuda_graphs
         self.cuda_graph_capture = ready.cuda_graph_capture
         self.scheduler_startup = ready.startup
+        self.chunked_prefill_size = ready.chunked_prefill_size
         # structured output: the compiler is made for the first constrained request (importing
         # xgrammar and describing the vocabulary take seconds that most servers never need)
         self._grammar: GrammarCompiler | None = None
@@ -307,6 +308,7 @@ class TokenizerManager:
         start-up stages of this front end and the scheduler (`startup`)."""
         return {
             **self.server_args.redacted(),
+            "chunked_prefill_size": self.chunked_prefill_size,  # resolved for the model
             "served_model_name": self.served_model_name,
             "context_len": self.context_len,
             "max_total_tokens": self.max_total_tokens,
