@@ -80,13 +80,13 @@ def _hidden(tokens: int, width: int, dtype: torch.dtype, seed: int) -> torch.Ten
     return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _check_aligned(ids: torch.Tensor, experts: int, block_m: int) -> None:
+def _check_aligned(ids: torch.Tensor, experts: int, block_m: int, chunk_tile: int = 1024) -> None:
     """The sort of `ids` is a block-aligned permutation of its pairs of experts 0..E-1: each
     such pair exactly once, in order within its expert, each block one expert's (ascending), each
     expert's run padded with the sentinel T * k by less than a block."""
     flat = ids.reshape(-1).long()
     numel = flat.numel()
-    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(ids, experts, block_m)
+    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(ids, experts, block_m, chunk_tile)
     rows = max_padded_rows(numel, experts, block_m)
     assert sorted_ids.shape == (rows,) and expert_ids.shape == (rows // block_m,)
     counts = torch.bincount(flat[(flat >= 0) & (flat < experts)], minlength=experts)
@@ -115,15 +115,21 @@ def _check_aligned(ids: torch.Tensor, experts: int, block_m: int) -> None:
         (40, 2, 3, 16, (), 5),  # several blocks per expert
         (33, 4, 8, 32, (0, 5), 9),
         (5, 3, 6, 16, (), 15),  # every pair another rank's: nothing to compute
-        (300, 4, 5, 64, (2,), 40),  # more pairs than one launch takes: one chunk
-        (700, 4, 40, 16, (3, 17), 50),  # three chunks, the last ragged
-        (600, 8, 128, 64, (), 30),  # Qwen3-30B-A3B's experts: five chunks
-        (1100, 8, 128, 128, (9,), 70),  # 69 chunks: the place kernel reads them in two tiles
+        (300, 4, 5, 64, (2,), 40),  # more pairs than one launch takes: 10 chunks
+        (700, 4, 40, 16, (3, 17), 50),  # 22 chunks, the last ragged
+        (600, 8, 128, 64, (), 30),  # Qwen3-30B-A3B's experts: 38 chunks
     ],
 )
 def test_align_is_a_block_aligned_permutation(tokens, top_k, experts, block_m, unused, foreign):
     _, ids = _routing(tokens, top_k, experts, seed=tokens, unused=unused, foreign=foreign)
     _check_aligned(ids, experts, block_m)
+
+
+def test_align_reads_the_chunks_in_tiles():
+    """Each expert's program reads the chunks' counts a tile at a time, carrying its count so far
+    across tiles: 69 chunks in tiles of 16, as 1,024 of them would be read in one."""
+    _, ids = _routing(1100, 8, 128, seed=3, unused=(9,), foreign=70)
+    _check_aligned(ids, 128, 128, chunk_tile=16)
 
 
 CASES = [  # tokens, experts, top_k, hidden, intermediate, unused experts, foreign slots

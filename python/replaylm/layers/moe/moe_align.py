@@ -153,13 +153,14 @@ def max_padded_rows(numel: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk_tile: int = _CHUNK_TILE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids `[R]`, expert_ids `[R / block_m]`, num_tokens_post_padded `[1]`), int32, for
     `topk_ids` `[T, k]` and R = `max_padded_rows(T * k, E, block_m)`: the pair numbers
     (`token * k + slot`) of each expert 0..E-1 in turn, each run padded with T * k to a multiple
     of `block_m`; the expert of each block; the padded total. Entries past the total are
-    unspecified (the GEMM's programs there exit)."""
+    unspecified (the GEMM's programs there exit). `chunk_tile`: the chunks of `_CHUNK` pairs
+    the place kernel reads at a time (a power of two)."""
     ids = topk_ids.reshape(-1).to(torch.int32)
     numel = ids.numel()
     rows = max_padded_rows(numel, num_experts, block_m)
@@ -191,7 +192,7 @@ def moe_align_block_size(
         BLOCK_M=block_m,
         BINS=bins,
         SCAN=triton.next_power_of_2(max(numel, 16)) if count_all else 1024,
-        CHUNKS=_CHUNK_TILE,
+        CHUNKS=chunk_tile,
         COUNT_ALL=count_all,
         **pdl_launch(),
     )
