@@ -24,7 +24,14 @@ from replaylm.layers.attention.triton.extend import extend_attention
 from replaylm.layers.attention.triton.kv_store import store_kv
 from replaylm.model_executor.forward_batch import ForwardMode
 
-from attention_cases import make_case, reference, rel_error, store_and_attend, triton_decode
+from attention_cases import (
+    make_case,
+    reference,
+    rel_error,
+    store_and_attend,
+    triton_decode,
+    triton_extend,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -111,23 +118,7 @@ def test_extend_matches_torch_native(name, aligned):
     )
     b = case.batch
     b.kv.pool.store(0, b.out_cache_loc, case.k, case.v)
-    out = torch.full_like(case.q, float("nan"))
-    extend_attention(
-        case.q,
-        case.k,
-        case.v,
-        out,
-        b.kv.pool.k_buffers[0],
-        b.kv.pool.v_buffers[0],
-        b.kv.req_to_token.req_to_token,
-        b.req_pool_indices,
-        b.prefix_lens,
-        b.extend_seq_lens,
-        b.extend_start_loc,
-        max(new),
-        case.layer.scaling,
-        aligned=aligned,
-    )
+    out = triton_extend(case, aligned=aligned)
     _check(out, reference(case), dtype)
 
 

@@ -228,7 +228,7 @@ class Scheduler:
             overlap=not args.disable_overlap_schedule,
             prefix_cache=not args.disable_radix_cache,
             mixed_chunk=args.enable_mixed_chunk,
-            speculation=speculation_from_args(args, runner, draft),
+            speculation=speculation_from_args(args, runner, draft, chunk),
         )
 
     # ---- requests in and out ------------------------------------------------------------

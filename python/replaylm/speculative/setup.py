@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from replaylm.model_executor.prefill_chunk import prefill_chunk
 from replaylm.speculative.draft_model import DraftModelDrafter
 from replaylm.speculative.drafter import Drafter, Speculation
 from replaylm.speculative.eagle import EagleDrafter
@@ -19,10 +18,11 @@ logger = logging.getLogger(__name__)
 
 
 def speculation_from_args(
-    args: ServerArgs, target: ModelRunner, draft: ModelRunner | None
+    args: ServerArgs, target: ModelRunner, draft: ModelRunner | None, prefill_chunk: int
 ) -> Speculation | None:
     """None when `--speculative-algorithm` is not set; logs what was chosen. `draft`: the draft
-    model's or EAGLE head's runner (draft_model, eagle, eagle3)."""
+    model's or EAGLE head's runner (draft_model, eagle, eagle3); `prefill_chunk`: the target's
+    (the most tokens an EAGLE head catches up on at once)."""
     algorithm = args.speculative_algorithm
     if algorithm is None:
         logger.info("speculative decoding: off")
@@ -35,8 +35,7 @@ def speculation_from_args(
     elif algorithm in ("eagle", "eagle3"):
         store = target.model.model.feature_store
         assert draft is not None and store is not None  # load_model_runners wires them
-        chunk, _ = prefill_chunk(args.chunked_prefill_size, target.model)
-        drafter = EagleDrafter(draft, store, target.kv.req_to_token, chunk)
+        drafter = EagleDrafter(draft, store, target.kv.req_to_token, prefill_chunk)
         what = f"head {args.speculative_draft_model_path}, proposing greedily"
     else:
         low = args.speculative_ngram_min_match_window_size
