@@ -4,7 +4,8 @@ without PDL), each launch inside a CUDA graph, as a decode step runs them.
     python benchmark/tuning/bench_matmul.py [--models qwen3-0.6b llama-3.1-8b] [--rows 1 8 16]
                                             [--configs] [--json out.json]
 
-Per model (benchmark/configs/) and projection (qkv, o, gate_up, down, lm_head) and row count:
+Per model (benchmark/configs/) and projection (qkv, o, gate_up, down or a MoE's router, lm_head)
+and row count:
 a graph of one launch per layer over that many distinct random weights (so that L2 holds none of
 them, as in a step), replayed and timed with CUDA events (median); microseconds per launch and
 the weight bytes per second that makes. The choice of `--small-batch-matmul auto` is read off
@@ -42,16 +43,14 @@ MAX_COPY_BYTES = 4 * 2**30  # weights of one graph, at most (lm_head: fewer copi
 
 
 def projections(cfg: dict) -> dict[str, tuple[int, int]]:
-    """name -> (N, K) of a Llama-family layer's projections and the LM head."""
+    """name -> (N, K) of a Llama-family layer's projections and the LM head; a mixture of
+    experts' router in place of the dense MLP (its experts are `tune_moe.py`'s)."""
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d, inter = cfg.get("head_dim") or h // heads, cfg["intermediate_size"]
-    return {
-        "qkv": ((heads + 2 * kv) * d, h),
-        "o": (h, heads * d),
-        "gate_up": (2 * inter, h),
-        "down": (h, inter),
-        "lm_head": (cfg["vocab_size"], h),
-    }
+    attention = {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d)}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    mlp = {"router": (experts, h)} if experts else {"gate_up": (2 * inter, h), "down": (h, inter)}
+    return {**attention, **mlp, "lm_head": (cfg["vocab_size"], h)}
 
 
 def graph_us(launch: Callable[[int], object], count: int) -> float:
@@ -110,6 +109,9 @@ CONFIG_CHOICES: dict[str, dict[str, int]] = {
     "split 4, 8 warps": {"split_k": 4, "num_warps": 8},
     "split 4, K 256": {"split_k": 4, "block_k": 256, "num_stages": 3},
     "split 4, 4 stages": {"split_k": 4, "num_stages": 4},
+    "split 2, K 256": {"split_k": 2, "block_k": 256, "num_stages": 3},
+    "16 cols, K 256": {"block_n": 16, "block_k": 256, "split_k": 1, "num_stages": 4},
+    "64 cols, split 8": {"block_n": 64, "split_k": 8},
 }
 
 

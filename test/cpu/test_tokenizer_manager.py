@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from itertools import accumulate
 
 import pytest
 
 from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
-from replaylm.runtime.io_struct import GenerateRequest
+from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest
 from replaylm.runtime.tokenizer_manager import TokenizerManager
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
@@ -129,3 +130,44 @@ def test_choices_of_one_request_are_told_apart_by_index(manager):
     with pytest.raises(RequestError) as err:
         asyncio.run(run(5, max_new_tokens=2))  # more choices than running slots
     assert err.value.param == "n"
+
+
+@pytest.fixture
+def text_manager(tmp_path):
+    """A tiny model of SmolLM2's vocabulary with the built-in model's tokenizer: text out."""
+    write_tiny_checkpoint("llama_smollm2_vocab", tmp_path)
+    args = ServerArgs(
+        model_path=str(tmp_path),
+        tokenizer_path="smollm2-135m-instruct",
+        device="cpu",
+        max_total_tokens=256,
+        max_running_requests=4,
+    )
+    tm = TokenizerManager(resolve_engine_config(args))
+    yield tm
+    tm.shutdown()
+
+
+def test_text_only_increments_come_rendered_by_the_frame(text_manager):
+    """With a frame renderer, every increment that brings text alone comes as its frame (joined
+    when they queue up); the first and the last come whole; the text is the plain stream's."""
+
+    async def run(frame):
+        req = GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=40, **GREEDY))
+        return [out async for out in text_manager.generate(req, frame)]
+
+    plain = asyncio.run(run(None))
+    framed = asyncio.run(run(lambda index, text: json.dumps([index, text]).encode() + b"\0"))
+    assert isinstance(framed[0], GenerateOutput) and isinstance(framed[-1], GenerateOutput)
+    assert framed[-1].finish_reason.type == "length" and framed[-1].completion_tokens == 40
+    text, frames = "", 0
+    for item in framed:
+        if isinstance(item, GenerateOutput):
+            text += item.text
+            continue
+        for event in item.split(b"\0")[:-1]:
+            index, piece = json.loads(event)
+            assert index == 0 and piece
+            text, frames = text + piece, frames + 1
+    assert frames >= 10  # most of the 40 tokens' text came as frames
+    assert text == "".join(out.text for out in plain) != ""

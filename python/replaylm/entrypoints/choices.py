@@ -10,14 +10,14 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from fastapi import Request
 
 from replaylm.entrypoints.http_parsing import prompt_param
 from replaylm.entrypoints.http_streaming import unless_disconnected
 from replaylm.entrypoints.openai_responses import PromptTokensDetails, UsageInfo
-from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest, TokenLogprob
+from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest, TextFrame, TokenLogprob
 
 
 @dataclass
@@ -29,12 +29,39 @@ class ChoiceOutput:
     out: GenerateOutput
 
 
+C = TypeVar("C", ChoiceOutput, ChoiceOutput | bytes)  # a stream's items, without or with frames
+
+
+@overload
 async def start_choices(
     tm: Any, request: Request, reqs: list[GenerateRequest], param: str
-) -> AsyncGenerator[ChoiceOutput, None]:
+) -> AsyncGenerator[ChoiceOutput, None]: ...
+
+
+@overload
+async def start_choices(
+    tm: Any,
+    request: Request,
+    reqs: list[GenerateRequest],
+    param: str,
+    text_frame: TextFrame | None,
+) -> AsyncGenerator[ChoiceOutput | bytes, None]: ...
+
+
+async def start_choices(
+    tm: Any,
+    request: Request,
+    reqs: list[GenerateRequest],
+    param: str,
+    text_frame: TextFrame | None = None,
+) -> AsyncGenerator[ChoiceOutput | bytes, None]:
     """Start every request and wait for each one's first output, so that bad input raises
-    here (RequestError, reported under `param`), before a (streaming) response has begun."""
-    gens = [tm.generate(req) for req in reqs]
+    here (RequestError, reported under `param`), before a (streaming) response has begun.
+    `text_frame` (one request only: its choices' indexes are the response's): a text-only
+    increment comes rendered by it (`TokenizerManager.generate`)."""
+    if text_frame is not None and len(reqs) != 1:
+        raise ValueError("text frames number the choices of one request")
+    gens = [tm.generate(req, text_frame) for req in reqs]
     try:
         with prompt_param(param):
             firsts = await unless_disconnected(request, _first_outputs(gens))
@@ -45,11 +72,18 @@ async def start_choices(
     return _merge(reqs, gens, firsts)
 
 
-async def _first_outputs(gens: list[AsyncGenerator[GenerateOutput, None]]) -> list[GenerateOutput]:
+async def _first_outputs(
+    gens: list[AsyncGenerator[GenerateOutput | bytes, None]],
+) -> list[GenerateOutput]:
     """Every generator's first output; when one fails, the others are cancelled (aborted)."""
 
-    async def first(gen: AsyncGenerator[GenerateOutput, None]) -> GenerateOutput:
-        return await gen.__anext__()
+    async def first(gen: AsyncGenerator[GenerateOutput | bytes, None]) -> GenerateOutput:
+        out = await gen.__anext__()
+        assert isinstance(out, GenerateOutput)  # a choice's first increment is never a frame
+        return out
+
+    if len(gens) == 1:  # nothing to cancel: no task
+        return [await first(gens[0])]
 
     tasks = [asyncio.ensure_future(first(gen)) for gen in gens]
     try:
@@ -62,24 +96,24 @@ async def _first_outputs(gens: list[AsyncGenerator[GenerateOutput, None]]) -> li
 
 async def _merge(
     reqs: list[GenerateRequest],
-    gens: list[AsyncGenerator[GenerateOutput, None]],
+    gens: list[AsyncGenerator[GenerateOutput | bytes, None]],
     firsts: list[GenerateOutput],
-) -> AsyncGenerator[ChoiceOutput, None]:
-    """The outputs of all `gens` as they come. Closing this generator closes them all (which
-    aborts what is still running)."""
+) -> AsyncGenerator[ChoiceOutput | bytes, None]:
+    """The outputs of all `gens` as they come (one prompt's frames passed on as they are).
+    Closing this generator closes them all (which aborts what is still running)."""
     if len(gens) == 1:  # one prompt: its outputs in order, with no task and queue hop per output
         try:
             yield ChoiceOutput(firsts[0].index, 0, firsts[0])
             async for out in gens[0]:
-                yield ChoiceOutput(out.index, 0, out)
+                yield out if isinstance(out, bytes) else ChoiceOutput(out.index, 0, out)
         finally:
             await gens[0].aclose()
         return
-    queue: asyncio.Queue[tuple[int, GenerateOutput | Exception | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, GenerateOutput | bytes | Exception | None]] = asyncio.Queue()
     for p, out in enumerate(firsts):
         queue.put_nowait((p, out))
 
-    async def pump(p: int, gen: AsyncGenerator[GenerateOutput, None]) -> None:
+    async def pump(p: int, gen: AsyncGenerator[GenerateOutput | bytes, None]) -> None:
         try:
             async for out in gen:
                 queue.put_nowait((p, out))
@@ -97,6 +131,8 @@ async def _merge(
                 running -= 1
             elif isinstance(item, Exception):
                 raise item
+            elif isinstance(item, bytes):  # several prompts take no text frames
+                raise AssertionError("a text frame in a stream of several prompts")
             else:
                 yield ChoiceOutput(p * reqs[p].n + item.index, p, item)
     finally:
@@ -151,13 +187,15 @@ def matched_stop(out: GenerateOutput) -> int | str | None:
     return reason.matched if reason is not None and reason.type == "stop" else None
 
 
-async def with_stop_strings(
-    stream: AsyncGenerator[ChoiceOutput, None],
-) -> AsyncGenerator[ChoiceOutput, None]:
+async def with_stop_strings(stream: AsyncGenerator[C, None]) -> AsyncGenerator[C, None]:
     """vLLM's `include_stop_str_in_output`: each choice's text ends with the stop string that
-    ended it. The engine cuts the text at the string's first match, so appending it is exact."""
+    ended it. The engine cuts the text at the string's first match, so appending it is exact.
+    Frames pass as they are (a finish never comes as one)."""
     try:
         async for c in stream:
+            if isinstance(c, bytes):
+                yield c
+                continue
             stop = matched_stop(c.out)
             if isinstance(stop, str):
                 c = dataclasses.replace(c, out=dataclasses.replace(c.out, text=c.out.text + stop))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from json.encoder import encode_basestring  # json.dumps(text, ensure_ascii=False), at less cost
 
 from pydantic import BaseModel
 
@@ -34,8 +35,7 @@ class ChunkFrames:
         if around is None:
             dumped = self._text_choice(index, _MARK).model_dump_json()
             around = self._choices[index] = _split(dumped, json.dumps(_MARK))
-        quoted = json.dumps(text, ensure_ascii=False)
-        return f"{self._head}{around[0]}{quoted}{around[1]}{self._tail}"
+        return f"{self._head}{around[0]}{encode_basestring(text)}{around[1]}{self._tail}"
 
 
 def _split(text: str, at: str) -> tuple[str, str]:

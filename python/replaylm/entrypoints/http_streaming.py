@@ -17,6 +17,9 @@ from replaylm.entrypoints.http_errors import APIError, error_payload
 from replaylm.runtime.errors import ServiceUnavailableError
 
 T = TypeVar("T")
+# an event of a stream: a model or dict dumped as JSON, JSON text, or (unnamed streams) the bytes of
+# an event already rendered (`sse_event`)
+Payload = BaseModel | dict[str, Any] | str | bytes
 
 
 def json_response(model: BaseModel) -> Response:
@@ -32,33 +35,46 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(
-        self, payloads: AsyncGenerator[BaseModel | dict[str, Any] | str, None], named: bool = False
-    ) -> None:
-        self._body = _sse(payloads, named)
-        super().__init__(self._body)
+    def __init__(self, payloads: AsyncGenerator[Payload, None], named: bool = False) -> None:
+        self._payloads, self._named = payloads, named
+        super().__init__(payloads)  # the body iterator: framed by stream_response
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._body.aclose()
+            await self._payloads.aclose()
+
+    async def stream_response(self, send: Any) -> None:
+        """StreamingResponse's, framing each payload as its event in the same loop (a generator
+        between them would cost every streamed token a hop)."""
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        try:
+            async for payload in self._payloads:
+                await send(_more(payload if isinstance(payload, bytes) else self._event(payload)))
+        except ServiceUnavailableError as err:
+            head = "event: error\n" if self._named else ""
+            error = error_payload(503, str(err)).model_dump_json()
+            await send(_more(f"{head}data: {error}\n\n".encode()))
+        if not self._named:
+            await send(_more(b"data: [DONE]\n\n"))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _event(self, payload: BaseModel | dict[str, Any] | str) -> bytes:
+        head = _event_line(payload) if self._named else ""
+        return f"{head}data: {_dump(payload)}\n\n".encode()
 
 
-async def _sse(
-    payloads: AsyncGenerator[BaseModel | dict[str, Any] | str, None], named: bool
-) -> AsyncGenerator[str, None]:
-    try:
-        async for payload in payloads:
-            head = _event_line(payload) if named else ""
-            yield f"{head}data: {_dump(payload)}\n\n"
-    except ServiceUnavailableError as err:
-        head = "event: error\n" if named else ""
-        yield f"{head}data: {error_payload(503, str(err)).model_dump_json()}\n\n"
-    finally:
-        await payloads.aclose()
-    if not named:
-        yield "data: [DONE]\n\n"
+def _more(event: bytes) -> dict[str, Any]:
+    """The ASGI message sending `event`, more to come."""
+    return {"type": "http.response.body", "body": event, "more_body": True}
+
+
+def sse_event(data: str) -> bytes:
+    """One unnamed server-sent event carrying `data` (JSON), as EventStream frames it."""
+    return f"data: {data}\n\n".encode()
 
 
 def _event_line(payload: BaseModel | dict[str, Any] | str) -> str:

@@ -9,7 +9,10 @@ import functools
 import hashlib
 import json
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from starlette.concurrency import run_in_threadpool
 
 import replaylm
 from replaylm.entrypoints.http_errors import APIError
@@ -18,6 +21,20 @@ from replaylm.entrypoints.openai_responses import ModelCard
 from replaylm.entrypoints.tool_calls import ChatTools
 from replaylm.runtime.request_limits import check_context, output_room
 from replaylm.server_args import ServerArgs
+
+T = TypeVar("T")
+
+# texts up to this many characters are tokenized on the event loop: handing them to a worker
+# thread costs more than encoding them; longer ones go to a thread, so that no stream waits on them
+INLINE_TOKENIZE_CHARS = 2048
+
+
+async def tokenize(chars: int, encode: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`encode(*args, **kwargs)` of `chars` characters of text: on the event loop up to
+    INLINE_TOKENIZE_CHARS, else in a worker thread."""
+    if chars <= INLINE_TOKENIZE_CHARS:
+        return encode(*args, **kwargs)
+    return await run_in_threadpool(encode, *args, **kwargs)
 
 
 def system_fingerprint(tm: Any) -> str:

@@ -22,7 +22,12 @@ from replaylm.entrypoints.choices import (
 )
 from replaylm.entrypoints.chunk_frames import ChunkFrames
 from replaylm.entrypoints.http_parsing import parse_body, prompt_param
-from replaylm.entrypoints.http_streaming import EventStream, json_response, unless_disconnected
+from replaylm.entrypoints.http_streaming import (
+    EventStream,
+    json_response,
+    sse_event,
+    unless_disconnected,
+)
 from replaylm.entrypoints.logprob_format import completion_logprobs, prompt_logprobs
 from replaylm.entrypoints.openai_constraints import reported_under
 from replaylm.entrypoints.openai_protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
@@ -32,8 +37,8 @@ from replaylm.entrypoints.openai_responses import (
     CompletionResponse,
     UsageInfo,
 )
-from replaylm.entrypoints.serving_common import ServingContext, response_id
-from replaylm.runtime.io_struct import GenerateRequest, TokenLogprob
+from replaylm.entrypoints.serving_common import ServingContext, response_id, tokenize
+from replaylm.runtime.io_struct import GenerateRequest, TextFrame, TokenLogprob
 
 Entries = list[tuple[int, TokenLogprob | None]]
 
@@ -46,25 +51,33 @@ class CompletionsRoute:
         body = await parse_body(request, CompletionRequest)
         self.ctx.check_model(body.model)
         with prompt_param("prompt"):
-            encoded = await run_in_threadpool(self._encode, body)
+            chars = sum(len(p) for p in body.prompts if isinstance(p, str))
+            encoded = await tokenize(chars, self._encode, body)
         prompt_ids = [body.truncated_prompt(ids, self.ctx.tm.context_len) for ids in encoded]
         reqs = [self._generate_request(body, ids) for ids in prompt_ids]
+        rid = response_id("cmpl", request, body.request_id, reqs[0].rid)
+        view = _CompletionView(self.ctx, body, prompt_ids, rid)
+        if body.stream:
+            with reported_under(body.constraint()):
+                frames = await start_choices(self.ctx.tm, request, reqs, "prompt", view.text_frame)
+            await self._echo(view)
+            if body.include_stop_str_in_output:
+                frames = with_stop_strings(frames)
+            return EventStream(view.chunks(frames))
         with reported_under(body.constraint()):
             stream = await start_choices(self.ctx.tm, request, reqs, "prompt")
+        await self._echo(view)
         if body.include_stop_str_in_output:
             stream = with_stop_strings(stream)
-        texts = await run_in_threadpool(self._prompt_texts, body, prompt_ids) if body.echo else []
-        view = _CompletionView(
-            self.ctx,
-            body,
-            prompt_ids,
-            texts,
-            response_id("cmpl", request, body.request_id, reqs[0].rid),
-        )
-        if body.stream:
-            return EventStream(view.chunks(stream))
         results, usage = await unless_disconnected(request, collect(stream))
         return json_response(view.response(results, usage))
+
+    async def _echo(self, view: _CompletionView) -> None:
+        """The prompts' texts for `echo`, once the prompts are accepted."""
+        if view.body.echo:
+            view.prompt_texts = await run_in_threadpool(
+                self._prompt_texts, view.body, view.prompt_ids
+            )
 
     def _encode(self, body: CompletionRequest) -> list[list[int]]:
         special = body.add_special_tokens is not False
@@ -108,17 +121,33 @@ class _CompletionView:
     """One request's choices as the API shows them."""
 
     def __init__(
-        self,
-        ctx: ServingContext,
-        body: CompletionRequest,
-        prompt_ids: list[list[int]],
-        prompt_texts: list[str],
-        rid: str,
+        self, ctx: ServingContext, body: CompletionRequest, prompt_ids: list[list[int]], rid: str
     ) -> None:
         self.ctx, self.body, self.rid = ctx, body, rid
-        self.prompt_ids, self.prompt_texts = prompt_ids, prompt_texts
+        self.prompt_ids = prompt_ids
+        self.prompt_texts: list[str] = []  # `echo`'s, set once the prompts are accepted
         self.n = body.num_choices
         self.created = int(time.time())  # every chunk of a stream shares it
+        self.frames = ChunkFrames(
+            self._response([]), lambda i, t: CompletionChoice(index=i, text=t)
+        )
+
+    @property
+    def text_frame(self) -> TextFrame | None:
+        """The event of a text-only increment, rendered where the scheduler's message is read,
+        for a stream whose such increments are all `frames.text` chunks (one prompt; no
+        logprobs, token ids or usage per chunk; not `max_tokens: 0`); else None."""
+        body = self.body
+        if (
+            len(self.prompt_ids) != 1
+            or body.continuous_usage
+            or body.logprobs is not None
+            or body.return_token_ids
+            or body.max_tokens == 0
+        ):
+            return None
+        frames = self.frames
+        return lambda index, text: sse_event(frames.text(index, text))
 
     def _response(
         self, choices: list[CompletionChoice], usage: UsageInfo | None = None
@@ -200,15 +229,19 @@ class _CompletionView:
         return self._response(choices, usage)
 
     async def chunks(
-        self, stream: AsyncIterator[ChoiceOutput]
-    ) -> AsyncGenerator[CompletionResponse | str, None]:
-        """The stream's chunks; one that only brings text comes from `ChunkFrames`."""
-        frames = ChunkFrames(self._response([]), lambda i, t: CompletionChoice(index=i, text=t))
+        self, stream: AsyncIterator[ChoiceOutput | bytes]
+    ) -> AsyncGenerator[CompletionResponse | str | bytes, None]:
+        """The stream's chunks; one that only brings text comes from `ChunkFrames` (here, or
+        as the `text_frame` event already rendered)."""
+        frames = self.frames
         plain = not self.body.continuous_usage
         usage = UsageCounter()
         offsets: dict[int, int] = {}  # choice index -> characters sent so far
         opened: set[int] = set()  # choices with a chunk sent
         async for c in stream:
+            if isinstance(c, bytes):
+                yield c
+                continue
             usage.add(c)
             first = c.index not in offsets
             text, entries = self._content(

@@ -9,14 +9,13 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from replaylm.entrypoints.choices import ChoiceOutput, collect, start_choices
 from replaylm.entrypoints.http_errors import APIError
 from replaylm.entrypoints.http_parsing import parse_body, prompt_param
 from replaylm.entrypoints.http_streaming import EventStream, unless_disconnected
 from replaylm.entrypoints.openai_protocol import NativeGenerateRequest
-from replaylm.entrypoints.serving_common import ServingContext
+from replaylm.entrypoints.serving_common import ServingContext, tokenize
 from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest, TokenLogprob
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import spec_meta_info
@@ -35,10 +34,10 @@ class NativeGenerateRoute:
             raise APIError(400, "send exactly one of `text` and `input_ids`", "text")
         param = "text" if body.text is not None else "input_ids"
         with prompt_param(param):
-            if body.input_ids is not None:
-                ids = body.input_ids
+            if body.text is not None:
+                ids = await tokenize(len(body.text), self.ctx.tm.encode, body.text)
             else:
-                ids = await run_in_threadpool(self.ctx.tm.encode, body.text)
+                ids = body.input_ids
         try:
             params = SamplingParams.from_dict(body.sampling_params)
         except (ValueError, TypeError) as err:

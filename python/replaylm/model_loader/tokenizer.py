@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tokenizers.decoders import DecodeStream
+
 from replaylm.model_loader.builtin_models import resolve_model_path
 from replaylm.model_loader.fast_tokenizer import FastTokenizer
 
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 Decoder = Callable[[list[int]], str]
+StreamStep = Callable[[list[int]], str | None]  # an output's next ids -> the text they complete
 
 
 @dataclass
@@ -119,6 +122,16 @@ def token_decoder(
         "spaces_between_special_tokens": spaces_between_special_tokens,
     }
     return lambda ids: tokenizer.decode(ids, **options)
+
+
+def stream_step(tokenizer: Any, skip_special_tokens: bool = True) -> StreamStep:
+    """A new incremental decode of one output through the tokenizers backend's `DecodeStream`:
+    `ids -> the text they complete` (None while a character is incomplete), one call into the
+    backend per step where a windowed decode takes two. For a tokenizer that decodes as its
+    backend does (`decodes_as_backend`)."""
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    backend = tokenizer.backend_tokenizer
+    return lambda ids: stream.step(backend, ids)
 
 
 def decodes_as_backend(tokenizer: Any) -> bool:

@@ -3,12 +3,15 @@
 Decoding token by token splits characters whose bytes span several tokens (emoji, CJK in
 byte-level BPE) and loses the spaces that SentencePiece-style tokenizers attach to the next word.
 So each step decodes a short window of recent tokens twice (with and without the new ones) and
-emits the difference, holding back text while it ends in an incomplete character (U+FFFD).
+emits the difference, holding back text while it ends in an incomplete character (U+FFFD). A
+tokenizer that decodes as its tokenizers backend does streams through the backend's own
+`DecodeStream` instead (the same text, one call per step); its last incomplete character, if the
+output ends in one, comes from the window.
 """
 
 from __future__ import annotations
 
-from replaylm.model_loader.tokenizer import Decoder
+from replaylm.model_loader.tokenizer import Decoder, StreamStep
 
 _REPLACEMENT = "\ufffd"
 _WINDOW = 5  # tokens of context decoded before the new ones
@@ -21,9 +24,11 @@ class IncrementalDetokenizer:
     `final_text(matched)` cuts at a matched stop string.
     """
 
-    def __init__(self, decode: Decoder, stop: list[str]) -> None:
-        """`decode`: ids -> text under the request's decode options (`token_decoder`)."""
+    def __init__(self, decode: Decoder, stop: list[str], step: StreamStep | None = None) -> None:
+        """`decode`: ids -> text under the request's decode options (`token_decoder`); `step`:
+        the same decode as a stream (`stream_step`), which `add` then takes."""
         self._decode = decode
+        self._step = step
         self.ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0  # start of the context window
@@ -37,10 +42,16 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> None:
         self.ids.extend(new_ids)
-        prefix, full = self._pending()
-        if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
-            return  # an incomplete character (or nothing visible yet): wait for more tokens
-        self.text += full[len(prefix) :]
+        if self._step is not None:
+            new = self._step(new_ids)
+            if new is None:
+                return  # an incomplete character: wait for more tokens
+        else:
+            prefix, full = self._pending()
+            if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
+                return  # an incomplete character (or nothing visible yet): wait for more tokens
+            new = full[len(prefix) :]
+        self.text += new
         self._prefix_offset = max(len(self.ids) - _WINDOW, self._read_offset)
         self._read_offset = len(self.ids)
 

@@ -4,22 +4,35 @@ Everything here is a plain picklable dataclass: the tokenizer manager (main proc
 `TokenizerInfo` once (defined with the tokenizer loading, `model_loader/tokenizer.py`), then
 `TokenizedGenerateReq` / `AbortReq` to the scheduler (child process), which answers
 `SchedulerReady` once and then each step with one `BatchTokenOut`. The tokenizer manager turns
-those into `GenerateOutput`s (text deltas) for the HTTP layer.
+those into `GenerateOutput`s (text deltas) for the HTTP layer, or for a stream that gave it a
+`TextFrame`, most of them straight into the bytes the stream sends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replaylm.model_executor.forward_stats import ExpertTokens, ForwardStats
 from replaylm.runtime.request import FinishReason
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import SpeculationStats
 
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
 MAX_TOP_LOGPROBS = 20
+
+
+def send_message(conn: Connection, msg: object) -> None:
+    """`conn.send(msg)` without its ForkingPickler: that copies the reducer table (torch adds
+    dozens of reducers) for every message, which costs more than pickling a request or a step's
+    outputs; these messages need none of them. `conn.recv()` reads it."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 @dataclass
@@ -38,6 +51,11 @@ class GenerateRequest:
     prompt_logprobs: int | None = None
     n: int = 1
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+# renders an increment that brings choice `index` new text and nothing else as the bytes a
+# stream sends for it (one server-sent event): `TokenizerManager.generate`'s frames
+TextFrame = Callable[[int, str], bytes]
 
 
 @dataclass

@@ -45,6 +45,7 @@ from replaylm.runtime.io_struct import (
     SchedulerReady,
     ShutdownReq,
     TokenizedGenerateReq,
+    send_message,
 )
 from replaylm.runtime.request import Req
 from replaylm.startup_stages import StartupStages
@@ -104,7 +105,7 @@ class FrontEnds:
         if conn is None:
             return
         try:
-            conn.send(msg)
+            send_message(conn, msg)
         except OSError:
             if index == 0:
                 raise

@@ -21,11 +21,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from replaylm.model_loader.tokenizer import (
     chat_input_ids,
     load_tokenizer,
+    stream_step,
     token_decoder,
     tokenizer_info,
 )
@@ -42,9 +43,12 @@ from replaylm.runtime.io_struct import (
     ReqTokenOut,
     SchedulerFailed,
     SchedulerReady,
+    TextFrame,
     TokenizedGenerateReq,
+    send_message,
 )
 from replaylm.runtime.metrics import ServerMetrics
+from replaylm.runtime.request import FinishReason
 from replaylm.runtime.request_limits import check_input_ids, check_vocab_ids, clamp_max_new_tokens
 from replaylm.runtime.scheduler_process import (
     SchedulerLink,
@@ -71,15 +75,40 @@ RANK_EXIT_GRACE_S = 2.0  # how long rank 0 gets to say why after another rank ex
 _MAX_SEED = 2**63 - 1
 
 
+class _Outbox:
+    """A request's outputs, put by the message handler and taken all at once by the request's
+    generator: a list and its waiter's future (an asyncio.Queue costs more per token)."""
+
+    def __init__(self) -> None:
+        self._items: list[GenerateOutput | bytes | Exception] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: GenerateOutput | bytes | Exception) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[GenerateOutput | bytes | Exception]:
+        """Everything put since the last take, once there is something."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
+
+
 @dataclass
 class _ReqState:
-    """One choice in flight: the request's output queue (shared by its choices), the choice's
-    index, detokenizer and timing for metrics."""
+    """One choice in flight: the request's outbox (shared by its choices), the choice's
+    index, detokenizer, frame renderer (None: every increment is a GenerateOutput) and timing
+    for metrics."""
 
-    queue: asyncio.Queue
+    outbox: _Outbox
     index: int
     detok: IncrementalDetokenizer | None
     prompt_tokens: int
+    text_frame: TextFrame | None = None
     created: float = field(default_factory=time.perf_counter)
     created_wall: float = field(default_factory=time.time)  # against the scheduler's times
     first_token: float | None = None
@@ -202,9 +231,24 @@ class TokenizerManager:
         except Exception as err:  # template errors (bad roles, missing content) are input errors
             raise RequestError(f"cannot apply the chat template: {err}", "messages") from err
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    @overload
+    def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]: ...
+
+    @overload
+    def generate(
+        self, req: GenerateRequest, text_frame: TextFrame | None
+    ) -> AsyncIterator[GenerateOutput | bytes]: ...
+
+    async def generate(
+        self, req: GenerateRequest, text_frame: TextFrame | None = None
+    ) -> AsyncIterator[GenerateOutput | bytes]:
         """Yield output increments until every choice of the request finishes; see
         GenerateOutput (`index` tells the choices apart; each finishes on its own).
+
+        With `text_frame`, an increment that brings new text and nothing else (no finish, no
+        logprobs: most of a stream's tokens) comes as `text_frame(index, text)`, rendered as the
+        scheduler's message is read: a stream then passes it on as it is. A choice's first and
+        last increments are always GenerateOutputs.
 
         Raises RequestError for bad input and ServiceUnavailableError when the scheduler is
         gone, before yielding anything. Closing the generator early aborts the request.
@@ -230,9 +274,10 @@ class TokenizerManager:
         if any(rid in self._states for rid in rids):
             raise RequestError(f"request id {req.rid} is already in flight", "rid")
         self._loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        outbox = _Outbox()
         states = [
-            _ReqState(queue, i, self._detokenizer(params), len(req.input_ids)) for i in range(req.n)
+            _ReqState(outbox, i, self._detokenizer(params), len(req.input_ids), text_frame)
+            for i in range(req.n)
         ]
         self._states.update(zip(rids, states, strict=True))
         if params.seed is not None:  # per-choice seeds: reproducible, and distinct
@@ -255,7 +300,10 @@ class TokenizerManager:
             )
             unfinished = req.n
             while unfinished:
-                for item in _coalesced(await queue.get(), queue):
+                for item in _coalesced(await outbox.take()):
+                    if isinstance(item, bytes):
+                        yield item
+                        continue
                     # choices past the first run under rids of their own
                     yield item if item.rid == req.rid else dataclasses.replace(item, rid=req.rid)
                     unfinished -= item.finish_reason is not None
@@ -287,7 +335,8 @@ class TokenizerManager:
             params.spaces_between_special_tokens,
             self._backend_decode,
         )
-        return IncrementalDetokenizer(decode, params.stop)
+        step = stream_step(self.tokenizer, params.skip_special_tokens)
+        return IncrementalDetokenizer(decode, params.stop, step if self._backend_decode else None)
 
     async def health_generate(self) -> bool:
         """Generate one token; False if that fails or takes longer than the timeout."""
@@ -407,7 +456,7 @@ class TokenizerManager:
                 if isinstance(msg, TokenizedGenerateReq):
                     self._send_request(msg)
                 else:
-                    self._scheduler.conn.send(msg)
+                    send_message(self._scheduler.conn, msg)
         except (OSError, EOFError) as err:
             raise ServiceUnavailableError(f"cannot reach the scheduler process: {err}") from err
 
@@ -416,11 +465,11 @@ class TokenizerManager:
         keeps `_held_grammars` in step with the scheduler's loader."""
         constraint = req.sampling_params.constraint
         if constraint is None:
-            self._scheduler.conn.send(req)
+            send_message(self._scheduler.conn, req)
             return
         assert self._grammar is not None  # the request's grammar was compiled
         req = self._held_grammars.outgoing(req, self._grammar.description)
-        self._scheduler.conn.send(req)
+        send_message(self._scheduler.conn, req)
         self._held_grammars.sent(constraint)
 
     def _read_loop(self) -> None:
@@ -447,7 +496,7 @@ class TokenizerManager:
     def _fail_all(self) -> None:
         error = ServiceUnavailableError(self._dead_reason or "scheduler gone")
         for state in self._states.values():
-            state.queue.put_nowait(error)
+            state.outbox.put(error)
         while self._flushes:
             self._flushes.popleft().set_exception(error)
 
@@ -481,11 +530,17 @@ class TokenizerManager:
                 state = self._states.get(rid)
                 if state is not None:
                     state.last_full = out
-            if state is not None:
-                if ids and state.last_token is not None:
-                    gaps.append(now - state.last_token)
-                generated += len(ids)
-                state.queue.put_nowait(self._increment(state, ids, full, now))
+            if state is None:
+                continue
+            if ids and state.last_token is not None:
+                gaps.append(now - state.last_token)
+            generated += len(ids)
+            if full is None and state.text_frame is not None:
+                text = self._advance(state, ids, None, now)
+                if text:  # else nothing to send: the next increment brings it
+                    state.outbox.put(state.text_frame(state.index, text))
+            else:
+                state.outbox.put(self._increment(state, ids, full, now))
         self.metrics.itl.observe_many(gaps)
         self.metrics.generation_tokens.inc(generated)
 
@@ -495,11 +550,11 @@ class TokenizerManager:
             finish_reason, state.prompt_tokens, state.completion_tokens, now - state.created, decode
         )
 
-    def _increment(
-        self, state: _ReqState, ids: list[int], full: ReqTokenOut | None, now: float
-    ) -> GenerateOutput:
-        """Advance one request by one scheduler output (`ids`, with `full` the whole output
-        when the scheduler sent one); observe latencies; build the delta."""
+    def _advance(
+        self, state: _ReqState, ids: list[int], reason: FinishReason | None, now: float
+    ) -> str:
+        """Advance one choice by the tokens `ids` of one scheduler output (ending it with
+        `reason`); observe latencies; the text they release."""
         last = state.last_full
         assert last is not None  # a request's first output is always whole
         if ids:
@@ -508,7 +563,6 @@ class TokenizerManager:
                 self.metrics.first_token(now - state.created, state.created_wall, last.admitted_at)
             state.last_token = now
             state.completion_tokens += len(ids)
-        reason = full.finish_reason if full is not None else None
         text = ""
         if state.detok is not None:
             state.detok.add(ids)
@@ -518,6 +572,17 @@ class TokenizerManager:
         if reason is not None:
             state.finished = True
             self._observe_end(state, reason.type, now)
+        return text
+
+    def _increment(
+        self, state: _ReqState, ids: list[int], full: ReqTokenOut | None, now: float
+    ) -> GenerateOutput:
+        """Advance one choice by one scheduler output (`ids`, with `full` the whole output
+        when the scheduler sent one); the delta."""
+        reason = full.finish_reason if full is not None else None
+        text = self._advance(state, ids, reason, now)
+        last = state.last_full
+        assert last is not None
         return GenerateOutput(
             rid=last.rid,
             text=text,
@@ -534,17 +599,29 @@ class TokenizerManager:
         )
 
 
-def _coalesced(first: GenerateOutput | Exception, queue: asyncio.Queue) -> list[GenerateOutput]:
-    """`first` and whatever else waits in the request's queue, each choice's increments joined
-    into one: a consumer that falls behind the scheduler then sends one chunk (one write) for
-    several steps' tokens, instead of falling further behind. Raises a queued exception."""
-    joined: dict[int, GenerateOutput] = {}
-    item = first
-    while True:
+def _coalesced(queued: list[GenerateOutput | bytes | Exception]) -> list[GenerateOutput | bytes]:
+    """A request's `queued` outputs, in order, with each run of frames joined into one and,
+    between frames, each choice's increments joined into one: a consumer that falls behind the
+    scheduler then sends one chunk (one write) for several steps' tokens, instead of falling
+    further behind. Raises a queued exception."""
+    items: list[GenerateOutput | bytes] = []
+    joined: dict[int, int] = {}  # choice index -> its increment's place in items since a frame
+    for item in queued:
         if isinstance(item, Exception):
             raise item
-        earlier = joined.get(item.index)
-        joined[item.index] = item if earlier is None else earlier.then(item)
-        if queue.empty():
-            return list(joined.values())
-        item = queue.get_nowait()
+        if isinstance(item, bytes):
+            if items and isinstance(items[-1], bytes):
+                items[-1] += item
+            else:
+                items.append(item)
+            joined.clear()
+            continue
+        at = joined.get(item.index)
+        if at is None:
+            joined[item.index] = len(items)
+            items.append(item)
+        else:
+            earlier = items[at]
+            assert isinstance(earlier, GenerateOutput)
+            items[at] = earlier.then(item)
+    return items
