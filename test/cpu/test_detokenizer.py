@@ -94,3 +94,23 @@ def test_an_output_ending_in_half_a_character_ends_as_decoding_all_does(tokenize
     assert "\ufffd" not in detok.releasable()
     assert detok.final_text(None) == tokenizer.decode(cut)
     assert detok.final_text(None).endswith("\ufffd")
+
+
+def test_a_stream_the_backend_refuses_falls_back_to_the_window(tokenizer):
+    """The backend's DecodeStream raises on some sequences: the window then decodes the rest,
+    from the text already released."""
+    text = TEXTS[0]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    stream = stream_step(tokenizer)
+    calls = 0
+
+    def failing(new_ids):
+        nonlocal calls
+        calls += 1
+        if calls > 5:
+            raise RuntimeError("invalid prefix")
+        return stream(new_ids)
+
+    decode = token_decoder(tokenizer, backend=True)
+    streamed, _ = _stream(IncrementalDetokenizer(decode, [], failing), ids)
+    assert streamed == text and calls == 6

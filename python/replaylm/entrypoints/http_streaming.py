@@ -37,7 +37,7 @@ class EventStream(StreamingResponse):
 
     def __init__(self, payloads: AsyncGenerator[Payload, None], named: bool = False) -> None:
         self._payloads, self._named = payloads, named
-        super().__init__(payloads)  # the body iterator: framed by stream_response
+        super().__init__(())  # no body iterator: stream_response reads the payloads
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:

@@ -131,7 +131,14 @@ def stream_step(tokenizer: Any, skip_special_tokens: bool = True) -> StreamStep:
     backend does (`decodes_as_backend`)."""
     stream = DecodeStream(skip_special_tokens=skip_special_tokens)
     backend = tokenizer.backend_tokenizer
-    return lambda ids: stream.step(backend, ids)
+
+    def step(ids: list[int]) -> str | None:
+        if len(ids) == 1:  # a decode step's token
+            return stream.step(backend, ids[0])
+        pieces = [stream.step(backend, token) for token in ids]  # one id a call: any release
+        return None if all(p is None for p in pieces) else "".join(p or "" for p in pieces)
+
+    return step
 
 
 def decodes_as_backend(tokenizer: Any) -> bool:
