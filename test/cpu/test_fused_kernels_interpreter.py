@@ -282,6 +282,7 @@ def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_onl
     assert matmul_config(1024, 3072).split_k == 8 and matmul_config(4096, 1024).split_k == 1
     assert matmul_config(1024, 576).split_k == 4  # 4.5 blocks of K
     assert matmul_config(1024, 256).split_k == 1  # too few K blocks to split
+    assert matmul_config(2048, 4096).split_k == 2  # 64 tiles: 2 slices make 128 programs
     # 1024 < K <= 2048: one 256-wide block per slice (Qwen3-0.6B's o projection)
     assert matmul_config(1024, 2048) == MatmulConfig(
         block_n=32, block_k=256, split_k=8, num_warps=4, num_stages=3

@@ -63,7 +63,8 @@ INVARIANT_CONFIG = MatmulConfig(
 def matmul_config(n: int, k: int, fp8: bool = False) -> MatmulConfig:
     """The launch for `[<= 16, k] x [n, k]^T`: when the output has too few tiles of 32 columns to
     occupy the GPU (n < 4096), K in 8 slices of 128-column blocks (K of at least 8 blocks) or 4
-    (at least 4); else one slice per tile. Where K fits in at most 8 blocks of 256
+    (at least 4), or 2 where 64 tiles or more meet 32 blocks or more (Qwen3-30B-A3B's o); else
+    one slice per tile. Where K fits in at most 8 blocks of 256
     (1024 < K <= 2048), each slice is one such block, so that with PDL a program loads all its
     weights before it waits for its input. FP8 weights (`fp8`) of 128 to 511 tiles take K in 2
     slices of 256-column blocks: a tile of e4m3 is half the bytes. Why these slice counts and
@@ -75,6 +76,8 @@ def matmul_config(n: int, k: int, fp8: bool = False) -> MatmulConfig:
         return MatmulConfig(block_n, 256, 2, num_warps=4, num_stages=3 if k <= 4096 else 5)
     if tiles >= 128:
         return MatmulConfig(block_n, block_k, 1, num_warps=4, num_stages=6)
+    if tiles >= 64 and k_blocks >= 32:  # 2 slices already give 128+ programs; 8 cost more
+        return MatmulConfig(block_n, block_k, 2, num_warps=4, num_stages=6)
     if 8 < k_blocks <= 16:
         return MatmulConfig(block_n, 256, triton.cdiv(k, 256), num_warps=4, num_stages=3)
     split = 8 if k_blocks >= 8 else 4 if k_blocks >= 4 else 1
