@@ -147,10 +147,11 @@ SECTIONS = (
     Section(
         "FP8 weights: one batch (`bench_one_batch.py --server-args`)",
         ("one_batch_fp8",),
-        "Dummy Llama-3.1-8B in bf16 and with `--quantization fp8` (e4m3 weights per channel, "
-        "activations per token), full decode graphs and breakable prefill, columns as in the "
-        "first table; *floor* and *best / floor* are the bf16 run's (FP8's weights read in about "
-        "half the time).",
+        "Dummy Llama-3.1-8B and Qwen3-0.6B in bf16, with `--quantization fp8` (e4m3 weights per "
+        "channel, activations per token) and with the FP8 KV cache too (`--kv-cache-dtype "
+        "fp8_e4m3`), full decode graphs and breakable prefill, columns as in the first table; "
+        "*floor* and *best / floor* are the bf16 run's (FP8's weights read in about half the "
+        "time).",
         modes_table,
     ),
     Section(
@@ -161,10 +162,24 @@ SECTIONS = (
         offline_table,
     ),
     Section(
+        "FP8 weights: offline throughput, Qwen3-0.6B",
+        ("offline_fp8_qwen3-0.6b",),
+        "nano-vllm's offline workload on dummy Qwen3-0.6B, full decode graphs, in bf16, with "
+        "`--quantization fp8` and with the FP8 KV cache too.",
+        offline_table,
+    ),
+    Section(
         "FP8 weights: prefill",
         ("prefill_fp8_llama-3.1-8b",),
         "64 prompts of 512 tokens and one output token each on dummy Llama-3.1-8B, in bf16 and "
         "with `--quantization fp8`: *seconds* is the prefill + 1.",
+        offline_table,
+    ),
+    Section(
+        "FP8 weights: prefill, Qwen3-0.6B",
+        ("prefill_fp8_qwen3-0.6b",),
+        "The same 64 x 512 prefill + 1 on dummy Qwen3-0.6B, in bf16, with `--quantization fp8` "
+        "and with the FP8 KV cache too.",
         offline_table,
     ),
     Section(
