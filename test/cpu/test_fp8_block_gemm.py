@@ -22,8 +22,11 @@ require_triton_interpreter()
 
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.kernels import native_only  # noqa: E402
+from replaylm.layers.kernels.silu_mul import silu_and_mul  # noqa: E402
+from replaylm.layers.linear import GateUpLinear  # noqa: E402
 from replaylm.layers.quantization import fp8_kernels  # noqa: E402
 from replaylm.layers.quantization import fp8_linear as fp8_linear_module  # noqa: E402
+from replaylm.layers.quantization.config import Fp8Config  # noqa: E402
 from replaylm.layers.quantization.fp8 import (  # noqa: E402
     FP8_DTYPE,
     dequantize_activation,
@@ -36,7 +39,12 @@ from replaylm.layers.quantization.fp8_kernels import (  # noqa: E402
     block_fp8_matmul,
     block_gemm_config,
 )
-from replaylm.layers.quantization.fp8_linear import SKINNY_ROWS, fp8_linear  # noqa: E402
+from replaylm.layers.quantization.fp8_linear import (  # noqa: E402
+    SKINNY_ROWS,
+    fp8_linear,
+    gated_fp8_linear,
+    takes_skinny,
+)
 
 from script_import import import_script  # noqa: E402
 
@@ -325,3 +333,47 @@ def test_decode_rows_run_weight_only_in_the_skinny_kernel(
     assert kernel_device_cpu["quantize"] == 0
     want = x @ dequantize_weight(weight, scale, None).T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def _gated_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """SiluAndMul of `x` times the dequantized `[gate; up]` weight, in float32."""
+    gate, up = (x @ dequantize_weight(weight, scale, None).T).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("rows", [1, SKINNY_ROWS])
+def test_decode_rows_run_gate_up_and_silu_in_one_skinny_launch(
+    rows: int, kernel_device_cpu: dict[str, int]
+) -> None:
+    """A `[gate; up]` per-channel weight at decode rows (what `GateUpLinear` takes when
+    `takes_skinny`): one launch with SiluAndMul in its epilogue, the numbers of the matmul then
+    SiluAndMul's kernel; more rows or block scales go fp8_linear's way. (float32 inputs: the
+    interpreter's e4m3 -> bf16 tile conversion is not the GPU's.)"""
+    weight, scale = quantize_weight(torch.randn(2 * 40, 512, generator=_gen(21)), None)
+    x = torch.randn(rows, 512, generator=_gen(22))
+    assert takes_skinny(x, None) and not takes_skinny(x, BLOCK)
+    assert not takes_skinny(torch.zeros(SKINNY_ROWS + 1, 512), None)
+    got = gated_fp8_linear(x, weight, scale)
+    assert got.shape == (rows, 40) and got.dtype == torch.float32
+    torch.testing.assert_close(got, silu_and_mul(fp8_linear(x, weight, scale, None)))
+    torch.testing.assert_close(got, _gated_reference(x, weight, scale), rtol=1e-4, atol=1e-3)
+    assert kernel_device_cpu["quantize"] == 0
+
+
+def test_an_fp8_gate_up_layer_takes_the_one_launch_at_decode_rows(
+    kernel_device_cpu: dict[str, int],
+) -> None:
+    """GateUpLinear with per-channel FP8 weights: SiluAndMul's own kernel runs only past the
+    skinny kernel's rows; at decode rows the gated launch, on the unquantized input."""
+    layer = GateUpLinear(512, 40, quant=Fp8Config("channel"))
+    weight, scale = quantize_weight(torch.randn(80, 512, generator=_gen(23)), None)
+    layer.weight.data.copy_(weight)
+    layer.weight_scale.data.copy_(scale)
+    separate = layer.act.forward
+    activations: list[int] = []
+    layer.act.forward = lambda y: activations.append(y.shape[0]) or separate(y)
+    x = torch.randn(SKINNY_ROWS + 1, 512, generator=_gen(24))
+    assert layer(x).shape == (SKINNY_ROWS + 1, 40) and activations == [SKINNY_ROWS + 1]
+    got = layer(x[:3])
+    assert activations == [SKINNY_ROWS + 1]  # the 3 rows: one gated launch
+    torch.testing.assert_close(got, _gated_reference(x[:3], weight, scale), rtol=1e-4, atol=1e-3)

@@ -19,7 +19,7 @@ from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import cublas_linear, use_triton_kernels
 from replaylm.layers.quantization.config import Fp8Config
 from replaylm.layers.quantization.fp8 import FP8_DTYPE
-from replaylm.layers.quantization.fp8_linear import fp8_linear
+from replaylm.layers.quantization.fp8_linear import fp8_linear, gated_fp8_linear, takes_skinny
 from replaylm.layers.quantization.layout import as_held, scale_shape, scale_shard, whole_blocks
 
 # cublas: F.linear; triton: the skinny split-K kernel for inputs of at most 16 rows (F.linear
@@ -291,9 +291,9 @@ class MergedLinear(Linear):
 
 class GateUpLinear(MergedLinear):
     """The gate and up projections followed by SiluAndMul: `[..., in] -> [..., inter]`,
-    `silu(x Wg^T) * (x Wu^T)`. On the skinny kernel (up to 16 rows, or `invariant`) one launch,
-    SiluAndMul in its epilogue; otherwise the matmul (FP8 weights: `fp8_linear`), then
-    SiluAndMul's own kernel."""
+    `silu(x Wg^T) * (x Wu^T)`. On the skinny kernel (up to 16 rows, or `invariant`; FP8
+    per-channel weights where `fp8_linear` takes it) one launch, SiluAndMul in its epilogue;
+    otherwise the matmul (FP8 weights: `fp8_linear`), then SiluAndMul's own kernel."""
 
     def __init__(
         self,
@@ -320,6 +320,8 @@ class GateUpLinear(MergedLinear):
             return ops.linear(
                 x, self.weight, self.bias, all_rows=self.matmul == "invariant", gated_silu=True
             )
+        if self.weight_scale is not None and takes_skinny(x, self.block_size):
+            return gated_fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return self.act(super().forward(x))
 
 

@@ -64,6 +64,31 @@ def fp8_linear(
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def takes_skinny(x: torch.Tensor, block_size: Block | None) -> bool:
+    """Whether `fp8_linear` runs `x` weight-only in the skinny kernel: per-channel scales, at
+    most SKINNY_ROWS rows, on the kernels' device, outside torch.compile's tracing."""
+    return (
+        block_size is None
+        and x.numel() <= SKINNY_ROWS * x.shape[-1]
+        and kernels.use_triton_kernels(x)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def gated_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SiluAndMul of `fp8_linear(x, weight, weight_scale, None, bias)` for a `[gate; up]`
+    per-channel weight, in one skinny launch (SiluAndMul in its epilogue), where `takes_skinny`:
+    the MLP's gate-up and activation with no intermediate tensor and one launch less."""
+    from replaylm.layers.kernels.skinny_matmul import skinny_matmul
+
+    return skinny_matmul(x, weight, bias, gated_silu=True, weight_scale=weight_scale)
+
+
 def _scaled_mm(
     x: torch.Tensor,
     weight: torch.Tensor,
