@@ -51,13 +51,11 @@ class BodySizeLimit:
         await self.app(scope, counted, send)
 
 
-def require_api_key(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A dependency answering 401 unless the request carries `Authorization: Bearer <api_key>`
-    (nothing is required when `api_key` is None)."""
+def require_api_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
+    """A dependency answering 401 unless the request carries `Authorization: Bearer
+    <api_key>`."""
 
     async def check(request: Request) -> None:
-        if api_key is None:
-            return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise APIError(
