@@ -10,6 +10,7 @@ dumping two models per token costs.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from json.encoder import encode_basestring  # json.dumps(text, ensure_ascii=False), at less cost
@@ -21,21 +22,24 @@ _MARK = "\x00replaylm-chunk-text\x00"  # no text a tokenizer decodes to
 
 class ChunkFrames:
     """`empty`: a chunk of the stream with `choices=[]` and nothing optional set;
-    `text_choice(index, text)`: the model of a choice carrying `text` alone."""
+    `text_choice(index, text)`: the model of a choice carrying `text` alone (a module-level
+    function: its templates are cut once per process, not per stream)."""
 
     def __init__(self, empty: BaseModel, text_choice: Callable[[int, str], BaseModel]) -> None:
         head, tail = _split(empty.model_dump_json(), '"choices":[]')
         self._head, self._tail = head + '"choices":[', "]" + tail
         self._text_choice = text_choice
-        self._choices: dict[int, tuple[str, str]] = {}  # index -> the choice around its text
 
     def text(self, index: int, text: str) -> str:
         """The chunk of choice `index` carrying `text` alone, as JSON."""
-        around = self._choices.get(index)
-        if around is None:
-            dumped = self._text_choice(index, _MARK).model_dump_json()
-            around = self._choices[index] = _split(dumped, json.dumps(_MARK))
-        return f"{self._head}{around[0]}{encode_basestring(text)}{around[1]}{self._tail}"
+        before, after = _choice_around(self._text_choice, index)
+        return f"{self._head}{before}{encode_basestring(text)}{after}{self._tail}"
+
+
+@functools.cache
+def _choice_around(text_choice: Callable[[int, str], BaseModel], index: int) -> tuple[str, str]:
+    """The JSON of `text_choice(index, ...)` around its text."""
+    return _split(text_choice(index, _MARK).model_dump_json(), json.dumps(_MARK))
 
 
 def _split(text: str, at: str) -> tuple[str, str]:

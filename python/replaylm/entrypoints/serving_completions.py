@@ -128,9 +128,7 @@ class _CompletionView:
         self.prompt_texts: list[str] = []  # `echo`'s, set once the prompts are accepted
         self.n = body.num_choices
         self.created = int(time.time())  # every chunk of a stream shares it
-        self.frames = ChunkFrames(
-            self._response([]), lambda i, t: CompletionChoice(index=i, text=t)
-        )
+        self.frames = ChunkFrames(self._response([]), _text_choice)
 
     @property
     def text_frame(self) -> TextFrame | None:
@@ -270,3 +268,7 @@ class _CompletionView:
                 yield self._response([choice], so_far)
         if self.body.include_usage:
             yield self._response([], usage.total())
+
+
+def _text_choice(index: int, text: str) -> CompletionChoice:
+    return CompletionChoice(index=index, text=text)
