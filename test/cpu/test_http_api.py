@@ -162,7 +162,10 @@ def test_completion_logprobs(client):
 
     streamed = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True)]
     assert [t for s in streamed if s for t in s.tokens] == lp.tokens
-    assert [x for s in streamed if s for x in s.token_logprobs] == pytest.approx(lp.token_logprobs)
+    # the streamed request's prompt comes from the prefix cache: its first token is sampled from
+    # a one-token extend over the cached KV, not the whole prefill (float32 rounding apart)
+    streamed_lps = [x for s in streamed if s for x in s.token_logprobs]
+    assert streamed_lps == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
 def test_chat_logprobs(client):
