@@ -2,7 +2,7 @@
 without PDL), each launch inside a CUDA graph, as a decode step runs them.
 
     python benchmark/tuning/bench_matmul.py [--models qwen3-0.6b llama-3.1-8b] [--rows 1 8 16]
-                                            [--configs] [--json out.json]
+                                            [--configs [--fp8]] [--json out.json]
 
 Per model (benchmark/configs/) and projection (qkv, o, gate_up, down or a MoE's router, lm_head)
 and row count:
@@ -11,7 +11,7 @@ them, as in a step), replayed and timed with CUDA events (median); microseconds 
 the weight bytes per second that makes. The choice of `--small-batch-matmul auto` is read off
 this table (docs/tuning.md, "Split-K skinny matmul"). `--configs`: instead, the skinny kernel's
 launch choices (`CONFIG_CHOICES`, with PDL) against cuBLAS per projection (the layers', not the
-LM head's).
+LM head's); with `--fp8` over e4m3 weights, against bf16 cuBLAS.
 """
 
 from __future__ import annotations
@@ -115,30 +115,47 @@ CONFIG_CHOICES: dict[str, dict[str, int]] = {
 }
 
 
-def config_choice(n: int, k: int, name: str) -> MatmulConfig:
-    """The launch of CONFIG_CHOICES' `name` for an `[n, k]` weight."""
-    return replace(matmul_config(n, k), **CONFIG_CHOICES[name])
+def config_choice(n: int, k: int, name: str, fp8: bool = False) -> MatmulConfig:
+    """The launch of CONFIG_CHOICES' `name` for an `[n, k]` weight (e4m3 with `fp8`)."""
+    return replace(matmul_config(n, k, fp8), **CONFIG_CHOICES[name])
 
 
-def sweep_configs(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
+def fp8_weights(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`weights` as e4m3 with one per-channel scale for all (random weights: the values do not
+    change the time), as `--quantization fp8` holds them."""
+    top = torch.finfo(torch.float8_e4m3fn).max
+    scale = weights[0].float().abs().amax(dim=1) / top
+    return [
+        (w.float() / scale[:, None]).clamp(-top, top).to(torch.float8_e4m3fn) for w in weights
+    ], scale
+
+
+def sweep_configs(n: int, k: int, rows: int, layers: int, fp8: bool = False) -> dict[str, float]:
     """cuBLAS and each CONFIG_CHOICES launch (PDL on) of `[rows, k] x [n, k]^T`: name -> us per
     launch, over distinct weights as `bench_shape`; launches the workspace cannot take are left
-    out."""
+    out. `fp8`: the skinny launches over e4m3 weights, weight-only as decode runs them (cuBLAS:
+    bf16's, what they replace)."""
     x, weights = operands(n, k, rows, layers)
     out = {"cublas": graph_us(lambda i: F.linear(x, weights[i]), len(weights))}
+    skinny_weights, scale = fp8_weights(weights) if fp8 else (weights, None)
     with pdl_launches():
         for name in CONFIG_CHOICES:
-            cfg = config_choice(n, k, name)
+            cfg = config_choice(n, k, name, fp8)
             try:
                 out[name] = graph_us(
-                    lambda i, c=cfg: skinny_matmul(x, weights[i], config=c), len(weights)
+                    lambda i, c=cfg: skinny_matmul(
+                        x, skinny_weights[i], config=c, weight_scale=scale
+                    ),
+                    len(skinny_weights),
                 )
             except ValueError:  # over the split-K workspace
                 continue
     return out
 
 
-def main_configs(models: list[str], rows: list[int], json_path: Path | None) -> None:
+def main_configs(
+    models: list[str], rows: list[int], json_path: Path | None, fp8: bool = False
+) -> None:
     """The `--configs` table (and JSON)."""
     results = []
     for model in models:
@@ -147,7 +164,7 @@ def main_configs(models: list[str], rows: list[int], json_path: Path | None) -> 
             if name == "lm_head":
                 continue
             for m in rows:
-                times = sweep_configs(n, k, m, cfg["num_hidden_layers"])
+                times = sweep_configs(n, k, m, cfg["num_hidden_layers"], fp8)
                 torch.cuda.empty_cache()
                 best = min(times, key=times.get)
                 results.append(
@@ -179,11 +196,16 @@ def main() -> None:
     parser.add_argument(
         "--configs", action="store_true", help="sweep the skinny kernel's launch choices instead"
     )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="with --configs: e4m3 weights with per-channel scales (--quantization fp8's decode)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     reserve_workspace(torch.device("cuda"))
     if args.configs:
-        main_configs(args.models, args.rows, args.json)
+        main_configs(args.models, args.rows, args.json, args.fp8)
         return
     rows = []
     print(
