@@ -15,7 +15,6 @@ from replaylm.model_loader.tokenizer import Decoder, StreamStep
 
 _REPLACEMENT = "\ufffd"
 _WINDOW = 5  # tokens of context decoded before the new ones
-_UNSTREAMED = "\x00unstreamed"  # `_streamed`: no stream decoded these ids
 
 
 class IncrementalDetokenizer:
@@ -43,29 +42,25 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> None:
         self.ids.extend(new_ids)
-        new = self._streamed(new_ids)
-        if new is None:
-            return  # an incomplete character: wait for more tokens
-        if new is _UNSTREAMED:
-            prefix, full = self._pending()
-            if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
-                return  # an incomplete character (or nothing visible yet): wait for more tokens
-            new = full[len(prefix) :]
+        if self._step is not None:
+            try:
+                new = self._step(new_ids)
+            except Exception:  # the backend refuses some sequences: the window decodes the rest
+                self._step = None
+            else:
+                if new is not None:  # None: an incomplete character, wait for more tokens
+                    self._release(new)
+                return
+        prefix, full = self._pending()
+        if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
+            return  # an incomplete character (or nothing visible yet): wait for more tokens
+        self._release(full[len(prefix) :])
+
+    def _release(self, new: str) -> None:
+        """Append the text `new` that every id so far completes."""
         self.text += new
         self._prefix_offset = max(len(self.ids) - _WINDOW, self._read_offset)
         self._read_offset = len(self.ids)
-
-    def _streamed(self, new_ids: list[int]) -> str | None:
-        """What the stream releases for `new_ids`; _UNSTREAMED without one, or once it has
-        failed (the backend refuses some sequences, e.g. a decode that rewrites earlier text):
-        the window takes over from the text released so far."""
-        if self._step is None:
-            return _UNSTREAMED
-        try:
-            return self._step(new_ids)
-        except Exception:  # the backend's error: the window decodes the rest
-            self._step = None
-            return _UNSTREAMED
 
     def releasable(self) -> str:
         """The text that can be shown now (everything, less a possible stop-string start)."""

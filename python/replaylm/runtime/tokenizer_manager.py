@@ -335,8 +335,13 @@ class TokenizerManager:
             params.spaces_between_special_tokens,
             self._backend_decode,
         )
-        step = stream_step(self.tokenizer, params.skip_special_tokens)
-        return IncrementalDetokenizer(decode, params.stop, step if self._backend_decode else None)
+        # only a tokenizer that decodes as its backend has a backend to stream through
+        step = (
+            stream_step(self.tokenizer, params.skip_special_tokens)
+            if self._backend_decode
+            else None
+        )
+        return IncrementalDetokenizer(decode, params.stop, step)
 
     async def health_generate(self) -> bool:
         """Generate one token; False if that fails or takes longer than the timeout."""
