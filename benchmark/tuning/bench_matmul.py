@@ -35,6 +35,7 @@ from replaylm.layers.kernels.skinny_matmul import (
     reserve_workspace,
     skinny_matmul,
 )
+from replaylm.layers.quantization.fp8 import quantize_activation
 
 from common import model_config, replay_us, write_json
 
@@ -133,18 +134,24 @@ def fp8_weights(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.
 def sweep_configs(n: int, k: int, rows: int, layers: int, fp8: bool = False) -> dict[str, float]:
     """cuBLAS and each CONFIG_CHOICES launch (PDL on) of `[rows, k] x [n, k]^T`: name -> us per
     launch, over distinct weights as `bench_shape`; launches the workspace cannot take are left
-    out. `fp8`: the skinny launches over e4m3 weights, weight-only as decode runs them (cuBLAS:
-    bf16's, what they replace)."""
+    out. `fp8`: the skinny launches over e4m3 weights and the input quantized once, as decode
+    runs them less the quantization's launch (cuBLAS: bf16's, what they replace)."""
     x, weights = operands(n, k, rows, layers)
     out = {"cublas": graph_us(lambda i: F.linear(x, weights[i]), len(weights))}
     skinny_weights, scale = fp8_weights(weights) if fp8 else (weights, None)
+    x_in, x_scale = quantize_activation(x) if fp8 else (x, None)
     with pdl_launches():
         for name in CONFIG_CHOICES:
             cfg = config_choice(n, k, name, fp8)
             try:
                 out[name] = graph_us(
                     lambda i, c=cfg: skinny_matmul(
-                        x, skinny_weights[i], config=c, weight_scale=scale
+                        x_in,
+                        skinny_weights[i],
+                        config=c,
+                        out_dtype=x.dtype,
+                        weight_scale=scale,
+                        x_scale=x_scale,
                     ),
                     len(skinny_weights),
                 )

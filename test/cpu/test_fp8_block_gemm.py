@@ -22,13 +22,16 @@ require_triton_interpreter()
 
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.kernels import native_only  # noqa: E402
+from replaylm.layers.kernels.rmsnorm import rms_norm  # noqa: E402
 from replaylm.layers.kernels.silu_mul import silu_and_mul  # noqa: E402
+from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import GateUpLinear  # noqa: E402
 from replaylm.layers.quantization import fp8_kernels  # noqa: E402
 from replaylm.layers.quantization import fp8_linear as fp8_linear_module  # noqa: E402
 from replaylm.layers.quantization.config import Fp8Config  # noqa: E402
 from replaylm.layers.quantization.fp8 import (  # noqa: E402
     FP8_DTYPE,
+    QuantizedRows,
     dequantize_activation,
     dequantize_weight,
     quantize_activation,
@@ -321,23 +324,22 @@ def test_the_benchmark_takes_the_models_projections_and_counts_flops(capsys):
 
 
 @pytest.mark.parametrize("rows", [1, 5, SKINNY_ROWS])
-def test_decode_rows_run_weight_only_in_the_skinny_kernel(
+def test_decode_rows_run_the_skinny_kernel_on_the_quantized_input(
     rows: int, kernel_device_cpu: dict[str, int]
 ) -> None:
-    """Up to SKINNY_ROWS rows, per-channel weights run the skinny matmul on the unquantized
-    input: the input times the dequantized weight (float32 sums, the scale after them), no
-    quantization kernel; K over several split-K slices."""
+    """Up to SKINNY_ROWS rows, per-channel weights run the skinny matmul on the input quantized
+    per token (one quantization launch, FP8 dots, both scales on the float32 sums): the
+    emulation's numbers; K over several split-K slices."""
     weight, scale = quantize_weight(torch.randn(48, 1024, generator=_gen(13)), None)
     x = torch.randn(rows, 1024, generator=_gen(14))
     got = fp8_linear(x, weight, scale, None, out_dtype=torch.float32)
-    assert kernel_device_cpu["quantize"] == 0
-    want = x @ dequantize_weight(weight, scale, None).T
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert kernel_device_cpu["quantize"] == 1
+    torch.testing.assert_close(got, EMULATED(x, weight, scale, None, None), rtol=1e-5, atol=1e-4)
 
 
 def _gated_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """SiluAndMul of `x` times the dequantized `[gate; up]` weight, in float32."""
-    gate, up = (x @ dequantize_weight(weight, scale, None).T).chunk(2, dim=-1)
+    """SiluAndMul of the emulated FP8 matmul of `x` and the `[gate; up]` weight, in float32."""
+    gate, up = EMULATED(x.float(), weight, scale, None, None).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
@@ -346,25 +348,39 @@ def test_decode_rows_run_gate_up_and_silu_in_one_skinny_launch(
     rows: int, kernel_device_cpu: dict[str, int]
 ) -> None:
     """A `[gate; up]` per-channel weight at decode rows (what `GateUpLinear` takes when
-    `takes_skinny`): one launch with SiluAndMul in its epilogue, the numbers of the matmul then
-    SiluAndMul's kernel; more rows or block scales go fp8_linear's way. (float32 inputs: the
-    interpreter's e4m3 -> bf16 tile conversion is not the GPU's.)"""
+    `takes_skinny`): the quantization, then one launch with SiluAndMul in its epilogue, the
+    numbers of the matmul then SiluAndMul's kernel; more rows or block scales go fp8_linear's
+    way."""
     weight, scale = quantize_weight(torch.randn(2 * 40, 512, generator=_gen(21)), None)
     x = torch.randn(rows, 512, generator=_gen(22))
     assert takes_skinny(x, None) and not takes_skinny(x, BLOCK)
     assert not takes_skinny(torch.zeros(SKINNY_ROWS + 1, 512), None)
     got = gated_fp8_linear(x, weight, scale)
     assert got.shape == (rows, 40) and got.dtype == torch.float32
+    assert kernel_device_cpu["quantize"] == 1
     torch.testing.assert_close(got, silu_and_mul(fp8_linear(x, weight, scale, None)))
     torch.testing.assert_close(got, _gated_reference(x, weight, scale), rtol=1e-4, atol=1e-3)
-    assert kernel_device_cpu["quantize"] == 0
+
+
+def test_bf16_decode_rows_within_a_bf16_step_of_the_emulation(
+    kernel_device_cpu: dict[str, int],
+) -> None:
+    """A bf16 input at decode rows: the emulation's float32 numbers rounded to bf16 (within a
+    step), and the gated launch is that product then SiluAndMul's kernel."""
+    weight, scale = quantize_weight(torch.randn(2 * 40, 512, generator=_gen(25)), None)
+    x = torch.randn(3, 512, generator=_gen(26)).bfloat16()
+    got = fp8_linear(x, weight, scale, None)
+    assert got.dtype == torch.bfloat16
+    want = EMULATED(x, weight, scale, None, None)
+    torch.testing.assert_close(got.float(), want, rtol=BF16_STEP, atol=1e-2)
+    torch.testing.assert_close(gated_fp8_linear(x, weight, scale), silu_and_mul(got))
 
 
 def test_an_fp8_gate_up_layer_takes_the_one_launch_at_decode_rows(
     kernel_device_cpu: dict[str, int],
 ) -> None:
     """GateUpLinear with per-channel FP8 weights: SiluAndMul's own kernel runs only past the
-    skinny kernel's rows; at decode rows the gated launch, on the unquantized input."""
+    skinny kernel's rows; at decode rows the gated launch, on the quantized input."""
     layer = GateUpLinear(512, 40, quant=Fp8Config("channel"))
     weight, scale = quantize_weight(torch.randn(80, 512, generator=_gen(23)), None)
     layer.weight.data.copy_(weight)
@@ -377,3 +393,46 @@ def test_an_fp8_gate_up_layer_takes_the_one_launch_at_decode_rows(
     got = layer(x[:3])
     assert activations == [SKINNY_ROWS + 1]  # the 3 rows: one gated launch
     torch.testing.assert_close(got, _gated_reference(x[:3], weight, scale), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantize_is_the_norm_then_the_quantization(with_residual: bool) -> None:
+    """One launch gives what RMSNorm's kernel then the quantization kernel give, bit for bit:
+    the same e4m3 values and scales, and the same residual sum."""
+    x = torch.randn(5, 320, generator=_gen(31)).bfloat16()
+    residual = torch.randn(5, 320, generator=_gen(32)).bfloat16() if with_residual else None
+    weight = (torch.rand(320, generator=_gen(33)) + 0.5).bfloat16()
+    rows, summed = fp8_kernels.rms_norm_quantize(x, weight, 1e-6, residual)
+    normed = rms_norm(x, weight, 1e-6, residual)
+    if residual is not None:
+        normed, want_sum = normed
+        assert summed is not None and torch.equal(summed, want_sum)
+    else:
+        assert summed is None
+    want_q, want_scale = fp8_kernels.quantize_activation(normed)
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(rows.scale, want_scale)
+
+
+@pytest.mark.parametrize("quant", [Fp8Config("channel"), Fp8Config("block", block_size=BLOCK)])
+def test_a_norm_feeding_a_per_channel_layer_hands_it_quantized_rows(
+    quant: Fp8Config, kernel_device_cpu: dict[str, int]
+) -> None:
+    """An RMSNorm that `quantizes_for` an FP8 layer hands it `QuantizedRows` where the layer
+    takes them (per-channel weights, dynamic scales: no quantization launch of its own, the
+    unfused numbers) and a plain tensor where it does not (block scales)."""
+    layer = GateUpLinear(256, 128, quant=quant)
+    weight, scale = quantize_weight(torch.randn(256, 256, generator=_gen(34)), quant.block_size)
+    layer.weight.data.copy_(weight)
+    layer.weight_scale.data.copy_(scale)
+    norm = RMSNorm(256).bfloat16()
+    norm.weight.data.copy_(torch.rand(256, generator=_gen(35)) + 0.5)
+    norm.quantizes_for(layer)
+    x = torch.randn(3, 256, generator=_gen(36)).bfloat16()
+    normed = norm(x)
+    assert isinstance(normed, QuantizedRows) == (quant.block_size is None)
+    calls = kernel_device_cpu["quantize"]
+    got = layer(normed)
+    assert kernel_device_cpu["quantize"] == calls + (quant.block_size is not None)
+    assert torch.equal(got, layer(rms_norm(x, norm.weight, norm.eps)))

@@ -288,10 +288,12 @@ def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_onl
         block_n=32, block_k=256, split_k=8, num_warps=4, num_stages=3
     )
     assert (matmul_config(576, 1536).block_k, matmul_config(576, 1536).split_k) == (256, 6)
-    # FP8 weights of 128-511 tiles: 2 slices of 256-column blocks (Llama-3.1-8B's qkv, o, down)
-    assert matmul_config(6144, 4096, fp8=True) == MatmulConfig(32, 256, 2, 4, 3)
+    # FP8 weights wider than 4096 over K <= 4096: 64-column tiles, K unsplit (Llama-3.1-8B's qkv
+    # and gate_up); of 128-511 tiles otherwise: 2 slices of 256-column blocks (its o and down)
+    assert matmul_config(6144, 4096, fp8=True) == MatmulConfig(64, 256, 1, 4, 5)
+    assert matmul_config(28672, 4096, fp8=True) == MatmulConfig(64, 256, 1, 4, 5)
+    assert matmul_config(4096, 4096, fp8=True) == MatmulConfig(32, 256, 2, 4, 3)
     assert matmul_config(4096, 14336, fp8=True) == MatmulConfig(32, 256, 2, 4, 5)
-    assert matmul_config(28672, 4096, fp8=True) == matmul_config(28672, 4096)
     with pytest.raises(ValueError, match="split-K takes at most 16 rows, got 17"):
         skinny_matmul(torch.ones(17, 1024), torch.ones(64, 1024))
 

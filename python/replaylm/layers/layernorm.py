@@ -1,13 +1,20 @@
 """RMSNorm with an optional fused residual add, and under tensor parallelism the sum over the
-ranks of the partial outputs it follows."""
+ranks of the partial outputs it follows; its output quantized to FP8 in the same launch where an
+FP8 layer reads it."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from replaylm.distributed.communication import all_reduce, one_shot_peer
 from replaylm.layers.kernels import use_triton_kernels
+from replaylm.layers.quantization.fp8 import Activation
+
+if TYPE_CHECKING:
+    from replaylm.layers.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +27,9 @@ class RMSNorm(nn.Module):
     residual comes with it), `x` is first summed over the ranks: together with the add and the
     norm in one launch where `--tp-all-reduce one-shot` takes it, else by the all-reduce. The
     site numbers the model's sums in the order a forward makes them (see `PeerAllReduce`).
+
+    `quantizes_for(layer)`: on the Triton route (outside torch.compile) the output comes
+    quantized per token, from the same launch, whenever `layer` takes it so.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -27,10 +37,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
         self.sum_site: int | None = None
+        self._feeds: tuple[Linear, ...] = ()  # a tuple: not a submodule of this one
+
+    def quantizes_for(self, layer: Linear) -> None:
+        """`layer` is the one layer the output feeds: quantize it for that layer where it takes
+        a quantized input (`Linear.takes_quantized_rows`, known once its weights are loaded)."""
+        self._feeds = (layer,)
+
+    def _quantizes(self, x: torch.Tensor) -> bool:
+        return (
+            not torch.compiler.is_compiling()  # first: the rest is not for tracing
+            and len(self._feeds) == 1
+            and self._feeds[0].takes_quantized_rows
+            and x.dtype == self.weight.dtype
+        )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> Activation | tuple[Activation, torch.Tensor]:
         if self.sum_site is not None:
             assert residual is not None  # every sum of partials is followed by a residual add
             peer = one_shot_peer(x, residual)
@@ -43,6 +67,11 @@ class RMSNorm(nn.Module):
                 )
             x = all_reduce(x)
         if use_triton_kernels(x):
+            if self._quantizes(x) and (residual is None or residual.dtype == x.dtype):
+                from replaylm.layers.quantization.fp8_kernels import rms_norm_quantize
+
+                rows, summed = rms_norm_quantize(x, self.weight, self.eps, residual)
+                return rows if summed is None else (rows, summed)
             from replaylm.layers.kernels.ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)

@@ -18,7 +18,7 @@ from replaylm.distributed.sharding import Shard
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import cublas_linear, use_triton_kernels
 from replaylm.layers.quantization.config import Fp8Config
-from replaylm.layers.quantization.fp8 import FP8_DTYPE
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, Activation
 from replaylm.layers.quantization.fp8_linear import fp8_linear, gated_fp8_linear, takes_skinny
 from replaylm.layers.quantization.layout import as_held, scale_shape, scale_shard, whole_blocks
 
@@ -145,7 +145,15 @@ class Linear(MatmulLayer):
     def block_size(self) -> tuple[int, int] | None:
         return None if self.quant is None else self.quant.block_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_quantized_rows(self) -> bool:
+        """Whether the layer takes its input quantized ahead of it (`QuantizedRows`): FP8
+        weights with per-channel scales and dynamic per-token activation scales."""
+        return (
+            self.weight_scale is not None and self.block_size is None and self.input_scale is None
+        )
+
+    def forward(self, x: Activation) -> torch.Tensor:
         if self.weight_scale is not None:
             return fp8_linear(
                 x,
@@ -155,6 +163,7 @@ class Linear(MatmulLayer):
                 self.bias,
                 input_scale=self.input_scale,
             )
+        assert isinstance(x, torch.Tensor)  # only FP8 layers are fed quantized rows
         return linear(x, self.weight, self.bias, self.matmul)
 
     def _shard_of(self, name: str) -> Shard | None:
@@ -313,15 +322,21 @@ class GateUpLinear(MergedLinear):
         )
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is None and _takes_triton_matmul(x, self.matmul):
+    def forward(self, x: Activation) -> torch.Tensor:
+        if (
+            isinstance(x, torch.Tensor)
+            and self.quant is None
+            and _takes_triton_matmul(x, self.matmul)
+        ):
             from replaylm.layers.kernels import ops
 
             return ops.linear(
                 x, self.weight, self.bias, all_rows=self.matmul == "invariant", gated_silu=True
             )
         if self.weight_scale is not None and takes_skinny(x, self.block_size):
-            return gated_fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return gated_fp8_linear(
+                x, self.weight, self.weight_scale, self.bias, input_scale=self.input_scale
+            )
         return self.act(super().forward(x))
 
 

@@ -35,7 +35,7 @@ from replaylm.layers.logits_processor import (
 )
 from replaylm.layers.moe.layer import ExpertPiece, FusedMoE
 from replaylm.layers.quantization.config import Fp8Config
-from replaylm.layers.quantization.fp8 import FP8_DTYPE, is_fp8, quantize_weight
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, Activation, is_fp8, quantize_weight
 from replaylm.layers.rotary_embedding import RotaryEmbedding
 from replaylm.layers.vocab_embedding import VocabEmbedding, VocabParallelEmbedding, VocabRows
 from replaylm.models.config import ModelConfig
@@ -131,7 +131,7 @@ class LlamaAttention(nn.Module):
         return q, k, True
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+        self, positions: torch.Tensor, hidden: Activation, batch: ForwardBatch
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if use_triton_kernels(q):
@@ -161,7 +161,7 @@ class LlamaMLP(nn.Module):
         columns = Shard(1, rows.start, rows.size, rows.full)
         self.down_proj = _row_linear(columns, hidden_size, place, quant)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Activation) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
 
 
@@ -182,6 +182,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # FP8 per-channel layers take their input quantized by the norm before them
+        self.input_layernorm.quantizes_for(self.self_attn.qkv_proj)
+        if isinstance(mlp, LlamaMLP):
+            self.post_attention_layernorm.quantizes_for(mlp.gate_up_proj)
         # an EAGLE-3 head's feature: the residual stream entering this layer (summed over the
         # tensor-parallel ranks by the input norm, so whole)
         self.feature_tap: FeatureTap | None = None

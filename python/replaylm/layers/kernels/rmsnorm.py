@@ -18,6 +18,40 @@ from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
 
+@triton.jit
+def norm_rows(
+    X,
+    R,
+    W,
+    ResOut,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_r,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """This program's BLOCK_ROWS rows normalized (the residual sum stored to ResOut first, with
+    `HAS_RESIDUAL`): (`weight * normed` in float32, not yet rounded, and the rows, columns and
+    mask to store it at, rows `[BLOCK_ROWS, 1]` and columns `[1, BLOCK_D]`)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < n_rows) & (cols < n_cols)
+    rows = rows.to(tl.int64)
+    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(ResOut.dtype.element_ty)
+        tl.store(ResOut + rows * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    return w * normed, rows, cols, mask
+
+
 @triton.jit(do_not_specialize=["n_rows"])  # one variant for every row count
 def _rms_norm_kernel(
     X,
@@ -36,20 +70,10 @@ def _rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_producers(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
-    cols = tl.arange(0, BLOCK_D)[None, :]
-    mask = (rows < n_rows) & (cols < n_cols)
-    rows = rows.to(tl.int64)
-    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(R + rows * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(ResOut.dtype.element_ty)
-        tl.store(ResOut + rows * n_cols + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
-    normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
-    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    tl.store(Out + rows * n_cols + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+    y, rows, cols, mask = norm_rows(
+        X, R, W, ResOut, n_rows, n_cols, stride_x, stride_r, eps, HAS_RESIDUAL, BLOCK_ROWS, BLOCK_D
+    )
+    tl.store(Out + rows * n_cols + cols, y.to(Out.dtype.element_ty), mask=mask)
 
 
 @overload

@@ -8,9 +8,9 @@ writes `y` and zeroes the counter. Narrow projections have too few output tiles 
 memory bandwidth busy; slicing K gives them more programs (docs/tuning.md, "Split-K skinny
 matmul").
 
-FP8 (e4m3) weights with per-output-channel scales run the same way (weight-only: each tile
-converted to x's dtype, exactly, and the scale applied to the float32 sums at the end), so a
-decode step reads half the weight bytes without quantizing its input.
+FP8 (e4m3) weights with per-output-channel scales run the same way on an e4m3 input with per-row
+scales: half the weight bytes, the dots taken in FP8 on the tensor cores (no tile converted), both
+scales on the float32 sums at the end (docs/tuning.md, "FP8 GEMMs").
 
 With `gated_silu` the weight is a `[gate; up]` pair and a program's tile interleaves gate and up
 rows of the same output columns, so its epilogue applies SiluAndMul and writes half as many
@@ -66,12 +66,15 @@ def matmul_config(n: int, k: int, fp8: bool = False) -> MatmulConfig:
     (at least 4), or 2 where 64 tiles or more meet 32 blocks or more (Qwen3-30B-A3B's o); else
     one slice per tile. Where K fits in at most 8 blocks of 256
     (1024 < K <= 2048), each slice is one such block, so that with PDL a program loads all its
-    weights before it waits for its input. FP8 weights (`fp8`) of 128 to 511 tiles take K in 2
-    slices of 256-column blocks: a tile of e4m3 is half the bytes. Why these slice counts and
+    weights before it waits for its input. FP8 weights (`fp8`) wider than 4096 over K of at
+    most 4096 take 64-column tiles of 256-column blocks, K unsplit; others of 128 to 511 tiles K
+    in 2 slices of 256-column blocks: a tile of e4m3 is half the bytes. Why these slice counts and
     stages: docs/tuning.md, "Split-K skinny matmul" and "FP8 GEMMs"; the PDL overlap:
     "Programmatic dependent launch"."""
     block_n, block_k = 32, 128
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    if fp8 and n > 4096 and k <= 4096:
+        return MatmulConfig(64, 256, 1, num_warps=4, num_stages=5)
     if fp8 and 128 <= tiles < 512:
         return MatmulConfig(block_n, 256, 2, num_warps=4, num_stages=3 if k <= 4096 else 5)
     if tiles >= 128:
@@ -110,13 +113,15 @@ def _write_tile(
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SCALED: tl.constexpr,
+    XScale,
+    FP8: tl.constexpr,
 ):
-    """Store the tile `acc` (times the rows' scales with `SCALED`, + bias) of W rows `offs_n`;
+    """Store the tile `acc` (with `FP8` times W's and x's row scales, + bias) of W rows `offs_n`;
     with `GATED`, `silu(gate) * up` over its column pairs, rounded as SiluAndMul rounds the
     separate launch's bf16/fp16 input."""
-    if SCALED:
+    if FP8:
         acc *= tl.load(Scale + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        acc *= tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -154,8 +159,9 @@ def _dot_tile(
         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
         other=0.0,
     )
-    # an FP8 weight's tile converts to x's dtype exactly
-    return tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+    if x.dtype == tl.float8e4nv:  # and so is w
+        return tl.dot(x, tl.trans(w), acc)
+    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
 
 # one variant for every row count: docs/tuning.md, "Few compiled variants"
@@ -165,6 +171,7 @@ def _skinny_matmul_kernel(
     W,
     B,
     Scale,
+    XScale,
     Y,
     Partials,
     Arrivals,
@@ -182,7 +189,7 @@ def _skinny_matmul_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     GATED: tl.constexpr,
-    SCALED: tl.constexpr,
+    FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -218,7 +225,8 @@ def _skinny_matmul_kernel(
             GATED,
             BLOCK_M,
             BLOCK_N,
-            SCALED,
+            XScale,
+            FP8,
         )
     else:
         tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -246,7 +254,8 @@ def _skinny_matmul_kernel(
                 GATED,
                 BLOCK_M,
                 BLOCK_N,
-                SCALED,
+                XScale,
+                FP8,
             )
 
 
@@ -280,28 +289,36 @@ def skinny_matmul(
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
-    `[N, K]` contiguous (e4m3 with `weight_scale`: float32 `[N]`, the weight `weight * scale`);
+    `[N, K]` contiguous; FP8: `weight` e4m3 with `weight_scale` (float32 `[N]`: the weight is
+    `weight * weight_scale`) and `x` e4m3 with `x_scale` (float32, one per row), given together,
+    and `out_dtype` then required;
     a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums are rounded to it once,
     e.g. float32 logits unrounded). `config` overrides `matmul_config(N, K, fp8)`; a split-K config
     takes at most its `block_m` (<= 16) rows. `gated_silu`: `weight` is `[gate; up]` (N even)
     and the result `[..., N / 2]` is SiluAndMul of the product, bit-equal to
-    `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype). `out`: a contiguous tensor of
-    the result's shape and dtype to write (and return) instead of a new one (e.g. a buffer that
-    outlives a CUDA graph's private pool)."""
+    `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype; FP8: `out_dtype`). `out`: a
+    contiguous tensor of the result's shape and dtype to write (and return) instead of a new one
+    (e.g. a buffer that outlives a CUDA graph's private pool)."""
     n, k = weight.shape
+    fp8 = weight_scale is not None
+    if fp8 != (x_scale is not None) or (fp8 and out_dtype is None):
+        raise ValueError("FP8 takes weight_scale, x_scale and out_dtype together")
     out_dtype = out_dtype or x.dtype
     x2 = as_rows(x, k)
     m = x2.shape[0]
-    cfg = config or matmul_config(n, k, fp8=weight_scale is not None)
+    if x_scale is not None and x_scale.numel() != m:
+        raise ValueError(f"x_scale holds one scale per row: {m}, not {x_scale.numel()}")
+    cfg = config or matmul_config(n, k, fp8=fp8)
     if cfg.split_k > 1 and m > min(cfg.block_m, MAX_ROWS):
         raise ValueError(f"split-K takes at most {min(cfg.block_m, MAX_ROWS)} rows, got {m}")
     if weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError("the weight must be contiguous [N, K]")
     if gated_silu and n % 2:
         raise ValueError(f"a gated weight has an even number of rows, not {n}")
-    if gated_silu and out_dtype != x.dtype:
+    if gated_silu and not fp8 and out_dtype != x.dtype:
         raise ValueError(f"a gated launch writes x's dtype {x.dtype}, not {out_dtype}")
     width = n // 2 if gated_silu else n
     shape = (*x.shape[:-1], width)
@@ -326,6 +343,7 @@ def skinny_matmul(
             weight,
             weight if bias is None else bias,
             weight if weight_scale is None else weight_scale,
+            weight if x_scale is None else x_scale,
             y,
             partials,
             arrivals,
@@ -343,7 +361,7 @@ def skinny_matmul(
             BLOCK_K=cfg.block_k,
             PRECISION=dot_precision(x.dtype),
             GATED=gated_silu,
-            SCALED=weight_scale is not None,
+            FP8=fp8,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl_launch(),

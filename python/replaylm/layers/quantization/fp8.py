@@ -11,6 +11,8 @@ one static scale.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,20 @@ CHUNK_ELEMENTS = 1 << 24
 CLIP_RATIOS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)
 
 Block = tuple[int, int]
+
+
+class QuantizedRows(NamedTuple):
+    """An activation already quantized per token by the kernel that made it (RMSNorm's), for
+    the per-channel FP8 matmul that reads it: e4m3 `q` `[T, K]`, float32 `scale` `[T, 1]`, and
+    `dtype`, the dtype it was quantized from (the matmul's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+# what an FP8 linear takes: an activation, or one quantized ahead of it
+Activation = torch.Tensor | QuantizedRows
 
 
 def is_fp8(t: torch.Tensor) -> bool:

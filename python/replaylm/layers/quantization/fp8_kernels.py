@@ -1,4 +1,5 @@
-"""The FP8 matmul's Triton kernels: activation quantization and the block-scaled GEMM.
+"""The FP8 matmul's Triton kernels: activation quantization (alone, or fused into the RMSNorm
+that makes the activation) and the block-scaled GEMM.
 
 `quantize_activation` is `fp8.quantize_activation` in one launch: each program takes one token's
 group of columns (per token: the whole row as one group), its amax over 448 as the scale (the
@@ -29,7 +30,8 @@ import triton.language as tl
 
 from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
-from replaylm.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, Block
+from replaylm.layers.kernels.rmsnorm import norm_rows
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, Block, QuantizedRows
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -124,6 +126,73 @@ def quantize_activation(
             **pdl_launch(),
         )
     return q, scale
+
+
+@triton.jit(do_not_specialize=["n_rows"])  # one variant for every row count
+def _rms_norm_quantize_kernel(
+    X,
+    R,
+    W,
+    Q,
+    Scale,
+    ResOut,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_r,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Row `program_id(0)`'s RMSNorm (`norm_rows`), rounded to X's dtype as the norm's output
+    is, then quantized per token as `_quantize_kernel` quantizes it: e4m3 to Q, scale to Scale."""
+    wait_for_producers(USE_PDL)
+    y, rows, cols, mask = norm_rows(
+        X, R, W, ResOut, n_rows, n_cols, stride_x, stride_r, eps, HAS_RESIDUAL, 1, BLOCK_D
+    )
+    y = y.to(X.dtype.element_ty).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), _MIN_AMAX)
+    scale = tl.math.div_rn(amax, _FP8_MAX)[:, None]
+    q = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
+    tl.store(Q + rows * n_cols + cols, _round_to_e4m3(q).to(Q.dtype.element_ty), mask=mask)
+    tl.store(Scale + rows, scale)
+
+
+def rms_norm_quantize(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[QuantizedRows, torch.Tensor | None]:
+    """`rmsnorm.rms_norm` (its numbers; with `residual`, the sum is the new residual) with the
+    output quantized per token as `quantize_activation` quantizes it, in one launch: (the
+    output's `[T, K]` QuantizedRows, the new residual or None). `x`, `weight` and `residual` of
+    one dtype."""
+    width = x.shape[-1]
+    x2 = as_rows(x, width)
+    n_rows = x2.shape[0]
+    q = torch.empty((n_rows, width), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((n_rows, 1), dtype=torch.float32, device=x.device)
+    res_out = None if residual is None else torch.empty_like(x)
+    r2 = x2 if residual is None else as_rows(residual, width)
+    block_d = triton.next_power_of_2(width)
+    if n_rows:
+        _rms_norm_quantize_kernel[(n_rows,)](
+            x2,
+            r2,
+            weight,
+            q,
+            scale,
+            q if res_out is None else res_out,  # without a residual: never written
+            n_rows,
+            width,
+            x2.stride(0),
+            r2.stride(0),
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_D=block_d,
+            num_warps=min(max(block_d // 256, 1), 8),
+            **pdl_launch(),
+        )
+    return QuantizedRows(q, scale, x.dtype), res_out
 
 
 @dataclass(frozen=True)

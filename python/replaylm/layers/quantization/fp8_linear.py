@@ -1,25 +1,23 @@
-"""The FP8 matmul: `x @ (q * scale).T (+ bias)`, its input quantized to FP8 first (but for
-decode rows on CUDA, below).
+"""The FP8 matmul: `x @ (q * scale).T (+ bias)`, its input quantized to FP8 first.
 
-On CUDA (the kernels' device, `KERNEL_DEVICE_TYPE`), per-channel weights times at most
-`SKINNY_ROWS` rows (decode) run the skinny matmul weight-only: each weight tile converted to the
-input's dtype exactly and the column scales applied to the float32 sums, the input not quantized
-(a decode matmul is bound by reading the weight, which FP8 halves; cuBLASLt's FP8 GEMM at a few
+On CUDA (the kernels' device, `KERNEL_DEVICE_TYPE`), the input is quantized per token (or with
+the layer's static scale) to e4m3 by a Triton kernel (`fp8_kernels.quantize_activation`: one
+launch, where the torch code takes several). Per-channel weights times at most `SKINNY_ROWS`
+rows (decode) then run the skinny matmul, FP8 dots with both scales on its float32 sums (a
+decode matmul is bound by reading the weight, which FP8 halves; cuBLASLt's FP8 GEMM at a few
 rows is slower than bf16's, docs/tuning.md "FP8 GEMMs"). More rows run `torch._scaled_mm`
-(compute capability 8.9+): the input quantized per token (or with the layer's static scale) to
-e4m3 by a Triton kernel (`fp8_kernels.quantize_activation`: one launch, where the torch code
-takes several), its row scales `[T, 1]` and the weight's column scales `[1, N]` applied in the
-GEMM's epilogue (row-wise scaling; K and N multiples of 16, the weight read column-major: `q.t()`
-of the row-major `[N, K]` weight). Block scales run the block-scaled Triton GEMM
-(`fp8_kernels.block_fp8_linear`), the input quantized per token and `block_size[1]`-column
+(compute capability 8.9+), the input's row scales `[T, 1]` and the weight's column scales
+`[1, N]` applied in the GEMM's epilogue (row-wise scaling; K and N multiples of 16, the weight
+read column-major: `q.t()` of the row-major `[N, K]` weight). The input may come quantized
+already, by the RMSNorm before it (`QuantizedRows`). Block scales run the block-scaled Triton
+GEMM (`fp8_kernels.block_fp8_linear`), the input quantized per token and `block_size[1]`-column
 group.
 
 Elsewhere (the CPU) the matmul is emulated: the weight dequantized to float32 for each call, the
 input quantized and dequantized exactly as the GPU path quantizes it (per token, or per token
 and block-column group for block scales), one float32 F.linear, the result cast to the
-output dtype. The emulation is the quantized-input paths' reference and what the CPU tests run
-(the skinny path's is the input times the dequantized weight); it saves no memory bandwidth or
-time.
+output dtype. The emulation is the GPU paths' reference and what the CPU tests run; it saves
+no memory bandwidth or time.
 """
 
 from __future__ import annotations
@@ -29,18 +27,20 @@ import torch.nn.functional as F
 
 from replaylm.layers import kernels
 from replaylm.layers.quantization.fp8 import (
+    Activation,
     Block,
+    QuantizedRows,
     dequantize_activation,
     dequantize_weight,
     quantize_activation,
 )
 
-# up to this many rows (decode) per-channel weights run weight-only in the skinny kernel
+# up to this many rows (decode) per-channel weights run in the skinny kernel
 SKINNY_ROWS = 16
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: Activation,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     block_size: Block | None,
@@ -52,8 +52,13 @@ def fp8_linear(
     channel, or per `block_size` block), plus `bias`, in `out_dtype` (default x's). The input is
     quantized per token (per token and `block_size[1]`-column group with block scales), or with
     `input_scale` (static: the largest of the layer's input scales). CUDA: `torch._scaled_mm` or
-    the block-scaled Triton GEMM; the CPU: the emulation (the module docstring's)."""
+    the block-scaled Triton GEMM; the CPU: the emulation (the module docstring's). `x` may come
+    quantized already (`QuantizedRows`, per token, made on the kernels' device for a per-channel
+    layer with dynamic scales): the GPU matmul then takes it as it is."""
     out_dtype = out_dtype or x.dtype
+    if isinstance(x, QuantizedRows):
+        y = _channel_mm(x.q, x.scale, weight, weight_scale, out_dtype)
+        return y if bias is None else y + bias
     rows = x.reshape(-1, x.shape[-1])
     if x.device.type == kernels.KERNEL_DEVICE_TYPE:
         y = _scaled_mm(rows, weight, weight_scale, block_size, out_dtype, input_scale)
@@ -64,29 +69,58 @@ def fp8_linear(
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def takes_skinny(x: torch.Tensor, block_size: Block | None) -> bool:
-    """Whether `fp8_linear` runs `x` weight-only in the skinny kernel: per-channel scales, at
-    most SKINNY_ROWS rows, on the kernels' device, outside torch.compile's tracing."""
+def takes_skinny(x: Activation, block_size: Block | None) -> bool:
+    """Whether `fp8_linear` runs `x` in the skinny kernel: per-channel scales, at most
+    SKINNY_ROWS rows, on the kernels' device, outside torch.compile's tracing (checked before
+    the rows: a traced row count cannot be compared)."""
+    rows = _values(x)
     return (
         block_size is None
-        and x.numel() <= SKINNY_ROWS * x.shape[-1]
-        and kernels.use_triton_kernels(x)
         and not torch.compiler.is_compiling()
+        and kernels.use_triton_kernels(rows)
+        and rows.numel() <= SKINNY_ROWS * rows.shape[-1]
     )
 
 
 def gated_fp8_linear(
-    x: torch.Tensor,
+    x: Activation,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SiluAndMul of `fp8_linear(x, weight, weight_scale, None, bias)` for a `[gate; up]`
-    per-channel weight, in one skinny launch (SiluAndMul in its epilogue), where `takes_skinny`:
-    the MLP's gate-up and activation with no intermediate tensor and one launch less."""
+    """SiluAndMul of `fp8_linear(x, weight, weight_scale, None, bias, input_scale=input_scale)`
+    for a `[gate; up]` per-channel weight, the input quantized (unless it comes quantized) and
+    then one skinny launch (SiluAndMul in its epilogue), where `takes_skinny`: the MLP's gate-up
+    and activation with no intermediate tensor and one launch less."""
     from replaylm.layers.kernels.skinny_matmul import skinny_matmul
 
-    return skinny_matmul(x, weight, bias, gated_silu=True, weight_scale=weight_scale)
+    rows = _values(x)
+    q = (
+        x
+        if isinstance(x, QuantizedRows)
+        else _quantized(rows.reshape(-1, rows.shape[-1]), input_scale)
+    )
+    y = skinny_matmul(
+        q.q,
+        weight,
+        bias,
+        gated_silu=True,
+        out_dtype=q.dtype,
+        weight_scale=weight_scale,
+        x_scale=q.scale,
+    )
+    return y.reshape(*rows.shape[:-1], -1)
+
+
+def _values(x: Activation) -> torch.Tensor:
+    """The tensor of an activation's values (a quantized one's e4m3 values)."""
+    return x.q if isinstance(x, QuantizedRows) else x
+
+
+def _quantized(rows: torch.Tensor, input_scale: torch.Tensor | None) -> QuantizedRows:
+    """`rows` `[T, K]` quantized per token (or with the static `input_scale`)."""
+    return QuantizedRows(*_quantize_per_token(rows, input_scale), rows.dtype)
 
 
 def _scaled_mm(
@@ -118,11 +152,25 @@ def _channel_scaled_mm(
     out_dtype: torch.dtype,
     input_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    if x.shape[0] <= SKINNY_ROWS and kernels.use_triton_kernels(x):
+    x_q, x_scale = _quantize_per_token(x, input_scale)
+    return _channel_mm(x_q, x_scale, weight, weight_scale, out_dtype)
+
+
+def _channel_mm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The per-token quantized `x_q` `[T, K]` (scales `[T, 1]`) times the per-channel weight:
+    the skinny kernel at decode rows where the kernels run, else row-wise `torch._scaled_mm`."""
+    if x_q.shape[0] <= SKINNY_ROWS and kernels.use_triton_kernels(x_q):
         from replaylm.layers.kernels.skinny_matmul import skinny_matmul
 
-        return skinny_matmul(x, weight, out_dtype=out_dtype, weight_scale=weight_scale)
-    x_q, x_scale = _quantize_per_token(x, input_scale)
+        return skinny_matmul(
+            x_q, weight, out_dtype=out_dtype, weight_scale=weight_scale, x_scale=x_scale
+        )
     y = torch._scaled_mm(
         x_q,
         weight.t(),
