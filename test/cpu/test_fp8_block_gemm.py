@@ -24,6 +24,7 @@ from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.kernels import native_only  # noqa: E402
 from replaylm.layers.kernels.rmsnorm import rms_norm  # noqa: E402
 from replaylm.layers.kernels.silu_mul import silu_and_mul  # noqa: E402
+from replaylm.layers.kernels.skinny_matmul import FP8_MAX_ROWS  # noqa: E402
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import GateUpLinear  # noqa: E402
 from replaylm.layers.quantization import fp8_kernels  # noqa: E402
@@ -323,13 +324,14 @@ def test_the_benchmark_takes_the_models_projections_and_counts_flops(capsys):
     assert done.value.code == 0 and "do_bench_cudagraph" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("rows", [1, 5, SKINNY_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, 40, SKINNY_ROWS])
 def test_decode_rows_run_the_skinny_kernel_on_the_quantized_input(
     rows: int, kernel_device_cpu: dict[str, int]
 ) -> None:
     """Up to SKINNY_ROWS rows, per-channel weights run the skinny matmul on the input quantized
     per token (one quantization launch, FP8 dots, both scales on the float32 sums): the
-    emulation's numbers; K over several split-K slices."""
+    emulation's numbers; K over several split-K slices up to 16 rows, in 64-row tiles past."""
+    assert SKINNY_ROWS == FP8_MAX_ROWS
     weight, scale = quantize_weight(torch.randn(48, 1024, generator=_gen(13)), None)
     x = torch.randn(rows, 1024, generator=_gen(14))
     got = fp8_linear(x, weight, scale, None, out_dtype=torch.float32)

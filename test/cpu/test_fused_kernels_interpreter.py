@@ -34,6 +34,7 @@ from replaylm.layers.kernels.silu_mul import silu_and_mul  # noqa: E402
 from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
     INVARIANT_CONFIG,
     MatmulConfig,
+    fp8_rows_config,
     matmul_config,
     skinny_matmul,
 )
@@ -294,6 +295,9 @@ def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_onl
     assert matmul_config(28672, 4096, fp8=True) == MatmulConfig(64, 256, 1, 4, 5)
     assert matmul_config(4096, 4096, fp8=True) == MatmulConfig(32, 256, 2, 4, 3)
     assert matmul_config(4096, 14336, fp8=True) == MatmulConfig(32, 256, 2, 4, 5)
+    # FP8 past 16 rows: 64-row tiles, K unsplit, columns by the width
+    assert fp8_rows_config(28672) == MatmulConfig(128, 128, 1, 8, 3, block_m=64)
+    assert fp8_rows_config(6144).block_n == 64 and fp8_rows_config(4096).block_n == 32
     with pytest.raises(ValueError, match="split-K takes at most 16 rows, got 17"):
         skinny_matmul(torch.ones(17, 1024), torch.ones(64, 1024))
 

@@ -17,9 +17,10 @@ rows of the same output columns, so its epilogue applies SiluAndMul and writes h
 columns: the MLP's gate-up projection and activation in one launch, with no intermediate tensor
 (docs/tuning.md, "Fused elementwise kernels").
 
-The launch configuration never depends on M: each row of `y` is computed the same way whatever the
-number of rows beside it (rows are batch-invariant: across 1..16 rows with `matmul_config`, across
-any number with `INVARIANT_CONFIG`).
+Up to 16 rows the launch configuration never depends on M: each row of `y` is computed the same
+way whatever the number of rows beside it (rows are batch-invariant: across 1..16 rows with
+`matmul_config`, across any number with `INVARIANT_CONFIG`). FP8 takes up to `FP8_MAX_ROWS` rows,
+past 16 in 64-row tiles (`fp8_rows_config`; FP8 is not batch-invariant in any case).
 
 The workspace is one per device, shared by every call: calls must be stream-ordered (one stream),
 as the model's forward is.
@@ -38,6 +39,8 @@ from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
+# FP8 rows the kernel takes: up to here it reads the weight once, faster than cuBLASLt's FP8 GEMM
+FP8_MAX_ROWS = 64
 # the workspace's bounds: fp32 partials of a split-K launch (tiles x slices x BLOCK_M x BLOCK_N;
 # 8 MiB) and output tiles (one arrival counter each)
 _PARTIAL_FLOATS, _MAX_SPLIT_TILES = 2**21, 4096
@@ -85,6 +88,14 @@ def matmul_config(n: int, k: int, fp8: bool = False) -> MatmulConfig:
         return MatmulConfig(block_n, 256, triton.cdiv(k, 256), num_warps=4, num_stages=3)
     split = 8 if k_blocks >= 8 else 4 if k_blocks >= 4 else 1
     return MatmulConfig(block_n, block_k, split, num_warps=4, num_stages=6)
+
+
+def fp8_rows_config(n: int) -> MatmulConfig:
+    """The FP8 launch for 17 to FP8_MAX_ROWS rows of an `[n, K]` weight: one 64-row tile, K
+    unsplit, columns by the weight's width (docs/tuning.md, "FP8 GEMMs")."""
+    if n >= 16384:
+        return MatmulConfig(128, 128, 1, num_warps=8, num_stages=3, block_m=64)
+    return MatmulConfig(64 if n > 4096 else 32, 256, 1, num_warps=4, num_stages=3, block_m=64)
 
 
 @triton.jit
@@ -311,7 +322,12 @@ def skinny_matmul(
     m = x2.shape[0]
     if x_scale is not None and x_scale.numel() != m:
         raise ValueError(f"x_scale holds one scale per row: {m}, not {x_scale.numel()}")
-    cfg = config or matmul_config(n, k, fp8=fp8)
+    if config is not None:
+        cfg = config
+    elif fp8 and m > MAX_ROWS:
+        cfg = fp8_rows_config(n)
+    else:
+        cfg = matmul_config(n, k, fp8=fp8)
     if cfg.split_k > 1 and m > min(cfg.block_m, MAX_ROWS):
         raise ValueError(f"split-K takes at most {min(cfg.block_m, MAX_ROWS)} rows, got {m}")
     if weight.stride(1) != 1 or weight.stride(0) != k:

@@ -35,8 +35,8 @@ from replaylm.layers.quantization.fp8 import (
     quantize_activation,
 )
 
-# up to this many rows (decode) per-channel weights run in the skinny kernel
-SKINNY_ROWS = 16
+# up to this many rows (decode) per-channel weights run in the skinny kernel (its FP8_MAX_ROWS)
+SKINNY_ROWS = 64
 
 
 def fp8_linear(
