@@ -160,8 +160,8 @@ class ServerArgs:
             "compressed-tensors FP8) is served in FP8 without this flag, and with it alike; "
             "one quantized otherwise is refused. The embedding and the LM head stay "
             "unquantized, so do a mixture of experts' routers. On a GPU (compute capability "
-            "8.9+) per-channel weights run a weight-only Triton kernel at decode rows (at most "
-            "16) and torch._scaled_mm above, block-scaled weights a Triton GEMM and FP8 experts "
+            "8.9+) per-channel weights run a Triton kernel at decode rows (at most 64) and "
+            "torch._scaled_mm above, block-scaled weights a Triton GEMM and FP8 experts "
             "the fused MoE kernels; on the CPU they are emulated. Not with "
             "--deterministic. Default: as the checkpoint is.",
             QUANTIZATION_METHODS,

@@ -12,6 +12,7 @@ from torch import nn
 from replaylm.layers.linear import Linear
 from replaylm.layers.moe.layer import FusedMoE
 from replaylm.layers.quantization.config import Fp8Config
+from replaylm.layers.quantization.fp8_linear import SKINNY_ROWS
 from replaylm.layers.vocab_embedding import VocabRows
 from replaylm.models.llama import LlamaForCausalLM
 
@@ -105,7 +106,10 @@ def describe_fp8(
     elif quant.block_size is not None:
         runs = "a Triton block-scaled GEMM"
     else:
-        runs = "torch._scaled_mm with row-wise scales"
+        runs = (
+            f"a Triton kernel with FP8 dots up to {SKINNY_ROWS} rows (decode), torch._scaled_mm "
+            "with row-wise scales above"
+        )
     left = f"; left unquantized by the checkpoint's ignore list: {len(ignored)}" if ignored else ""
     blocks = f" and {experts} expert blocks" if experts else ""
     return (
