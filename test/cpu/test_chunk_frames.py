@@ -1,5 +1,5 @@
-"""A stream chunk filled from `ChunkFrames` equals the one the response models would dump, for
-completions and chat, whatever the text (quotes, escapes, control characters, non-ASCII) and the
+"""A stream chunk filled from `ChunkFrames` equals the one the response models would dump (and
+its event the one a stream frames), for completions and chat, whatever the text (quotes, escapes, control characters, non-ASCII) and the
 choice's index."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import pytest
 
 from replaylm.entrypoints.chunk_frames import ChunkFrames
+from replaylm.entrypoints.http_streaming import sse_event
 from replaylm.entrypoints.openai_responses import (
     ChatCompletionChunk,
     ChatStreamChoice,
@@ -56,3 +57,4 @@ def test_a_text_chunk_is_what_the_model_dumps(chunk, choice, text, index):
     expected = chunk([choice(index, text)]).model_dump_json()
     assert filled == expected
     assert json.loads(filled)["choices"][0]["index"] == index
+    assert frames.event(index, text) == sse_event(expected)

@@ -10,7 +10,7 @@ import pytest
 
 from replaylm.model_executor.engine_config import resolve_engine_config
 from replaylm.runtime.errors import RequestError, ServiceUnavailableError
-from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest
+from replaylm.runtime.io_struct import GenerateOutput, GenerateRequest, TextFrame
 from replaylm.runtime.tokenizer_manager import TokenizerManager
 from replaylm.sampling_params import SamplingParams
 from replaylm.server_args import ServerArgs
@@ -157,7 +157,7 @@ def test_text_only_increments_come_rendered_by_the_frame(text_manager):
         return [out async for out in text_manager.generate(req, frame)]
 
     plain = asyncio.run(run(None))
-    framed = asyncio.run(run(lambda index, text: json.dumps([index, text]).encode() + b"\0"))
+    framed = asyncio.run(run(TextFrame(_render)))
     assert isinstance(framed[0], GenerateOutput) and isinstance(framed[-1], GenerateOutput)
     assert framed[-1].finish_reason.type == "length" and framed[-1].completion_tokens == 40
     text, frames = "", 0
@@ -171,3 +171,55 @@ def test_text_only_increments_come_rendered_by_the_frame(text_manager):
             text, frames = text + piece, frames + 1
     assert frames >= 10  # most of the 40 tokens' text came as frames
     assert text == "".join(out.text for out in plain) != ""
+
+
+def _render(index: int, text: str) -> bytes:
+    return json.dumps([index, text]).encode() + b"\0"
+
+
+def _text_of(items: list) -> str:
+    text = ""
+    for item in items:
+        if isinstance(item, GenerateOutput):
+            text += item.text
+            continue
+        for event in item.split(b"\0")[:-1]:
+            text += json.loads(event)[1]
+    return text
+
+
+def test_frames_are_written_at_once_while_the_stream_waits_in_order(text_manager):
+    """With `send` set, a frame that finds the stream waiting (all before it written) is
+    written through it at once, no output yielded; a write left unfinished (a full buffer)
+    holds the next outputs back until it ends: one timeline of the stream's writes gives the
+    plain stream's text."""
+
+    async def run(frame):
+        req = GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=40, **GREEDY))
+        timeline: list = []
+        written = 0
+
+        def send(event: bytes):
+            nonlocal written
+            written += 1
+            if written % 3:
+                timeline.append(event)
+                return None
+
+            async def later() -> None:  # the buffer was full: written a little later
+                await asyncio.sleep(0.01)
+                timeline.append(event)
+
+            return later()
+
+        if frame is not None:
+            frame.send = send
+        async for out in text_manager.generate(req, frame):
+            timeline.append(out)
+        return timeline, written
+
+    plain, _ = asyncio.run(run(None))
+    timeline, written = asyncio.run(run(TextFrame(_render)))
+    assert written >= 10  # most frames went out through send
+    assert isinstance(timeline[0], GenerateOutput) and isinstance(timeline[-1], GenerateOutput)
+    assert _text_of(timeline) == _text_of(plain) != ""

@@ -27,7 +27,9 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
+from starlette.types import ASGIApp
 
+from replaylm.entrypoints.http_streaming import with_server_send
 from replaylm.runtime.errors import one_line_error
 from replaylm.server_args import ServerArgs
 
@@ -55,9 +57,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
 
 
-def uvicorn_config(app: object, args: ServerArgs) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, args: ServerArgs) -> uvicorn.Config:
     return uvicorn.Config(
-        app,  # type: ignore[arg-type]  # an ASGI app
+        with_server_send(app),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -17,6 +17,8 @@ from json.encoder import encode_basestring  # json.dumps(text, ensure_ascii=Fals
 
 from pydantic import BaseModel
 
+from replaylm.entrypoints.http_streaming import sse_event
+
 _MARK = "\x00replaylm-chunk-text\x00"  # no text a tokenizer decodes to
 
 
@@ -29,11 +31,20 @@ class ChunkFrames:
         head, tail = _split(empty.model_dump_json(), '"choices":[]')
         self._head, self._tail = head + '"choices":[', "]" + tail
         self._text_choice = text_choice
+        opens, closes = _split(sse_event(_MARK).decode(), _MARK)
+        self._event_head, self._event_tail = opens + self._head, self._tail + closes
 
     def text(self, index: int, text: str) -> str:
         """The chunk of choice `index` carrying `text` alone, as JSON."""
         before, after = _choice_around(self._text_choice, index)
         return f"{self._head}{before}{encode_basestring(text)}{after}{self._tail}"
+
+    def event(self, index: int, text: str) -> bytes:
+        """`text(index, text)` as the server-sent event a stream sends (`sse_event`'s), in one
+        formatting."""
+        before, after = _choice_around(self._text_choice, index)
+        event = f"{self._event_head}{before}{encode_basestring(text)}{after}{self._event_tail}"
+        return event.encode()
 
 
 @functools.cache

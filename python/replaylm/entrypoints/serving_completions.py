@@ -25,7 +25,6 @@ from replaylm.entrypoints.http_parsing import parse_body, prompt_param
 from replaylm.entrypoints.http_streaming import (
     EventStream,
     json_response,
-    sse_event,
     unless_disconnected,
 )
 from replaylm.entrypoints.logprob_format import completion_logprobs, prompt_logprobs
@@ -58,12 +57,13 @@ class CompletionsRoute:
         rid = response_id("cmpl", request, body.request_id, reqs[0].rid)
         view = _CompletionView(self.ctx, body, prompt_ids, rid)
         if body.stream:
+            text_frame = view.text_frame()
             with reported_under(body.constraint()):
-                frames = await start_choices(self.ctx.tm, request, reqs, "prompt", view.text_frame)
+                frames = await start_choices(self.ctx.tm, request, reqs, "prompt", text_frame)
             await self._echo(view)
             if body.include_stop_str_in_output:
                 frames = with_stop_strings(frames)
-            return EventStream(view.chunks(frames))
+            return EventStream(view.chunks(frames), text_frame=text_frame)
         with reported_under(body.constraint()):
             stream = await start_choices(self.ctx.tm, request, reqs, "prompt")
         await self._echo(view)
@@ -130,7 +130,6 @@ class _CompletionView:
         self.created = int(time.time())  # every chunk of a stream shares it
         self.frames = ChunkFrames(self._response([]), _text_choice)
 
-    @property
     def text_frame(self) -> TextFrame | None:
         """The event of a text-only increment, rendered where the scheduler's message is read,
         for a stream whose such increments are all `frames.text` chunks (one prompt; no
@@ -144,8 +143,7 @@ class _CompletionView:
             or body.max_tokens == 0
         ):
             return None
-        frames = self.frames
-        return lambda index, text: sse_event(frames.text(index, text))
+        return TextFrame(self.frames.event)
 
     def _response(
         self, choices: list[CompletionChoice], usage: UsageInfo | None = None

@@ -5,7 +5,8 @@ Everything here is a plain picklable dataclass: the tokenizer manager (main proc
 `TokenizedGenerateReq` / `AbortReq` to the scheduler (child process), which answers
 `SchedulerReady` once and then each step with one `BatchTokenOut`. The tokenizer manager turns
 those into `GenerateOutput`s (text deltas) for the HTTP layer, or for a stream that gave it a
-`TextFrame`, most of them straight into the bytes the stream sends.
+`TextFrame`, most of them straight into the bytes the stream sends (and, once its response has
+begun, onto its connection).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,9 +54,20 @@ class GenerateRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
-# renders an increment that brings choice `index` new text and nothing else as the bytes a
-# stream sends for it (one server-sent event): `TokenizerManager.generate`'s frames
-TextFrame = Callable[[int, str], bytes]
+# writes a stream's event at once: None once written, else an awaitable that finishes the write
+FrameSend = Callable[[bytes], Awaitable[None] | None]
+
+
+class TextFrame:
+    """A stream's text-only increments (`TokenizerManager.generate`'s frames): `render(index,
+    text)` gives the bytes the stream sends for new text of choice `index` and nothing else (one
+    server-sent event), rendered where the scheduler's message is read. `send`, set by the
+    stream while its response is open, writes such bytes at once (a frame that finds the stream
+    idle then costs it no task wake)."""
+
+    def __init__(self, render: Callable[[int, str], bytes]) -> None:
+        self.render = render
+        self.send: FrameSend | None = None
 
 
 @dataclass

@@ -38,6 +38,7 @@ from replaylm.runtime.io_struct import (
     BatchTokenOut,
     FlushCacheOut,
     FlushCacheReq,
+    FrameSend,
     GenerateOutput,
     GenerateRequest,
     ReqTokenOut,
@@ -82,6 +83,23 @@ class _Outbox:
     def __init__(self) -> None:
         self._items: list[GenerateOutput | bytes | Exception] = []
         self._waiter: asyncio.Future[None] | None = None
+        self._sending: asyncio.Future[None] | None = None  # a frame's write, unfinished
+
+    def put_frame(self, frame: bytes, send: FrameSend | None) -> None:
+        """Put a rendered frame; or, with `send` while the consumer waits with everything
+        before it sent (its waiter pending, no write unfinished), write it through `send` at
+        once, waking no task."""
+        waiter = self._waiter
+        if send is None or waiter is None or waiter.done() or self._sending is not None:
+            self.put(frame)
+            return
+        try:
+            pending = send(frame)
+        except Exception:  # the consumer's own write meets the same error, in its task
+            self.put(frame)
+            return
+        if pending is not None:  # the connection's buffer is full: take() waits for the write
+            self._sending = asyncio.ensure_future(pending)
 
     def put(self, item: GenerateOutput | bytes | Exception) -> None:
         self._items.append(item)
@@ -94,6 +112,9 @@ class _Outbox:
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
+        if self._sending is not None:  # a frame put before these is still being written
+            sending, self._sending = self._sending, None
+            await sending
         items, self._items = self._items, []
         return items
 
@@ -246,9 +267,10 @@ class TokenizerManager:
         GenerateOutput (`index` tells the choices apart; each finishes on its own).
 
         With `text_frame`, an increment that brings new text and nothing else (no finish, no
-        logprobs: most of a stream's tokens) comes as `text_frame(index, text)`, rendered as the
-        scheduler's message is read: a stream then passes it on as it is. A choice's first and
-        last increments are always GenerateOutputs.
+        logprobs: most of a stream's tokens) comes as `text_frame.render(index, text)`, rendered
+        as the scheduler's message is read: a stream then passes it on as it is, or (while it
+        waits for the next output with everything before sent) `text_frame.send` writes it at
+        once. A choice's first and last increments are always GenerateOutputs.
 
         Raises RequestError for bad input and ServiceUnavailableError when the scheduler is
         gone, before yielding anything. Closing the generator early aborts the request.
@@ -543,7 +565,8 @@ class TokenizerManager:
             if full is None and state.text_frame is not None:
                 text = self._advance(state, ids, None, now)
                 if text:  # else nothing to send: the next increment brings it
-                    state.outbox.put(state.text_frame(state.index, text))
+                    frame = state.text_frame
+                    state.outbox.put_frame(frame.render(state.index, text), frame.send)
             else:
                 state.outbox.put(self._increment(state, ids, full, now))
         self.metrics.itl.observe_many(gaps)
