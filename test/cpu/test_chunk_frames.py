@@ -1,6 +1,6 @@
 """A stream chunk filled from `ChunkFrames` equals the one the response models would dump (and
-its event the one a stream frames), for completions and chat, whatever the text (quotes, escapes, control characters, non-ASCII) and the
-choice's index."""
+its event the one a stream frames), for completions and chat, whatever the text (quotes,
+escapes, control characters, non-ASCII) and the choice's index."""
 
 from __future__ import annotations
 
