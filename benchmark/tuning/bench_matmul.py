@@ -98,7 +98,7 @@ def bench_shape(n: int, k: int, rows: int, layers: int) -> dict[str, float]:
 
 
 # name -> the changes to `matmul_config(N, K)` (MatmulConfig fields) tried by `--configs`
-CONFIG_CHOICES: dict[str, dict[str, int]] = {
+CONFIG_CHOICES: dict[str, dict[str, int | bool]] = {
     "default": {},
     "split 1": {"split_k": 1},
     "split 2": {"split_k": 2},
@@ -113,6 +113,15 @@ CONFIG_CHOICES: dict[str, dict[str, int]] = {
     "split 2, K 256": {"split_k": 2, "block_k": 256, "num_stages": 3},
     "16 cols, K 256": {"block_n": 16, "block_k": 256, "split_k": 1, "num_stages": 4},
     "64 cols, split 8": {"block_n": 64, "split_k": 8},
+    "swapped, 64 cols": {"swap": True, "block_n": 64},
+    "swapped, 64 cols, split 4": {"swap": True, "block_n": 64, "split_k": 4},
+    "swapped, 64 cols, K 256, split 4": {
+        "swap": True,
+        "block_n": 64,
+        "block_k": 256,
+        "split_k": 4,
+        "num_stages": 3,
+    },
 }
 
 

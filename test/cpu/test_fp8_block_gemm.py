@@ -24,7 +24,12 @@ from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.kernels import native_only  # noqa: E402
 from replaylm.layers.kernels.rmsnorm import rms_norm  # noqa: E402
 from replaylm.layers.kernels.silu_mul import silu_and_mul  # noqa: E402
-from replaylm.layers.kernels.skinny_matmul import FP8_MAX_ROWS  # noqa: E402
+from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
+    FP8_MAX_ROWS,
+    MAX_ROWS,
+    MatmulConfig,
+    skinny_matmul,
+)
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import GateUpLinear  # noqa: E402
 from replaylm.layers.quantization import fp8_kernels  # noqa: E402
@@ -337,6 +342,20 @@ def test_decode_rows_run_the_skinny_kernel_on_the_quantized_input(
     got = fp8_linear(x, weight, scale, None, out_dtype=torch.float32)
     assert kernel_device_cpu["quantize"] == 1
     torch.testing.assert_close(got, EMULATED(x, weight, scale, None, None), rtol=1e-5, atol=1e-4)
+    if rows <= MAX_ROWS:  # the dot taken the other way round: the same sums
+        x_q, x_scale = fp8_kernels.quantize_activation(x)
+        swapped = MatmulConfig(64, 128, 2, num_warps=4, num_stages=2, swap=True)
+        torch.testing.assert_close(
+            skinny_matmul(
+                x_q,
+                weight,
+                config=swapped,
+                out_dtype=torch.float32,
+                weight_scale=scale,
+                x_scale=x_scale,
+            ),
+            got,
+        )
 
 
 def _gated_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

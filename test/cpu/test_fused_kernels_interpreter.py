@@ -189,6 +189,7 @@ def test_qk_norm_rope_rejects_an_odd_head_dim():
             MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4, num_stages=2),
         ),
         (150, 96, 200, True, INVARIANT_CONFIG),  # 3 row tiles of 64 (--deterministic)
+        (5, 90, 200, True, MatmulConfig(64, 32, 3, num_warps=4, num_stages=2, swap=True)),
     ],
 )
 def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
@@ -224,6 +225,7 @@ def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
             MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4, num_stages=2),
         ),
         (70, 40, 96, False, INVARIANT_CONFIG),  # --deterministic's launch, 2 row tiles
+        (3, 48, 1024, False, MatmulConfig(64, 32, 3, num_warps=4, num_stages=2, swap=True)),
     ],
 )
 def test_gated_skinny_matmul_equals_the_matmul_then_silu_and_mul(

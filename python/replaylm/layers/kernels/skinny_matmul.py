@@ -54,6 +54,8 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     block_m: int = MAX_ROWS
+    # the dot taken as `W x^T`: the weight tile on the MMA's row side, the rows on its columns
+    swap: bool = False
 
 
 # any row count, one launch for every weight: rows never depend on the others (64-row tiles, so a
@@ -161,16 +163,31 @@ def _weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _dot_tile(
-    X, w, acc, offs_m, k_block, M, K, stride_xm, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr
+    X,
+    w,
+    acc,
+    offs_m,
+    k_block,
+    M,
+    K,
+    stride_xm,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
-    """`acc + X[offs_m, k_block-th BLOCK_K columns] @ w^T`."""
+    """`acc + X[offs_m, k_block-th BLOCK_K columns] @ w^T` (`SWAP`: its transpose,
+    `acc + w @ X[...]^T`)."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     x = tl.load(
         X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
         other=0.0,
     )
-    if x.dtype == tl.float8e4nv:  # and so is w
+    if SWAP:
+        if x.dtype == tl.float8e4nv:  # and so is w
+            return tl.dot(w, tl.trans(x), acc)
+        return tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    if x.dtype == tl.float8e4nv:
         return tl.dot(x, tl.trans(w), acc)
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
@@ -201,25 +218,31 @@ def _skinny_matmul_kernel(
     PRECISION: tl.constexpr,
     GATED: tl.constexpr,
     FP8: tl.constexpr,
+    SWAP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = _weight_rows(pid_n, N, BLOCK_N, GATED)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     first = pid_k * BLOCKS_PER_SPLIT  # this slice's first block of K
     if USE_PDL:  # the weights are constant: their first tile loads while the producer of X runs
         w = _weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
         wait_for_producers(USE_PDL)
-        acc = _dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION)
+        acc = _dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
         for i in range(1, BLOCKS_PER_SPLIT):
             w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION)
+            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
     else:
         for i in range(0, BLOCKS_PER_SPLIT):
             w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION)
+            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
     if SPLIT_K == 1:
         _write_tile(
             Y,
@@ -378,6 +401,7 @@ def skinny_matmul(
             PRECISION=dot_precision(x.dtype),
             GATED=gated_silu,
             FP8=fp8,
+            SWAP=cfg.swap,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl_launch(),
