@@ -31,7 +31,7 @@ from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
     skinny_matmul,
 )
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
-from replaylm.layers.linear import GateUpLinear  # noqa: E402
+from replaylm.layers.linear import GateUpLinear, Linear  # noqa: E402
 from replaylm.layers.quantization import fp8_kernels  # noqa: E402
 from replaylm.layers.quantization import fp8_linear as fp8_linear_module  # noqa: E402
 from replaylm.layers.quantization.config import Fp8Config  # noqa: E402
@@ -457,3 +457,39 @@ def test_a_norm_feeding_a_per_channel_layer_hands_it_quantized_rows(
     got = layer(normed)
     assert kernel_device_cpu["quantize"] == calls + (quant.block_size is not None)
     assert torch.equal(got, layer(rms_norm(x, norm.weight, norm.eps)))
+
+
+def test_silu_and_mul_quantize_is_the_activation_then_the_quantization() -> None:
+    """One launch gives what SiluAndMul's kernel then the quantization kernel give, bit for bit
+    (a width that is no power of two: the last block's columns masked)."""
+    x = torch.randn(4, 2 * 300, generator=_gen(41)).bfloat16() * 3
+    rows = fp8_kernels.silu_and_mul_quantize(x)
+    want_q, want_scale = fp8_kernels.quantize_activation(silu_and_mul(x))
+    assert rows.dtype == torch.bfloat16 and rows.q.shape == (4, 300)
+    assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(rows.scale, want_scale)
+
+
+def test_a_gate_up_layer_past_the_skinny_rows_hands_down_quantized_rows(
+    kernel_device_cpu: dict[str, int],
+) -> None:
+    """Past the skinny kernel's rows a per-channel FP8 gate-up layer that `quantizes_for` its
+    down projection gives it SiluAndMul's output quantized in the same launch: the down
+    projection quantizes nothing itself, and its numbers are the unfused ones."""
+    gate_up = GateUpLinear(96, 64, quant=Fp8Config("channel"))
+    down = Linear(64, 48, quant=Fp8Config("channel"))
+    for layer, seed in ((gate_up, 42), (down, 43)):
+        weight, scale = quantize_weight(torch.randn(layer.weight.shape, generator=_gen(seed)), None)
+        layer.weight.data.copy_(weight)
+        layer.weight_scale.data.copy_(scale)
+    x = torch.randn(SKINNY_ROWS + 3, 96, generator=_gen(44)).bfloat16()
+    try:
+        unfused = down(gate_up(x))
+    except RuntimeError as err:
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {err}")
+    gate_up.quantizes_for(down)
+    calls = kernel_device_cpu["quantize"]
+    rows = gate_up(x)
+    assert isinstance(rows, QuantizedRows)
+    assert torch.equal(down(rows), unfused)
+    assert kernel_device_cpu["quantize"] == calls + 1  # gate-up's input alone

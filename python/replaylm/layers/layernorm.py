@@ -4,20 +4,15 @@ FP8 layer reads it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from replaylm.distributed.communication import all_reduce, one_shot_peer
 from replaylm.layers.kernels import use_triton_kernels
-from replaylm.layers.quantization.fp8 import Activation
-
-if TYPE_CHECKING:
-    from replaylm.layers.linear import Linear
+from replaylm.layers.quantization.fp8 import Activation, QuantizesFor
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, QuantizesFor):
     """`y = x / rms(x) * weight`, computed in float32 and cast back (as HF Llama does).
 
     With `residual`, first `x = x + residual` and the sum is returned as the new residual.
@@ -37,20 +32,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
         self.sum_site: int | None = None
-        self._feeds: tuple[Linear, ...] = ()  # a tuple: not a submodule of this one
-
-    def quantizes_for(self, layer: Linear) -> None:
-        """`layer` is the one layer the output feeds: quantize it for that layer where it takes
-        a quantized input (`Linear.takes_quantized_rows`, known once its weights are loaded)."""
-        self._feeds = (layer,)
-
-    def _quantizes(self, x: torch.Tensor) -> bool:
-        return (
-            not torch.compiler.is_compiling()  # first: the rest is not for tracing
-            and len(self._feeds) == 1
-            and self._feeds[0].takes_quantized_rows
-            and x.dtype == self.weight.dtype
-        )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -67,7 +48,10 @@ class RMSNorm(nn.Module):
                 )
             x = all_reduce(x)
         if use_triton_kernels(x):
-            if self._quantizes(x) and (residual is None or residual.dtype == x.dtype):
+            dtypes = {x.dtype, self.weight.dtype} | (
+                {residual.dtype} if residual is not None else set()
+            )
+            if len(dtypes) == 1 and self.quantizes():
                 from replaylm.layers.quantization.fp8_kernels import rms_norm_quantize
 
                 rows, summed = rms_norm_quantize(x, self.weight, self.eps, residual)

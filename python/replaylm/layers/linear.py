@@ -18,7 +18,7 @@ from replaylm.distributed.sharding import Shard
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import cublas_linear, use_triton_kernels
 from replaylm.layers.quantization.config import Fp8Config
-from replaylm.layers.quantization.fp8 import FP8_DTYPE, Activation
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, Activation, QuantizesFor
 from replaylm.layers.quantization.fp8_linear import fp8_linear, gated_fp8_linear, takes_skinny
 from replaylm.layers.quantization.layout import as_held, scale_shape, scale_shard, whole_blocks
 
@@ -298,11 +298,13 @@ class MergedLinear(Linear):
         return y.split(list(self.shard_sizes.values()), dim=-1)
 
 
-class GateUpLinear(MergedLinear):
+class GateUpLinear(MergedLinear, QuantizesFor):
     """The gate and up projections followed by SiluAndMul: `[..., in] -> [..., inter]`,
     `silu(x Wg^T) * (x Wu^T)`. On the skinny kernel (up to 16 rows, or `invariant`; FP8
     per-channel weights where `fp8_linear` takes it) one launch, SiluAndMul in its epilogue;
-    otherwise the matmul (FP8 weights: `fp8_linear`), then SiluAndMul's own kernel."""
+    otherwise the matmul (FP8 weights: `fp8_linear`), then SiluAndMul's own kernel, or (the
+    Triton route, `quantizes_for` a layer that takes it) SiluAndMul with the per-token
+    quantization in one launch."""
 
     def __init__(
         self,
@@ -322,7 +324,7 @@ class GateUpLinear(MergedLinear):
         )
         self.act = SiluAndMul()
 
-    def forward(self, x: Activation) -> torch.Tensor:
+    def forward(self, x: Activation) -> Activation:  # type: ignore[override]
         if (
             isinstance(x, torch.Tensor)
             and self.quant is None
@@ -337,7 +339,12 @@ class GateUpLinear(MergedLinear):
             return gated_fp8_linear(
                 x, self.weight, self.weight_scale, self.bias, input_scale=self.input_scale
             )
-        return self.act(super().forward(x))
+        y = super().forward(x)
+        if use_triton_kernels(y) and self.quantizes():
+            from replaylm.layers.quantization.fp8_kernels import silu_and_mul_quantize
+
+            return silu_and_mul_quantize(y)
+        return self.act(y)
 
 
 class RowParallelLinear(Linear):

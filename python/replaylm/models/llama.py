@@ -160,6 +160,7 @@ class LlamaMLP(nn.Module):
         )
         columns = Shard(1, rows.start, rows.size, rows.full)
         self.down_proj = _row_linear(columns, hidden_size, place, quant)
+        self.gate_up_proj.quantizes_for(self.down_proj)
 
     def forward(self, x: Activation) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))

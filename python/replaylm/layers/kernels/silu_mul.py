@@ -16,16 +16,25 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 
 
 @triton.jit
+def silu_mul_columns(X, row, cols, mask, width, stride_x):
+    """`silu(gate) * up` of `row`'s columns `cols` (gate and up the row's halves, `width` each),
+    in the input dtype, rounded as the torch code rounds it (zeros where not `mask`)."""
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(X + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (silu * up).to(gate.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(X, Out, width, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_producers(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(X + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(Out + row * width + cols, (silu * up).to(gate.dtype), mask=mask)
+    tl.store(
+        Out + row * width + cols, silu_mul_columns(X, row, cols, mask, width, stride_x), mask=mask
+    )
 
 
 def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:

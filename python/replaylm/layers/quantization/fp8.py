@@ -11,7 +11,7 @@ one static scale.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,30 @@ class QuantizedRows(NamedTuple):
 
 # what an FP8 linear takes: an activation, or one quantized ahead of it
 Activation = torch.Tensor | QuantizedRows
+
+
+class TakesQuantizedRows(Protocol):
+    @property
+    def takes_quantized_rows(self) -> bool: ...
+
+
+class QuantizesFor:
+    """A layer whose output may come quantized per token, from its own launch, for the one
+    layer it feeds (`quantizes_for(layer)`): `quantizes()` says whether to, outside
+    torch.compile's tracing, once that layer takes a quantized input (`takes_quantized_rows`,
+    known when its weights are loaded)."""
+
+    _feeds: tuple[TakesQuantizedRows, ...] = ()  # a tuple: not a submodule of the layer
+
+    def quantizes_for(self, layer: TakesQuantizedRows) -> None:
+        self._feeds = (layer,)
+
+    def quantizes(self) -> bool:
+        return (
+            not torch.compiler.is_compiling()  # first: the rest is not for tracing
+            and len(self._feeds) == 1
+            and self._feeds[0].takes_quantized_rows
+        )
 
 
 def is_fp8(t: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
-"""The FP8 matmul's Triton kernels: activation quantization (alone, or fused into the RMSNorm
-that makes the activation) and the block-scaled GEMM.
+"""The FP8 matmul's Triton kernels: activation quantization (alone, or fused into the RMSNorm or
+the SiluAndMul that makes the activation) and the block-scaled GEMM.
 
 `quantize_activation` is `fp8.quantize_activation` in one launch: each program takes one token's
 group of columns (per token: the whole row as one group), its amax over 448 as the scale (the
@@ -31,6 +31,7 @@ import triton.language as tl
 from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 from replaylm.layers.kernels.rmsnorm import norm_rows
+from replaylm.layers.kernels.silu_mul import silu_mul_columns
 from replaylm.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, Block, QuantizedRows
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -193,6 +194,46 @@ def rms_norm_quantize(
             **pdl_launch(),
         )
     return QuantizedRows(q, scale, x.dtype), res_out
+
+
+@triton.jit
+def _silu_mul_quantize_kernel(
+    X, Q, Scale, width, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    """Row `program_id(0)`'s SiluAndMul (`silu_mul_columns`, all `width` columns in one block),
+    quantized per token as `_quantize_kernel` quantizes it: e4m3 to Q, scale to Scale."""
+    wait_for_producers(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    y = silu_mul_columns(X, row, cols, mask, width, stride_x).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), _MIN_AMAX), _FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
+    tl.store(Q + row * width + cols, _round_to_e4m3(q).to(Q.dtype.element_ty), mask=mask)
+    tl.store(Scale + row, scale)
+
+
+def silu_and_mul_quantize(x: torch.Tensor) -> QuantizedRows:
+    """`silu_mul.silu_and_mul` of `x` `[T, 2I]` (its numbers) quantized per token as
+    `quantize_activation` quantizes it, in one launch: the `[T, I]` QuantizedRows."""
+    width = x.shape[-1] // 2
+    x2 = as_rows(x, 2 * width)
+    rows = x2.shape[0]
+    q = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(width)
+    if rows:
+        _silu_mul_quantize_kernel[(rows,)](
+            x2,
+            q,
+            scale,
+            width,
+            x2.stride(0),
+            BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8),
+            **pdl_launch(),
+        )
+    return QuantizedRows(q, scale, x.dtype)
 
 
 @dataclass(frozen=True)
