@@ -97,3 +97,61 @@ def test_500_concurrent_streams_equal_their_answers_and_hang_ups_free_everything
         int(n) for n in re.findall(r"prefill batch: (\d+) requests", server.stderr_tail(10**8))
     ]
     assert max(sizes) >= 16, sizes  # requests that wait together are admitted together
+
+
+def _chat_body(i: int, stream: bool) -> dict:
+    return {
+        "messages": [{"role": "user", "content": f"Basket {i}: how many apples?"}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+async def _chat_stream(client: httpx.AsyncClient, i: int, hang_up: bool) -> tuple[str, list]:
+    text, kinds = "", []
+    async with client.stream("POST", "/v1/chat/completions", json=_chat_body(i, True)) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            delta = choice["delta"]
+            finish = choice.get("finish_reason")
+            kinds.append("role" if delta.get("role") else "finish" if finish else "text")
+            text += delta.get("content") or ""
+            if hang_up and text:
+                break
+    return text, kinds
+
+
+def test_concurrent_chat_streams_equal_their_answers_in_order(server):
+    """Chat streams (their text-only chunks rendered and written as frames) give their
+    non-streamed answers: the role's chunk first, the text, the finish last; hang-ups abort."""
+    count = 100
+
+    async def run() -> tuple[list[str], list[tuple[str, list]]]:
+        limits = httpx.Limits(max_connections=count + 10)
+        async with httpx.AsyncClient(
+            base_url=server.base_url, timeout=TIMEOUT_S, limits=limits
+        ) as client:
+            answers = await asyncio.gather(
+                *(
+                    client.post("/v1/chat/completions", json=_chat_body(i, False))
+                    for i in range(count)
+                )
+            )
+            streamed = await asyncio.gather(
+                *(_chat_stream(client, i, hang_up=i % 4 == 0) for i in range(count))
+            )
+        return [a.json()["choices"][0]["message"]["content"] for a in answers], list(streamed)
+
+    answers, streamed = asyncio.run(run())
+    for i, (answer, (text, kinds)) in enumerate(zip(answers, streamed, strict=True)):
+        assert kinds[0] == "role", i
+        if i % 4 == 0:
+            assert text and answer.startswith(text), i
+            continue
+        assert text == answer, i
+        assert kinds[-1] == "finish" and set(kinds[1:-1]) <= {"text"}, i

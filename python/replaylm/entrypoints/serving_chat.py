@@ -7,13 +7,14 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, overload
 
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from replaylm.entrypoints.choices import (
+    C,
     ChoiceOutput,
     ChoiceResult,
     UsageCounter,
@@ -50,7 +51,7 @@ from replaylm.entrypoints.serving_common import ServingContext, response_id
 from replaylm.entrypoints.tool_call_parser import ToolCallParser
 from replaylm.entrypoints.tool_calls import ToolRequest, tool_request
 from replaylm.runtime.errors import RequestError
-from replaylm.runtime.io_struct import GenerateRequest, TokenLogprob
+from replaylm.runtime.io_struct import GenerateRequest, TextFrame, TokenLogprob
 
 
 def offered_tools(
@@ -111,20 +112,40 @@ def _forced_calls(
 
 
 @dataclass
-class StartedChat:
-    """A chat request under way: its choices' outputs as they come, and what shows them."""
+class StartedChat(Generic[C]):
+    """A chat request under way: its choices' outputs as they come (and its text frames, where
+    it was given a TextFrame), and what shows them."""
 
-    stream: AsyncGenerator[ChoiceOutput, None]
+    stream: AsyncGenerator[C, None]
     rid: str
     prompt_ids: list[int]
     tools: ToolRequest | None
 
 
+@overload
 async def start_chat(
     ctx: ServingContext, request: Request, body: ChatCompletionRequest
-) -> StartedChat:
+) -> StartedChat[ChoiceOutput]: ...
+
+
+@overload
+async def start_chat(
+    ctx: ServingContext,
+    request: Request,
+    body: ChatCompletionRequest,
+    text_frame: TextFrame | None,
+) -> StartedChat[ChoiceOutput | bytes]: ...
+
+
+async def start_chat(
+    ctx: ServingContext,
+    request: Request,
+    body: ChatCompletionRequest,
+    text_frame: TextFrame | None = None,
+) -> StartedChat[Any]:
     """Render, tokenize and start a checked chat request (the Responses API's too); bad input
-    raises RequestError here, before any response has begun."""
+    raises RequestError here, before any response has begun. `text_frame`: as
+    `start_choices`'."""
     if body.functions and body.function_call != "none":
         raise RequestError(
             "the deprecated functions are not available: declare them as tools",
@@ -150,7 +171,7 @@ async def start_chat(
         n=body.num_choices,
     )
     with reported_under(forced or asked):
-        stream = await start_choices(ctx.tm, request, [req], "messages")
+        stream = await start_choices(ctx.tm, request, [req], "messages", text_frame)
     if body.include_stop_str_in_output:
         stream = with_stop_strings(stream)
     return StartedChat(stream, req.rid, ids, tools)
@@ -163,18 +184,30 @@ class ChatRoute:
     async def handle(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         self.ctx.check_model(body.model)
-        chat = await start_chat(self.ctx, request, body)
-        view = _ChatView(
-            self.ctx,
-            body,
-            response_id("chatcmpl", request, body.request_id, chat.rid),
-            chat.prompt_ids,
-            chat.tools,
+        if not body.stream:
+            chat = await start_chat(self.ctx, request, body)
+            view = self._view(request, body, chat)
+            results, usage = await unless_disconnected(request, collect(chat.stream))
+            return json_response(view.response(results, usage))
+        # a stream whose text-only chunks all look alike: rendered once the view exists
+        plain = not (
+            body.tools
+            or body.continuous_usage
+            or body.top_logprobs_k is not None
+            or body.return_token_ids
         )
-        if body.stream:
-            return EventStream(view.chunks(chat.stream))
-        results, usage = await unless_disconnected(request, collect(chat.stream))
-        return json_response(view.response(results, usage))
+        text_frame = TextFrame() if plain else None
+        framed = await start_chat(self.ctx, request, body, text_frame)
+        view = self._view(request, body, framed)
+        if text_frame is not None:
+            text_frame.render = view.frames.event
+        return EventStream(view.chunks(framed.stream), text_frame=text_frame)
+
+    def _view(
+        self, request: Request, body: ChatCompletionRequest, chat: StartedChat[Any]
+    ) -> _ChatView:
+        rid = response_id("chatcmpl", request, body.request_id, chat.rid)
+        return _ChatView(self.ctx, body, rid, chat.prompt_ids, chat.tools)
 
 
 class _ChatView:
@@ -197,6 +230,7 @@ class _ChatView:
         last = body.messages[-1]
         # vLLM's echo: a reply continuing the assistant's last message starts with its text
         self.echo = last.text if body.echo and last.role == "assistant" else ""
+        self.frames = ChunkFrames(self._chunk([]), _text_choice)
 
     def _logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs | None:
         k = self.body.top_logprobs_k
@@ -258,10 +292,11 @@ class _ChatView:
         )
 
     async def chunks(
-        self, stream: AsyncIterator[ChoiceOutput]
-    ) -> AsyncGenerator[ChatCompletionChunk | str, None]:
-        """The stream's chunks; one that only brings text comes from `ChunkFrames`."""
-        frames = ChunkFrames(self._chunk([]), _text_choice)
+        self, stream: AsyncIterator[ChoiceOutput | bytes]
+    ) -> AsyncGenerator[ChatCompletionChunk | str | bytes, None]:
+        """The stream's chunks; one that only brings text comes from `ChunkFrames` (here, or as
+        the `TextFrame` event already rendered)."""
+        frames = self.frames
         # no output yet: its usage is the prompt's alone
         prompt_len = len(self.prompt_ids)
         start = UsageInfo(prompt_tokens=prompt_len, completion_tokens=0, total_tokens=prompt_len)
@@ -275,6 +310,9 @@ class _ChatView:
         parsers: dict[int, ToolCallParser] = {}
         called: set[int] = set()  # choices that called a tool
         async for c in stream:
+            if isinstance(c, bytes):
+                yield c
+                continue
             usage.add(c)
             logprobs = self._logprobs(c.out.logprobs or [])
             reason = finish_reason(c.out)

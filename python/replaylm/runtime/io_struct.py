@@ -61,11 +61,12 @@ FrameSend = Callable[[bytes], Awaitable[None] | None]
 class TextFrame:
     """A stream's text-only increments (`TokenizerManager.generate`'s frames): `render(index,
     text)` gives the bytes the stream sends for new text of choice `index` and nothing else (one
-    server-sent event), rendered where the scheduler's message is read. `send`, set by the
-    stream while its response is open, writes such bytes at once (a frame that finds the stream
-    idle then costs it no task wake)."""
+    server-sent event), rendered where the scheduler's message is read; until it is set (a
+    stream whose templates need the started request), such increments come whole. `send`, set by
+    the stream while its response is open, writes such bytes at once (a frame that finds the
+    stream idle then costs it no task wake)."""
 
-    def __init__(self, render: Callable[[int, str], bytes]) -> None:
+    def __init__(self, render: Callable[[int, str], bytes] | None = None) -> None:
         self.render = render
         self.send: FrameSend | None = None
 

@@ -562,10 +562,10 @@ class TokenizerManager:
             if ids and state.last_token is not None:
                 gaps.append(now - state.last_token)
             generated += len(ids)
-            if full is None and state.text_frame is not None:
+            frame = state.text_frame
+            if full is None and frame is not None and frame.render is not None:
                 text = self._advance(state, ids, None, now)
                 if text:  # else nothing to send: the next increment brings it
-                    frame = state.text_frame
                     state.outbox.put_frame(frame.render(state.index, text), frame.send)
             else:
                 state.outbox.put(self._increment(state, ids, full, now))
