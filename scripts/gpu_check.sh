@@ -50,8 +50,11 @@
 #   prefill_moe).
 #   fp8: bench_fp8_gemm.py (the FP8 GEMMs per projection and row count against bf16 cuBLAS), and
 #   Llama-3.1-8B and Qwen3-0.6B in bf16, with --quantization fp8, and with the FP8 KV cache too:
-#   bench_one_batch.py (decode at bs 1, 8, 64, 256; dummy Qwen3-30B-A3B too, its experts in FP8),
-#   bench_offline.py (nano-vllm's workload) and its 64 x 512 prefill + 1.
+#   bench_one_batch.py (decode at bs 1, 8, 64, 256); fp8_offline: the same models and variants
+#   through bench_offline.py (nano-vllm's workload) and its 64 x 512 prefill + 1; fp8_moe: dummy
+#   Qwen3-30B-A3B's decode, its experts in FP8; matmul_fp8: bench_matmul.py --configs --fp8, the
+#   skinny kernel's FP8 launches (swapped dots among them) at 1 and 16 rows. One call each: the
+#   three together pass a call's 10 minutes.
 #   http: bench_http.py, the HTTP server against the in-process Engine (SmolLM2-135M, Qwen3-0.6B
 #   and Llama-3.1-8B, dummy weights, the built-in model's tokenizer), 1,024 requests of 512 tokens
 #   at once, with GPU_CHECK_HTTP_COUNTS front ends (default "1 8").
@@ -213,11 +216,13 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
             fp8) run_bench bench_fp8_gemm benchmark/bench_fp8_gemm.py
                 run_bench bench_one_batch_fp8 benchmark/bench_one_batch.py \
                 --models llama-3.1-8b qwen3-0.6b --bs 1 8 64 256 \
-                --runs '{"decode": "full", "prefill": "breakable"}' --server-args "${fp8_variants[@]}"
-                run_bench bench_one_batch_fp8_moe benchmark/bench_one_batch.py \
+                --runs '{"decode": "full", "prefill": "breakable"}' --server-args "${fp8_variants[@]}" ;;
+            fp8_moe) run_bench bench_one_batch_fp8_moe benchmark/bench_one_batch.py \
                 --models qwen3-30b-a3b --bs 1 8 64 256 \
-                --runs '{"decode": "full", "prefill": "breakable"}' --server-args "${fp8_variants[@]}"
-                for model in llama-3.1-8b qwen3-0.6b; do
+                --runs '{"decode": "full", "prefill": "breakable"}' --server-args "${fp8_variants[@]}" ;;
+            matmul_fp8) run_bench bench_matmul_fp8 benchmark/tuning/bench_matmul.py --configs --fp8 \
+                --models llama-3.1-8b qwen3-0.6b --rows 1 16 ;;
+            fp8_offline) for model in llama-3.1-8b qwen3-0.6b; do
                     run_bench "bench_offline_fp8_$model" benchmark/bench_offline.py --modes full \
                     --model-path "benchmark/configs/$model.json" --server-args "${fp8_variants[@]}"
                     run_bench "bench_prefill_fp8_$model" benchmark/bench_offline.py --modes full \
