@@ -48,10 +48,7 @@ class RMSNorm(nn.Module, QuantizesFor):
                 )
             x = all_reduce(x)
         if use_triton_kernels(x):
-            dtypes = {x.dtype, self.weight.dtype} | (
-                {residual.dtype} if residual is not None else set()
-            )
-            if len(dtypes) == 1 and self.quantizes():
+            if self.quantizes() and _one_dtype(x, self.weight, residual):
                 from replaylm.layers.quantization.fp8_kernels import rms_norm_quantize
 
                 rows, summed = rms_norm_quantize(x, self.weight, self.eps, residual)
@@ -66,3 +63,8 @@ class RMSNorm(nn.Module, QuantizesFor):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+def _one_dtype(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether the fused norm-and-quantization takes these operands: all of one dtype."""
+    return x.dtype == weight.dtype and (residual is None or residual.dtype == x.dtype)

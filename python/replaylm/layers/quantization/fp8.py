@@ -30,9 +30,10 @@ Block = tuple[int, int]
 
 
 class QuantizedRows(NamedTuple):
-    """An activation already quantized per token by the kernel that made it (RMSNorm's), for
-    the per-channel FP8 matmul that reads it: e4m3 `q` `[T, K]`, float32 `scale` `[T, 1]`, and
-    `dtype`, the dtype it was quantized from (the matmul's output dtype)."""
+    """An activation already quantized per token by the kernel that made it (RMSNorm's or
+    SiluAndMul's: `QuantizesFor`), for the per-channel FP8 matmul that reads it: e4m3 `q`
+    `[T, K]`, float32 `scale` `[T, 1]`, and `dtype`, the dtype it was quantized from (the
+    matmul's output dtype)."""
 
     q: torch.Tensor
     scale: torch.Tensor

@@ -58,6 +58,25 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
+def _token_scale(x):
+    """The per-token (or per-group) scale of `x` (float32, any shape: one token's values):
+    its amax over 448, the amax at least MIN_AMAX, correctly rounded."""
+    return tl.math.div_rn(tl.maximum(tl.max(tl.abs(x)), _MIN_AMAX), _FP8_MAX)
+
+
+@triton.jit
+def _scaled_e4m3(x, scale):
+    """`x / scale` saturated to +-448 and rounded onto e4m3's grid (still float32)."""
+    return _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -_FP8_MAX, _FP8_MAX))
+
+
+def _quantized_buffers(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Empty e4m3 values `[rows, width]` and float32 per-token scales `[rows, 1]`."""
+    q = torch.empty((rows, width), dtype=FP8_DTYPE, device=device)
+    return q, torch.empty((rows, 1), dtype=torch.float32, device=device)
+
+
+@triton.jit
 def _quantize_kernel(
     X,
     Q,
@@ -86,10 +105,8 @@ def _quantize_kernel(
         scales = tl.load(Static + which, mask=which < num_static, other=float("-inf"))
         scale = tl.max(scales.to(tl.float32), axis=0)
     else:
-        amax = tl.maximum(tl.max(tl.abs(x), axis=0), _MIN_AMAX)
-        scale = tl.math.div_rn(amax, _FP8_MAX)
-    y = tl.clamp(tl.math.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)
-    tl.store(Q + row * n_cols + cols, _round_to_e4m3(y).to(Q.dtype.element_ty), mask=mask)
+        scale = _token_scale(x)
+    tl.store(Q + row * n_cols + cols, _scaled_e4m3(x, scale).to(Q.dtype.element_ty), mask=mask)
     tl.store(Scale + row * tl.num_programs(1) + g, scale)
 
 
@@ -153,10 +170,8 @@ def _rms_norm_quantize_kernel(
         X, R, W, ResOut, n_rows, n_cols, stride_x, stride_r, eps, HAS_RESIDUAL, 1, BLOCK_D
     )
     y = y.to(X.dtype.element_ty).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(y), axis=1), _MIN_AMAX)
-    scale = tl.math.div_rn(amax, _FP8_MAX)[:, None]
-    q = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
-    tl.store(Q + rows * n_cols + cols, _round_to_e4m3(q).to(Q.dtype.element_ty), mask=mask)
+    scale = _token_scale(y)
+    tl.store(Q + rows * n_cols + cols, _scaled_e4m3(y, scale).to(Q.dtype.element_ty), mask=mask)
     tl.store(Scale + rows, scale)
 
 
@@ -170,8 +185,7 @@ def rms_norm_quantize(
     width = x.shape[-1]
     x2 = as_rows(x, width)
     n_rows = x2.shape[0]
-    q = torch.empty((n_rows, width), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((n_rows, 1), dtype=torch.float32, device=x.device)
+    q, scale = _quantized_buffers(n_rows, width, x.device)
     res_out = None if residual is None else torch.empty_like(x)
     r2 = x2 if residual is None else as_rows(residual, width)
     block_d = triton.next_power_of_2(width)
@@ -207,9 +221,8 @@ def _silu_mul_quantize_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     y = silu_mul_columns(X, row, cols, mask, width, stride_x).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), _MIN_AMAX), _FP8_MAX)
-    q = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
-    tl.store(Q + row * width + cols, _round_to_e4m3(q).to(Q.dtype.element_ty), mask=mask)
+    scale = _token_scale(y)
+    tl.store(Q + row * width + cols, _scaled_e4m3(y, scale).to(Q.dtype.element_ty), mask=mask)
     tl.store(Scale + row, scale)
 
 
@@ -219,8 +232,7 @@ def silu_and_mul_quantize(x: torch.Tensor) -> QuantizedRows:
     width = x.shape[-1] // 2
     x2 = as_rows(x, 2 * width)
     rows = x2.shape[0]
-    q = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    q, scale = _quantized_buffers(rows, width, x.device)
     block = triton.next_power_of_2(width)
     if rows:
         _silu_mul_quantize_kernel[(rows,)](

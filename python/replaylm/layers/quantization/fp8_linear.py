@@ -9,9 +9,9 @@ rows is slower than bf16's, docs/tuning.md "FP8 GEMMs"). More rows run `torch._s
 (compute capability 8.9+), the input's row scales `[T, 1]` and the weight's column scales
 `[1, N]` applied in the GEMM's epilogue (row-wise scaling; K and N multiples of 16, the weight
 read column-major: `q.t()` of the row-major `[N, K]` weight). The input may come quantized
-already, by the RMSNorm before it (`QuantizedRows`). Block scales run the block-scaled Triton
-GEMM (`fp8_kernels.block_fp8_linear`), the input quantized per token and `block_size[1]`-column
-group.
+already, by the RMSNorm or SiluAndMul before it (`QuantizedRows`). Block scales run the
+block-scaled Triton GEMM (`fp8_kernels.block_fp8_linear`), the input quantized per token and
+`block_size[1]`-column group.
 
 Elsewhere (the CPU) the matmul is emulated: the weight dequantized to float32 for each call, the
 input quantized and dequantized exactly as the GPU path quantizes it (per token, or per token
