@@ -293,10 +293,10 @@ def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_onl
     assert (matmul_config(576, 1536).block_k, matmul_config(576, 1536).split_k) == (256, 6)
     # FP8 weights wider than 4096 over K <= 4096: 64-column tiles, K unsplit (Llama-3.1-8B's qkv
     # and gate_up); of 128-511 tiles otherwise: 2 slices of 256-column blocks (its o and down)
-    assert matmul_config(6144, 4096, fp8=True) == MatmulConfig(64, 256, 1, 4, 5)
+    assert matmul_config(6144, 4096, fp8=True) == MatmulConfig(64, 256, 1, 4, 5, swap=True)
     assert matmul_config(28672, 4096, fp8=True) == MatmulConfig(64, 256, 1, 4, 5)
-    assert matmul_config(4096, 4096, fp8=True) == MatmulConfig(32, 256, 2, 4, 3)
-    assert matmul_config(4096, 14336, fp8=True) == MatmulConfig(32, 256, 2, 4, 5)
+    assert matmul_config(4096, 4096, fp8=True) == MatmulConfig(64, 256, 4, 4, 3, swap=True)
+    assert matmul_config(4096, 14336, fp8=True) == MatmulConfig(64, 256, 4, 4, 3, swap=True)
     # FP8 past 16 rows: 64-row tiles, K unsplit, columns by the width
     assert fp8_rows_config(28672) == MatmulConfig(128, 128, 1, 8, 3, block_m=64)
     assert fp8_rows_config(6144).block_n == 64 and fp8_rows_config(4096).block_n == 32

@@ -23,6 +23,7 @@ from replaylm.layers.kernels.qk_norm_rope import qk_norm_rope
 from replaylm.layers.kernels.skinny_matmul import (
     INVARIANT_CONFIG,
     MAX_ROWS,
+    MatmulConfig,
     _workspace,
     skinny_matmul,
 )
@@ -306,6 +307,22 @@ def test_invariant_matmul_rows_do_not_depend_on_the_row_count(n, k):
     _check(full, torch.nn.functional.linear(x, w), torch.bfloat16)
     for rows in (1, 3, 16, 64, 65, 300):
         assert torch.equal(skinny_matmul(x[-rows:], w, None, INVARIANT_CONFIG), full[-rows:])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_swapped_skinny_matmul_equals_the_unswapped_one(split_k, gated):
+    """The dot taken as W @ X^T (`MatmulConfig.swap`), with PDL's early weight load on sm90+:
+    the same sums as the usual orientation, split or not, gated or not."""
+    n, k = 6144, 1024  # Qwen3-0.6B's gate_up
+    w = _randn(n, k, dtype=torch.bfloat16, seed=n) / k**0.5
+    x = _randn(5, k, dtype=torch.bfloat16, seed=k)
+    plain = MatmulConfig(64, 128, split_k, num_warps=4, num_stages=3)
+    swapped = MatmulConfig(64, 128, split_k, num_warps=4, num_stages=3, swap=True)
+    out = torch.bfloat16 if gated else torch.float32  # a gated launch writes x's dtype
+    want = skinny_matmul(x, w, None, plain, gated_silu=gated, out_dtype=out)
+    got = skinny_matmul(x, w, None, swapped, gated_silu=gated, out_dtype=out)
+    torch.testing.assert_close(got, want, rtol=1e-2 if gated else 1e-5, atol=1e-5)
 
 
 def test_skinny_matmul_in_a_cuda_graph_equals_eager():

@@ -72,16 +72,18 @@ def matmul_config(n: int, k: int, fp8: bool = False) -> MatmulConfig:
     one slice per tile. Where K fits in at most 8 blocks of 256
     (1024 < K <= 2048), each slice is one such block, so that with PDL a program loads all its
     weights before it waits for its input. FP8 weights (`fp8`) wider than 4096 over K of at
-    most 4096 take 64-column tiles of 256-column blocks, K unsplit; others of 128 to 511 tiles K
-    in 2 slices of 256-column blocks: a tile of e4m3 is half the bytes. Why these slice counts and
+    most 4096 take 64-column tiles of 256-column blocks, K unsplit; others of 128 to 511 tiles
+    (of 32 columns) 64-column tiles with K in 4 slices of 256-column blocks: a tile of e4m3 is half
+    the bytes. FP8 dots take the weight tile as the left operand (`swap`) but on the widest
+    weights. Why these slice counts and
     stages: docs/tuning.md, "Split-K skinny matmul" and "FP8 GEMMs"; the PDL overlap:
     "Programmatic dependent launch"."""
     block_n, block_k = 32, 128
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     if fp8 and n > 4096 and k <= 4096:
-        return MatmulConfig(64, 256, 1, num_warps=4, num_stages=5)
+        return MatmulConfig(64, 256, 1, num_warps=4, num_stages=5, swap=n < 16384)
     if fp8 and 128 <= tiles < 512:
-        return MatmulConfig(block_n, 256, 2, num_warps=4, num_stages=3 if k <= 4096 else 5)
+        return MatmulConfig(64, 256, 4, num_warps=4, num_stages=3, swap=True)
     if tiles >= 128:
         return MatmulConfig(block_n, block_k, 1, num_warps=4, num_stages=6)
     if tiles >= 64 and k_blocks >= 32:  # 2 slices already give 128+ programs; 8 cost more
@@ -183,13 +185,18 @@ def _dot_tile(
         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
         other=0.0,
     )
+    # one return after the branches: Triton compiles what follows a taken constexpr `if`
     if SWAP:
         if x.dtype == tl.float8e4nv:  # and so is w
-            return tl.dot(w, tl.trans(x), acc)
-        return tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-    if x.dtype == tl.float8e4nv:
-        return tl.dot(x, tl.trans(w), acc)
-    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    else:
+        if x.dtype == tl.float8e4nv:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
 
 
 # one variant for every row count: docs/tuning.md, "Few compiled variants"
