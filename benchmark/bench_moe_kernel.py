@@ -2,12 +2,14 @@
 expert and against the weight-read floor.
 
     python benchmark/bench_moe_kernel.py [--model qwen3-30b-a3b]
-        [--tokens 1 8 64 256 1024 4096 8192] [--json out.json]
+        [--tokens 1 2 4 8 64 256 1024 4096 8192] [--json out.json]
 
 The layer's shape comes from the model's config in benchmark/configs/ (experts, hidden size,
 an expert's columns, top k), bfloat16, random weights and random routing logits (softmax top k,
-renormalised as the model does). Per token count: `fused_us`, the Triton route (`triton_experts`:
-the sort by expert, the two grouped GEMMs, the weighted sum) replayed from a CUDA graph;
+renormalised as the model does). Per token count: `fused_us`, the Triton route the layer takes
+(`triton_experts`: `route` "pairs", the unsorted kernels of a few tokens, or "sorted") replayed
+from a CUDA graph; `sorted_us`, the sorted route (the sort by expert, the two grouped GEMMs,
+the weighted sum) at every count;
 `cublas_us`, the torch code (`torch_experts`: per expert reached, its tokens gathered and two
 cuBLAS matmuls; it syncs with the host to find them, so it runs eagerly, timed by CUDA events);
 `floor_us`, the bytes the layer must read (the experts the routing reached, whole, and the
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from replaylm.layers.moe.block_configs import device_name, moe_block_config
+from replaylm.layers.moe.pair_experts import PAIR_TOKENS
 from replaylm.layers.moe.routing import select_experts
 from replaylm.layers.moe.torch_experts import torch_experts
 from replaylm.layers.moe.triton_experts import triton_experts
@@ -68,16 +71,19 @@ def bench_tokens(
     w13 = rand(experts, 2 * inter, hidden, scale=0.02)
     w2 = rand(experts, hidden, inter, scale=0.02)
     weights, ids = select_experts(rand(tokens, experts, scale=1.0).float(), top_k, renormalize)
-    _, source = moe_block_config(
+    config, source = moe_block_config(
         experts, inter, hidden, tokens, DTYPE, device_name(torch.device("cuda"))
     )
     fused = replay_us(lambda: triton_experts(x, w13, w2, weights, ids))
+    sorted_ = replay_us(lambda: triton_experts(x, w13, w2, weights, ids, config=config))
     cublas = cuda_time_ms(lambda: torch_experts(x, w13, w2, weights, ids)) * 1e3
     floor = floor_bytes(ids, hidden, inter, tokens, top_k) / (bandwidth_gbs * 1e3)
     return {
         "tokens": tokens,
         "experts_reached": int(ids.unique().numel()),
+        "route": "pairs" if tokens <= PAIR_TOKENS else "sorted",
         "fused_us": round(fused, 1),
+        "sorted_us": round(sorted_, 1),
         "cublas_us": round(cublas, 1),
         "floor_us": round(floor, 1),
         "fused_over_floor": round(fused / floor, 2),
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="qwen3-30b-a3b", help="a config of benchmark/configs")
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 256, 1024, 4096, 8192])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 64, 256, 1024, 4096, 8192])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     shape = layer_shape(args.model)

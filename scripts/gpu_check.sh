@@ -45,9 +45,9 @@
 #   tok/s per rate, a line per server) when matplotlib imports.
 #   moe: dummy Qwen3-30B-A3B: bench_moe_kernel.py (one layer's experts: the fused kernels, cuBLAS
 #   per expert, the weight-read floor), bench_one_batch.py (decode at bs 1, 8, 64, 256 with full
-#   graphs, and every graph mode at bs 1 and 8 as one_batch_moe_modes, against the routed floor)
-#   and bench_offline.py (nano-vllm's workload) (and bench_offline.py's 64 x 512 prefill + 1 as
-#   prefill_moe).
+#   graphs, and every graph mode at bs 1 and 8 as one_batch_moe_modes, against the routed floor);
+#   moe_offline: bench_offline.py (nano-vllm's workload) and its 64 x 512 prefill + 1 as
+#   prefill_moe.
 #   fp8: bench_fp8_gemm.py (the FP8 GEMMs per projection and row count against bf16 cuBLAS), and
 #   Llama-3.1-8B and Qwen3-0.6B in bf16, with --quantization fp8, and with the FP8 KV cache too:
 #   bench_one_batch.py (decode at bs 1, 8, 64, 256); fp8_offline: the same models and variants
@@ -208,8 +208,8 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
                 run_bench bench_one_batch_moe benchmark/bench_one_batch.py --models qwen3-30b-a3b \
                 --bs 1 8 64 256 --runs '{"decode": "full", "prefill": "breakable"}'
                 run_bench bench_one_batch_moe_modes benchmark/bench_one_batch.py \
-                --models qwen3-30b-a3b --bs 1 8
-                run_bench bench_offline_moe benchmark/bench_offline.py --modes full \
+                --models qwen3-30b-a3b --bs 1 8 ;;
+            moe_offline) run_bench bench_offline_moe benchmark/bench_offline.py --modes full \
                 --model-path benchmark/configs/qwen3-30b-a3b.json
                 run_bench bench_prefill_moe benchmark/bench_offline.py --modes full \
                 --model-path benchmark/configs/qwen3-30b-a3b.json "${prefill_64x512[@]}" ;;

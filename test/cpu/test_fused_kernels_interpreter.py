@@ -206,9 +206,9 @@ def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
         torch.testing.assert_close(
             skinny_matmul(x[i : i + 1], w, b, config), got[i : i + 1], **TOL[dtype]
         )
-    from replaylm.layers.kernels.skinny_matmul import _workspace
+    from replaylm.layers.kernels.skinny_matmul import split_k_workspace
 
-    assert int(_workspace(x.device)[1].count_nonzero()) == 0  # every counter back to zero
+    assert int(split_k_workspace(x.device)[1].count_nonzero()) == 0  # every counter back to zero
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,12 +19,14 @@ require_triton_interpreter()
 
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.kernels import native_only  # noqa: E402
+from replaylm.layers.kernels.skinny_matmul import MatmulConfig, split_k_workspace  # noqa: E402
 from replaylm.layers.moe import fused_routing  # noqa: E402
 from replaylm.layers.moe import triton_experts as triton_module  # noqa: E402
 from replaylm.layers.moe.block_configs import MoeBlockConfig  # noqa: E402
 from replaylm.layers.moe.experts import fused_experts  # noqa: E402
 from replaylm.layers.moe.fused_routing import fused_route  # noqa: E402
 from replaylm.layers.moe.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
+from replaylm.layers.moe.pair_experts import pair_experts  # noqa: E402
 from replaylm.layers.moe.routing import (  # noqa: E402
     LiveTokens,
     count_routed_tokens,
@@ -138,6 +140,8 @@ CASES = [  # tokens, experts, top_k, hidden, intermediate, unused experts, forei
     (40, 3, 2, 32, 24, (), 0),  # several blocks per expert
     (9, 8, 3, 32, 32, (2, 5), 4),  # experts without a token, other ranks' ids
     (6, 4, 2, 16, 16, (), 12),  # no pair of this rank: zeros
+    (2, 8, 3, 40, 24, (1,), 2),  # the pair route by default, with other ranks' ids
+    (2, 4, 2, 16, 16, (), 4),  # the pair route, no pair of this rank: zeros
 ]
 
 
@@ -185,6 +189,33 @@ def test_rows_do_not_depend_on_padding_rows(dtype, config):
     alone = triton_experts(x[:5], w13, w2, weights[:5], ids[:5], config=config)
     batch = triton_experts(x, w13, w2, weights, ids, config=config)
     assert torch.equal(alone, batch[:5])
+
+
+# 16- and 32-column tiles over 16- and 32-column K steps (several of each), both orientations
+PAIR_TILES = [
+    (MatmulConfig(32, 16, 1, num_warps=4, num_stages=2), MatmulConfig(16, 32, 1, 4, 2)),
+    (
+        MatmulConfig(16, 32, 1, num_warps=4, num_stages=2, swap=True),
+        MatmulConfig(16, 16, 1, num_warps=4, num_stages=2, swap=True),
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("configs", PAIR_TILES, ids=["plain", "swapped"])
+def test_pair_experts_match_torch_experts_and_rows_ignore_padding(dtype, configs):
+    """The unsorted route: 4 tokens (another rank's ids among them) as `torch_experts` gives
+    them, the first 3 alone bit-equal to the same rows of the batch, every arrival counter back
+    at zero."""
+    experts, hidden, inter = 6, 48, 40
+    w13, w2 = _weights(experts, hidden, inter, dtype, seed=15)
+    weights, ids = _routing(4, 3, experts, seed=16, foreign=3)
+    x = _hidden(4, hidden, dtype, seed=17)
+    got = pair_experts(x, w13, w2, weights, ids, configs)
+    torch.testing.assert_close(got, torch_experts(x, w13, w2, weights, ids), **TOL[dtype])
+    alone = pair_experts(x[:3], w13, w2, weights[:3], ids[:3], configs)
+    assert torch.equal(alone, got[:3])
+    assert int(split_k_workspace(x.device)[1].count_nonzero()) == 0
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ from replaylm.layers.kernels.skinny_matmul import (
     INVARIANT_CONFIG,
     MAX_ROWS,
     MatmulConfig,
-    _workspace,
     skinny_matmul,
+    split_k_workspace,
 )
 from replaylm.layers.layernorm import RMSNorm
 from replaylm.layers.rotary_embedding import RotaryEmbedding
@@ -278,7 +278,7 @@ def test_skinny_matmul_matches_linear_and_rows_are_batch_invariant(n, k, dtype):
     _check(full, torch.nn.functional.linear(x, w), dtype)
     for rows in range(1, MAX_ROWS + 1):
         assert torch.equal(skinny_matmul(x[:rows], w), full[:rows])
-    assert int(_workspace(x.device)[1].count_nonzero()) == 0
+    assert int(split_k_workspace(x.device)[1].count_nonzero()) == 0
 
 
 # (2 x intermediate, hidden): Qwen3-0.6B's and SmolLM2-135M's gate_up (one slice each)

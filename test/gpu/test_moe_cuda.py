@@ -69,9 +69,10 @@ def test_every_cell_at_qwen3_30b_a3bs_shape(dummy_qwen3_30b_a3b, dummy_eager, ce
     assert_cell_matches_eager(*dummy_eager, dummy_qwen3_30b_a3b, cell, load_format="dummy")
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64, 300, 4096])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 64, 300, 4096])
 def test_fused_kernels_equal_the_torch_path_at_qwen3_30b_a3bs_shape(tokens):
-    """One Qwen3-30B-A3B MoE layer (128 experts of 768 columns, top 8, hidden 2048)."""
+    """One Qwen3-30B-A3B MoE layer (128 experts of 768 columns, top 8, hidden 2048): the pair
+    route at 1 and 2 tokens, the sorted one above."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     experts, hidden, inter = 128, 2048, 768
 

@@ -70,9 +70,10 @@ class MatmulLayer(nn.Module):
 
 def set_matmul(model: nn.Module, matmul: str) -> Counter[str]:
     """Make every MatmulLayer of `model` use `matmul` (one of MATMULS; auto: each layer's
-    `auto_matmul`); when any takes "triton" (FP8 layers do at decode rows), reserve the split-K
-    workspace on the model's device now. Returns how many layers take each kernel ("fp8": the FP8
-    layers, which always run `fp8_linear` and are left as they are)."""
+    `auto_matmul`), and reserve the split-K workspace on the model's device now where the Triton
+    kernels run (the skinny matmul's, FP8 layers' at decode rows, the MoE pair kernels'). Returns
+    how many layers take each kernel ("fp8": the FP8 layers, which always run `fp8_linear` and
+    are left as they are)."""
     if matmul not in MATMULS:
         raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, not '{matmul}'")
     chosen: Counter[str] = Counter()
@@ -83,7 +84,7 @@ def set_matmul(model: nn.Module, matmul: str) -> Counter[str]:
             module.matmul = module.auto_matmul() if matmul == "auto" else matmul
             chosen[module.matmul] += 1
     weight = next(model.parameters(), None)
-    if (chosen["triton"] or chosen["fp8"]) and weight is not None and use_triton_kernels(weight):
+    if weight is not None and use_triton_kernels(weight):
         from replaylm.layers.kernels.skinny_matmul import reserve_workspace
 
         reserve_workspace(weight.device)

@@ -103,7 +103,7 @@ def fp8_rows_config(n: int) -> MatmulConfig:
 
 
 @triton.jit
-def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+def weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
     """The rows of W a program's tile covers: `BLOCK_N` consecutive ones, or with `GATED` (W is
     `[gate; up]`, N = 2I) gate row c and up row I + c interleaved for `BLOCK_N // 2` columns c."""
     j = tl.arange(0, BLOCK_N)
@@ -113,7 +113,7 @@ def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _write_tile(
+def write_tile(
     Y,
     B,
     Scale,
@@ -153,7 +153,7 @@ def _write_tile(
 
 
 @triton.jit
-def _weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K: tl.constexpr):
+def weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K: tl.constexpr):
     """Rows `offs_n` of W over the `k_block`-th BLOCK_K columns (zeros past N and K)."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     return tl.load(
@@ -164,7 +164,7 @@ def _weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_tile(
+def dot_tile(
     X,
     w,
     acc,
@@ -231,27 +231,27 @@ def _skinny_matmul_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = _weight_rows(pid_n, N, BLOCK_N, GATED)
+    offs_n = weight_rows(pid_n, N, BLOCK_N, GATED)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     first = pid_k * BLOCKS_PER_SPLIT  # this slice's first block of K
     if USE_PDL:  # the weights are constant: their first tile loads while the producer of X runs
-        w = _weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
+        w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
         wait_for_producers(USE_PDL)
-        acc = _dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+        acc = dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
         for i in range(1, BLOCKS_PER_SPLIT):
-            w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+            acc = dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
     else:
         for i in range(0, BLOCKS_PER_SPLIT):
-            w = _weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = _dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+            acc = dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     if SPLIT_K == 1:
-        _write_tile(
+        write_tile(
             Y,
             B,
             Scale,
@@ -280,7 +280,7 @@ def _skinny_matmul_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in range(0, SPLIT_K):
                 total += tl.load(parts + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-            _write_tile(
+            write_tile(
                 Y,
                 B,
                 Scale,
@@ -303,9 +303,11 @@ def _skinny_matmul_kernel(
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def split_k_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 partials, int32 arrival counters, all zero) of `device`, allocated on first use
-    (`reserve_workspace` makes that happen before any CUDA-graph capture)."""
+    (`reserve_workspace` makes that happen before any CUDA-graph capture). The MoE pair kernels
+    share it: each kernel touches it only after its producers have finished, and leaves every
+    counter at zero."""
     if device not in _workspaces:
         partials = torch.empty(_PARTIAL_FLOATS, dtype=torch.float32, device=device)
         _workspaces[device] = (
@@ -318,7 +320,7 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def reserve_workspace(device: torch.device) -> None:
     """Allocate `device`'s split-K workspace now, so that no first call allocates it inside a
     CUDA-graph capture (into a graph's private pool)."""
-    _workspace(device)
+    split_k_workspace(device)
 
 
 def skinny_matmul(
@@ -382,7 +384,7 @@ def skinny_matmul(
         or tiles * cfg.split_k * cfg.block_m * cfg.block_n > _PARTIAL_FLOATS
     ):
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
-    partials, arrivals = _workspace(x.device) if cfg.split_k > 1 else (y, y)  # y: unused
+    partials, arrivals = split_k_workspace(x.device) if cfg.split_k > 1 else (y, y)  # y: unused
     if m:
         _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, cfg.block_m))](
             x2,
