@@ -396,7 +396,7 @@ def moe_kernel_table(sources: list[Source]) -> Table:
     """Per model and token count: the experts reached, the route the layer takes, its and the
     sorted route's microseconds and cuBLAS-per-expert's, the weight-read floor and the ratios."""
     table = [
-        [r["model"], str(r["tokens"]), str(r["experts_reached"]), r["route"]]
+        [r["model"], str(r["tokens"]), r["route"], str(r["experts_reached"])]
         + [num(r["fused_us"], 1), num(r["sorted_us"], 1)]
         + [num(r["cublas_us"], 1), num(r["floor_us"], 1)]
         + [ratio(r["fused_over_floor"]), ratio(r["cublas_over_fused"], 1)]
@@ -404,10 +404,10 @@ def moe_kernel_table(sources: list[Source]) -> Table:
     ]
     configs = sorted({r["block_configs"] for r in rows_of(sources, "rows")})
     return Table(
-        ["model", "tokens", "experts reached", "route", "fused us", "sorted route us"]
+        ["model", "tokens", "route", "experts reached", "fused us", "sorted route us"]
         + ["cuBLAS per expert us", "floor us", "fused / floor", "cuBLAS / fused"],
         table,
-        labels=2,
+        labels=3,
         note=f"Block configs: {'; '.join(configs)}.",
     )
 

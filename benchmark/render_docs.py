@@ -125,9 +125,11 @@ SECTIONS = (
     Section(
         "Mixture of experts: one layer's experts (`bench_moe_kernel.py`)",
         ("moe_kernel",),
-        "Qwen3-30B-A3B's MoE layer alone (routing given): the fused Triton kernels (sort, grouped "
-        "gate_up with SiLU-and-mul, grouped down, weighted sum), a cuBLAS matmul per reached "
-        "expert, and the floor: the reached experts' weights over the copy bandwidth.",
+        "Qwen3-30B-A3B's MoE layer alone (routing given): the fused Triton kernels the layer "
+        "takes (*route*: pairs, each routed pair on its own expert, for 1 or 2 tokens; else "
+        "sorted: the sort by expert, grouped gate_up with SiLU-and-mul, grouped down, weighted "
+        "sum), the sorted route at every count, a cuBLAS matmul per reached expert, and the "
+        "floor: the reached experts' weights over the copy bandwidth.",
         moe_kernel_table,
     ),
     Section(
