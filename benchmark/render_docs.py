@@ -157,6 +157,15 @@ SECTIONS = (
         modes_table,
     ),
     Section(
+        "FP8 weights: mixture of experts (`bench_one_batch.py --models qwen3-30b-a3b`)",
+        ("one_batch_fp8_moe",),
+        "Dummy Qwen3-30B-A3B in bf16, with `--quantization fp8` (as the dense models above; the "
+        "experts e4m3 per channel, run w8a8 through the sorted route at every batch) and with "
+        "the FP8 KV cache too, full decode graphs and breakable prefill, columns as in the first "
+        "table; *floor* and *best / floor* are the bf16 run's.",
+        modes_table,
+    ),
+    Section(
         "FP8 weights: offline throughput",
         ("offline_fp8_llama-3.1-8b",),
         "nano-vllm's offline workload on dummy Llama-3.1-8B, full decode graphs, in bf16 and with "
