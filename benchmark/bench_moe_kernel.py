@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="qwen3-30b-a3b", help="a config of benchmark/configs")
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 64, 256, 1024, 4096, 8192])
+    parser.add_argument(
+        "--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 64, 256, 1024, 4096, 8192]
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     shape = layer_shape(args.model)
