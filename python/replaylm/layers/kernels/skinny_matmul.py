@@ -10,7 +10,9 @@ matmul").
 
 FP8 (e4m3) weights with per-output-channel scales run the same way on an e4m3 input with per-row
 scales: half the weight bytes, the dots taken in FP8 on the tensor cores (no tile converted), both
-scales on the float32 sums at the end (docs/tuning.md, "FP8 GEMMs").
+scales on the float32 sums at the end (docs/tuning.md, "FP8 GEMMs"). A bf16 input is quantized per
+token in the kernel (each program finds its rows' scales first, then quantizes each tile as it
+loads it): no quantization launch before the matmul.
 
 With `gated_silu` the weight is a `[gate; up]` pair and a program's tile interleaves gate and up
 rows of the same output columns, so its epilogue applies SiluAndMul and writes half as many
@@ -36,6 +38,7 @@ import triton.language as tl
 
 from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
+from replaylm.layers.kernels.e4m3 import amax_scale, scaled_e4m3
 from replaylm.layers.kernels.pdl import wait_for_producers
 
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
@@ -128,15 +131,15 @@ def write_tile(
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    XScale,
+    x_scale,
     FP8: tl.constexpr,
 ):
-    """Store the tile `acc` (with `FP8` times W's and x's row scales, + bias) of W rows `offs_n`;
-    with `GATED`, `silu(gate) * up` over its column pairs, rounded as SiluAndMul rounds the
-    separate launch's bf16/fp16 input."""
+    """Store the tile `acc` (with `FP8` times W's row scales and x's, `x_scale` `[BLOCK_M]`, +
+    bias) of W rows `offs_n`; with `GATED`, `silu(gate) * up` over its column pairs, rounded as
+    SiluAndMul rounds the separate launch's bf16/fp16 input."""
     if FP8:
         acc *= tl.load(Scale + offs_n, mask=offs_n < N, other=0.0)[None, :]
-        acc *= tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)[:, None]
+        acc *= x_scale[:, None]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -176,15 +179,20 @@ def dot_tile(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     SWAP: tl.constexpr,
+    x_scale,
+    QUANTIZE: tl.constexpr,
 ):
     """`acc + X[offs_m, k_block-th BLOCK_K columns] @ w^T` (`SWAP`: its transpose,
-    `acc + w @ X[...]^T`)."""
+    `acc + w @ X[...]^T`); with `QUANTIZE` the X tile is first quantized to e4m3 by its rows'
+    scales `x_scale` `[BLOCK_M]` (w is e4m3)."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     x = tl.load(
         X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
         other=0.0,
     )
+    if QUANTIZE:
+        x = scaled_e4m3(x.to(tl.float32), x_scale[:, None]).to(tl.float8e4nv)
     # one return after the branches: Triton compiles what follows a taken constexpr `if`
     if SWAP:
         if x.dtype == tl.float8e4nv:  # and so is w
@@ -197,6 +205,22 @@ def dot_tile(
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def _row_scales(X, offs_m, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The per-token e4m3 scales `[BLOCK_M]` of X's rows `offs_m` over all of K (what
+    `quantize_activation` gives them)."""
+    amax = tl.zeros((BLOCK_M,), tl.float32)
+    for k_block in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
+            other=0.0,
+        )
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    return amax_scale(amax)
 
 
 # one variant for every row count: docs/tuning.md, "Few compiled variants"
@@ -225,6 +249,7 @@ def _skinny_matmul_kernel(
     PRECISION: tl.constexpr,
     GATED: tl.constexpr,
     FP8: tl.constexpr,
+    QUANTIZE_X: tl.constexpr,
     SWAP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -239,15 +264,52 @@ def _skinny_matmul_kernel(
     first = pid_k * BLOCKS_PER_SPLIT  # this slice's first block of K
     if USE_PDL:  # the weights are constant: their first tile loads while the producer of X runs
         w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
-        wait_for_producers(USE_PDL)
-        acc = dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+    wait_for_producers(USE_PDL)
+    if QUANTIZE_X:  # X quantized per token here: every program reads its rows whole first
+        x_scale = _row_scales(X, offs_m, M, K, stride_xm, BLOCK_M, BLOCK_K)
+    elif FP8:
+        x_scale = tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)
+    else:
+        x_scale = tl.zeros((BLOCK_M,), tl.float32)  # unused
+    if USE_PDL:
+        acc = dot_tile(
+            X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP, x_scale, QUANTIZE_X
+        )
         for i in range(1, BLOCKS_PER_SPLIT):
             w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+            acc = dot_tile(
+                X,
+                w,
+                acc,
+                offs_m,
+                first + i,
+                M,
+                K,
+                stride_xm,
+                BLOCK_K,
+                PRECISION,
+                SWAP,
+                x_scale,
+                QUANTIZE_X,
+            )
     else:
         for i in range(0, BLOCKS_PER_SPLIT):
             w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+            acc = dot_tile(
+                X,
+                w,
+                acc,
+                offs_m,
+                first + i,
+                M,
+                K,
+                stride_xm,
+                BLOCK_K,
+                PRECISION,
+                SWAP,
+                x_scale,
+                QUANTIZE_X,
+            )
     if SWAP:
         acc = tl.trans(acc)
     if SPLIT_K == 1:
@@ -266,7 +328,7 @@ def _skinny_matmul_kernel(
             GATED,
             BLOCK_M,
             BLOCK_N,
-            XScale,
+            x_scale,
             FP8,
         )
     else:
@@ -295,7 +357,7 @@ def _skinny_matmul_kernel(
                 GATED,
                 BLOCK_M,
                 BLOCK_N,
-                XScale,
+                x_scale,
                 FP8,
             )
 
@@ -336,8 +398,9 @@ def skinny_matmul(
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous; FP8: `weight` e4m3 with `weight_scale` (float32 `[N]`: the weight is
-    `weight * weight_scale`) and `x` e4m3 with `x_scale` (float32, one per row), given together,
-    and `out_dtype` then required;
+    `weight * weight_scale`), `out_dtype` then required, and `x` e4m3 with `x_scale` (float32,
+    one per row) or in a float dtype, quantized per token inside the kernel (each program reads
+    its rows whole for their scales first: the numbers of `quantize_activation` then this);
     a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums are rounded to it once,
     e.g. float32 logits unrounded). `config` overrides `matmul_config(N, K, fp8)`; a split-K config
     takes at most its `block_m` (<= 16) rows. `gated_silu`: `weight` is `[gate; up]` (N even)
@@ -347,8 +410,10 @@ def skinny_matmul(
     (e.g. a buffer that outlives a CUDA graph's private pool)."""
     n, k = weight.shape
     fp8 = weight_scale is not None
-    if fp8 != (x_scale is not None) or (fp8 and out_dtype is None):
-        raise ValueError("FP8 takes weight_scale, x_scale and out_dtype together")
+    if (x_scale is not None and not fp8) or (fp8 and out_dtype is None):
+        raise ValueError("FP8 takes weight_scale and out_dtype together (and an e4m3 x's x_scale)")
+    if fp8 and x_scale is None and x.dtype == torch.float8_e4m3fn:
+        raise ValueError("an e4m3 x comes with its x_scale")
     out_dtype = out_dtype or x.dtype
     x2 = as_rows(x, k)
     m = x2.shape[0]
@@ -410,6 +475,7 @@ def skinny_matmul(
             PRECISION=dot_precision(x.dtype),
             GATED=gated_silu,
             FP8=fp8,
+            QUANTIZE_X=fp8 and x_scale is None,
             SWAP=cfg.swap,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

@@ -62,7 +62,7 @@ def _pair_dot(
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k_block in range(0, BLOCKS):
         w = weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K)
-        acc = dot_tile(X, w, acc, offs_m, k_block, 1, K, 0, BLOCK_K, PRECISION, SWAP)
+        acc = dot_tile(X, w, acc, offs_m, k_block, 1, K, 0, BLOCK_K, PRECISION, SWAP, 1.0, False)
     if SWAP:
         acc = tl.trans(acc)
     return acc
@@ -129,7 +129,7 @@ def _pair_gate_up_kernel(
         True,
         BLOCK_M,
         BLOCK_N,
-        row,
+        1.0,
         False,
     )
 
