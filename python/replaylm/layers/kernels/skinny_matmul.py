@@ -208,7 +208,7 @@ def dot_tile(
 
 
 @triton.jit
-def _row_scales(X, offs_m, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def row_scales(X, offs_m, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The per-token e4m3 scales `[BLOCK_M]` of X's rows `offs_m` over all of K (what
     `quantize_activation` gives them)."""
     amax = tl.zeros((BLOCK_M,), tl.float32)
@@ -266,7 +266,7 @@ def _skinny_matmul_kernel(
         w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
     wait_for_producers(USE_PDL)
     if QUANTIZE_X:  # X quantized per token here: every program reads its rows whole first
-        x_scale = _row_scales(X, offs_m, M, K, stride_xm, BLOCK_M, BLOCK_K)
+        x_scale = row_scales(X, offs_m, M, K, stride_xm, BLOCK_M, BLOCK_K)
     elif FP8:
         x_scale = tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)
     else:

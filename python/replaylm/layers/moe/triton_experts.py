@@ -6,9 +6,9 @@ from the pairs' tokens. It runs twice: gate_up with SiluAndMul in its epilogue (
 interleaves gate and up rows of the same columns), then down; a last kernel sums each token's k
 rows weighted by the router in float32, skipping other ranks' experts. Four launches (six for
 more than a decode step's pairs), no host sync, buffers sized by T, k, E and the block config
-alone: CUDA graphs capture it. A batch of up to `PAIR_TOKENS` tokens of non-FP8 experts skips
-the sort and the sum (`pair_experts.py`: two launches). Under torch.compile (inside
-`kernels_in_compiled_code`) it is the custom op `replaylm::fused_experts`.
+alone: CUDA graphs capture it. A batch of up to `PAIR_TOKENS` tokens skips the sort and the sum
+(`pair_experts.py`: two launches; FP8 with per-channel scales and dynamic inputs too). Under
+torch.compile (inside `kernels_in_compiled_code`) it is the custom op `replaylm::fused_experts`.
 
 FP8 (e4m3) experts run w8a8, as vLLM's and SGLang's `use_fp8_w8a8`: each GEMM's A is quantized
 to e4m3 first (`quantize_activation`: per token, per token and block-column group for block
@@ -42,7 +42,7 @@ from replaylm.layers.moe.block_configs import (
     moe_block_config,
 )
 from replaylm.layers.moe.moe_align import moe_align_block_size
-from replaylm.layers.moe.pair_experts import PAIR_TOKENS, pair_experts
+from replaylm.layers.moe.pair_experts import PAIR_TOKENS, pair_experts, takes_fp8
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales
 from replaylm.layers.quantization.fp8 import FP8_DTYPE, Block, quantize_activation
 from replaylm.layers.quantization.layout import scale_shape
@@ -364,7 +364,7 @@ def triton_experts(
 ) -> torch.Tensor:
     """`torch_experts`'s contract (an id outside 0..E-1 adds nothing; `fp8`: the scales of e4m3
     weights, run w8a8) in four to six launches, plus each GEMM's input quantization with FP8, and no
-    host sync; up to `PAIR_TOKENS` tokens of non-FP8 experts in two (`pair_experts`, unsorted).
+    host sync; up to `PAIR_TOKENS` tokens in two (`pair_experts`, unsorted; FP8 where `takes_fp8`).
     `config` overrides `moe_block_config`'s choice for this shape and token count and takes the
     sorted route (with block scales its BLOCK_K must divide the blocks' columns: ValueError)."""
     _check(hidden, w13, w2, topk_ids, fp8)
@@ -373,10 +373,10 @@ def triton_experts(
     out = torch.empty((tokens, width), dtype=hidden.dtype, device=hidden.device)
     if tokens == 0:
         return out
-    if config is None and fp8 is None and 0 < config_tokens(tokens) <= PAIR_TOKENS:
+    if config is None and takes_fp8(fp8) and 0 < config_tokens(tokens) <= PAIR_TOKENS:
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
-        return pair_experts(as_rows(hidden, width), w13, w2, weights, ids)
+        return pair_experts(as_rows(hidden, width), w13, w2, weights, ids, fp8=fp8)
     block = None if fp8 is None else fp8.block_size
     if config is None:
         place = device_name(hidden.device)
