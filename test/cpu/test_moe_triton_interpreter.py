@@ -6,7 +6,8 @@ other ranks' experts; a token's output is shown not to depend on the rows beside
 graph's padding rows). Then the dispatch: `fused_experts` takes the Triton route where
 the kernels' device is the input's, and traces as one custom op under torch.compile. float32 and
 float16 only: the interpreter's bf16 is not the GPU's (test_fused_kernels_interpreter.py).
-The routing kernel (`fused_route`) against the torch routing and count.
+The routing kernel (`fused_route`) against the torch routing and count, and the router's
+matmul fused into it (`fused_router`) against the two launches.
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ require_triton_interpreter()
 
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.kernels import native_only  # noqa: E402
-from replaylm.layers.kernels.skinny_matmul import MatmulConfig, split_k_workspace  # noqa: E402
+from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
+    MatmulConfig,
+    skinny_matmul,
+    split_k_workspace,
+)
+from replaylm.layers.linear import Linear  # noqa: E402
+from replaylm.layers.moe import fused_router as fused_router_module  # noqa: E402
 from replaylm.layers.moe import fused_routing  # noqa: E402
 from replaylm.layers.moe import triton_experts as triton_module  # noqa: E402
 from replaylm.layers.moe.block_configs import MoeBlockConfig  # noqa: E402
 from replaylm.layers.moe.experts import fused_experts  # noqa: E402
+from replaylm.layers.moe.fused_router import fused_router  # noqa: E402
 from replaylm.layers.moe.fused_routing import fused_route  # noqa: E402
 from replaylm.layers.moe.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
 from replaylm.layers.moe.pair_experts import pair_experts  # noqa: E402
@@ -31,6 +39,7 @@ from replaylm.layers.moe.routing import (  # noqa: E402
     LiveTokens,
     count_routed_tokens,
     route,
+    route_hidden,
     select_experts,
 )
 from replaylm.layers.moe.torch_experts import torch_experts  # noqa: E402
@@ -306,3 +315,58 @@ def test_route_takes_the_kernel_on_the_kernels_device(monkeypatch):
     assert calls == [4]
     assert torch.equal(fused[1], native[1]) and torch.equal(counts[0], counts[1])
     assert counts[0].sum() == 16
+
+
+# ---- the router's matmul and the routing in one launch -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "renormalize", "width"),
+    [(1, 8, 2, True, 64), (5, 60, 4, True, 96), (16, 128, 8, False, 320), (3, 6, 6, True, 48)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_router_is_the_skinny_matmul_then_the_routing(
+    tokens, experts, top_k, renormalize, width, dtype
+):
+    """The one launch gives the router's skinny matmul then `fused_route` bit for bit (weights,
+    shifted ids, the count without the padding row at slot 0), over K in one slice and in
+    several, and leaves every counter of the workspace at zero."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    hidden = torch.randn(tokens, width, generator=gen).to(dtype)
+    weight = (torch.randn(experts, width, generator=gen) / width**0.5).to(dtype)
+    slots = torch.arange(tokens) * 3
+    counts = [torch.zeros(experts, dtype=torch.int64) for _ in range(2)]
+    logits = skinny_matmul(hidden, weight)
+    want = fused_route(logits, top_k, renormalize, counts[0], slots, first_expert=1)
+    got = fused_router(hidden, weight, top_k, renormalize, counts[1], slots, first_expert=1)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert torch.equal(counts[1], counts[0]) and counts[1].sum() == (tokens - 1) * top_k
+    assert int(split_k_workspace(hidden.device)[1].count_nonzero()) == 0
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        fused_router(torch.zeros(17, width, dtype=dtype), weight, top_k, True, counts[1], None)
+
+
+def test_route_hidden_fuses_the_router_at_decode_rows(monkeypatch):
+    """Where the kernels run, a skinny-matmul router's few tokens take the fused launch, more
+    tokens the router then `route`, inside native_only() the torch code; all route alike."""
+    monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
+    calls: list[int] = []
+
+    def counted(hidden, *args):
+        calls.append(hidden.shape[0])
+        return fused_router(hidden, *args)
+
+    monkeypatch.setattr(fused_router_module, "fused_router", counted)
+    router = Linear(32, 16)
+    router.matmul = "triton"
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 32, generator=torch.Generator().manual_seed(4)))
+    for tokens in (3, 20):
+        hidden = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(tokens))
+        counts = [torch.zeros(16, dtype=torch.int64) for _ in range(2)]
+        fused = route_hidden(hidden, router, 4, True, counts[0], LiveTokens())
+        with native_only():
+            native = route_hidden(hidden, router, 4, True, counts[1], LiveTokens())
+        assert torch.equal(fused[1], native[1]) and torch.equal(counts[0], counts[1])
+        torch.testing.assert_close(fused[0], native[0], rtol=1e-6, atol=1e-7)
+    assert calls == [3]

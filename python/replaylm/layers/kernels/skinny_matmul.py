@@ -223,6 +223,118 @@ def row_scales(X, offs_m, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.co
     return amax_scale(amax)
 
 
+@triton.jit
+def slice_product(
+    X,
+    W,
+    XScale,
+    offs_m,
+    offs_n,
+    first,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SWAP: tl.constexpr,
+    FP8: tl.constexpr,
+    QUANTIZE_X: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """(`X[offs_m] @ W[offs_n]^T` over `BLOCKS` blocks of K from block `first`, a
+    `[BLOCK_M, BLOCK_N]` float32 tile, and X's row scales `[BLOCK_M]`: `XScale`'s with `FP8`,
+    found here with `QUANTIZE_X`, else unused). Waits for the producers of X first; with PDL the
+    first weight tile loads before that (the weights are constant)."""
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if USE_PDL:
+        w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
+    wait_for_producers(USE_PDL)
+    if QUANTIZE_X:  # X quantized per token here: every program reads its rows whole first
+        x_scale = row_scales(X, offs_m, M, K, stride_xm, BLOCK_M, BLOCK_K)
+    elif FP8:
+        x_scale = tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)
+    else:
+        x_scale = tl.zeros((BLOCK_M,), tl.float32)  # unused
+    if USE_PDL:
+        acc = dot_tile(
+            X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP, x_scale, QUANTIZE_X
+        )
+        for i in range(1, BLOCKS):
+            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+            acc = dot_tile(
+                X,
+                w,
+                acc,
+                offs_m,
+                first + i,
+                M,
+                K,
+                stride_xm,
+                BLOCK_K,
+                PRECISION,
+                SWAP,
+                x_scale,
+                QUANTIZE_X,
+            )
+    else:
+        for i in range(0, BLOCKS):
+            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+            acc = dot_tile(
+                X,
+                w,
+                acc,
+                offs_m,
+                first + i,
+                M,
+                K,
+                stride_xm,
+                BLOCK_K,
+                PRECISION,
+                SWAP,
+                x_scale,
+                QUANTIZE_X,
+            )
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc, x_scale
+
+
+@triton.jit
+def merge_slices(
+    acc,
+    Partials,
+    Arrivals,
+    pid_n,
+    pid_k,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Hand slice `pid_k`'s partial tile `acc` of tile `pid_n` to the workspace: (whether this
+    program arrived last on the tile's counter, and then the slices' sum in slice order, the
+    counter back at zero; else zeros)."""
+    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    parts = Partials + pid_n * (SPLIT_K * BLOCK_M * BLOCK_N)
+    tl.store(parts + pid_k * (BLOCK_M * BLOCK_N) + tile, acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Arrivals + pid_n, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if last:
+        tl.store(Arrivals + pid_n, 0)
+        for s in range(0, SPLIT_K):
+            total += tl.load(parts + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+    return last, total
+
+
 # one variant for every row count: docs/tuning.md, "Few compiled variants"
 @triton.jit(do_not_specialize=["M"])
 def _skinny_matmul_kernel(
@@ -257,61 +369,28 @@ def _skinny_matmul_kernel(
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = weight_rows(pid_n, N, BLOCK_N, GATED)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    first = pid_k * BLOCKS_PER_SPLIT  # this slice's first block of K
-    if USE_PDL:  # the weights are constant: their first tile loads while the producer of X runs
-        w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
-    wait_for_producers(USE_PDL)
-    if QUANTIZE_X:  # X quantized per token here: every program reads its rows whole first
-        x_scale = row_scales(X, offs_m, M, K, stride_xm, BLOCK_M, BLOCK_K)
-    elif FP8:
-        x_scale = tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)
-    else:
-        x_scale = tl.zeros((BLOCK_M,), tl.float32)  # unused
-    if USE_PDL:
-        acc = dot_tile(
-            X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP, x_scale, QUANTIZE_X
-        )
-        for i in range(1, BLOCKS_PER_SPLIT):
-            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = dot_tile(
-                X,
-                w,
-                acc,
-                offs_m,
-                first + i,
-                M,
-                K,
-                stride_xm,
-                BLOCK_K,
-                PRECISION,
-                SWAP,
-                x_scale,
-                QUANTIZE_X,
-            )
-    else:
-        for i in range(0, BLOCKS_PER_SPLIT):
-            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = dot_tile(
-                X,
-                w,
-                acc,
-                offs_m,
-                first + i,
-                M,
-                K,
-                stride_xm,
-                BLOCK_K,
-                PRECISION,
-                SWAP,
-                x_scale,
-                QUANTIZE_X,
-            )
-    if SWAP:
-        acc = tl.trans(acc)
+    acc, x_scale = slice_product(
+        X,
+        W,
+        XScale,
+        offs_m,
+        offs_n,
+        pid_k * BLOCKS_PER_SPLIT,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        BLOCKS_PER_SPLIT,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        PRECISION,
+        SWAP,
+        FP8,
+        QUANTIZE_X,
+        USE_PDL,
+    )
     if SPLIT_K == 1:
         write_tile(
             Y,
@@ -332,16 +411,8 @@ def _skinny_matmul_kernel(
             FP8,
         )
     else:
-        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        parts = Partials + pid_n * (SPLIT_K * BLOCK_M * BLOCK_N)
-        tl.store(parts + pid_k * (BLOCK_M * BLOCK_N) + tile, acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Arrivals + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last slice of this tile: merge in slice order
-            tl.store(Arrivals + pid_n, 0)
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in range(0, SPLIT_K):
-                total += tl.load(parts + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+        last, total = merge_slices(acc, Partials, Arrivals, pid_n, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:  # the last slice of this tile: write the sum
             write_tile(
                 Y,
                 B,

@@ -34,7 +34,7 @@ from replaylm.distributed.parallel_state import TPPlace
 from replaylm.distributed.sharding import Shard
 from replaylm.layers.linear import Linear
 from replaylm.layers.moe.experts import fused_experts
-from replaylm.layers.moe.routing import LiveTokens, route
+from replaylm.layers.moe.routing import LiveTokens, route, route_hidden
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales
 from replaylm.layers.quantization.config import Fp8Config
 from replaylm.layers.quantization.fp8 import FP8_DTYPE
@@ -163,6 +163,25 @@ class FusedMoE(nn.Module):
             self.live,
             self.local_experts.start,
         )
+        return self._experts(hidden, weights, ids)
+
+    def forward_with_router(self, hidden: torch.Tensor, router: Linear) -> torch.Tensor:
+        """`forward(hidden, router(hidden))`, the router's matmul taken into the routing's launch
+        where `route_hidden` can."""
+        weights, ids = route_hidden(
+            hidden,
+            router,
+            self.top_k,
+            self.renormalize,
+            self.routed_tokens,
+            self.live,
+            self.local_experts.start,
+        )
+        return self._experts(hidden, weights, ids)
+
+    def _experts(
+        self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
         return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, self._fp8())
 
     def _fp8(self) -> Fp8ExpertScales | None:
@@ -284,7 +303,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = experts
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.gate(hidden))
+        return self.experts.forward_with_router(hidden, self.gate)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

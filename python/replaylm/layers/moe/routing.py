@@ -3,18 +3,23 @@ count of tokens each expert receives (for /metrics).
 
 `route` runs it all in one Triton launch where the experts run their fused kernels
 (`fused_routing.py`; under torch.compile as an opaque custom op), else in torch
-(`select_experts` and `count_routed_tokens`). Both leave a CUDA graph's padding rows out of the
-count: a row whose KV slot is 0 (the padding slot, which only padding rows write) counts nothing.
+(`select_experts` and `count_routed_tokens`). `route_hidden` takes the router's matmul into that
+launch too at a decode step's few tokens (`fused_router.py`). All leave a CUDA graph's padding
+rows out of the count: a row whose KV slot is 0 (the padding slot, which only padding rows
+write) counts nothing.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from replaylm.layers.attention.ops import current_batch
 from replaylm.layers.kernels import use_opaque_kernel
+from replaylm.layers.linear import Linear
 
 ROUTE_OP_NAME = "replaylm::route_experts"
+ROUTE_HIDDEN_OP_NAME = "replaylm::route_hidden"
 COUNT_OP_NAME = "replaylm::count_routed_tokens"
 
 
@@ -80,6 +85,71 @@ def route(
     else:
         count_routed_tokens(counts, ids, live.slots)
     return weights, ids - first_expert if first_expert else ids
+
+
+def route_hidden(
+    hidden: torch.Tensor,
+    router: Linear,
+    top_k: int,
+    renormalize: bool,
+    counts: torch.Tensor,
+    live: LiveTokens,
+    first_expert: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route(router(hidden), ...)`; where the kernels run and the router takes the skinny
+    matmul (bf16, no bias), a decode step's few tokens (`MAX_ROWS`) take the router's matmul and
+    the routing in one launch (`fused_router.py`)."""
+    fusable = router.matmul == "triton" and router.bias is None and router.weight_scale is None
+    if fusable and use_opaque_kernel(hidden):
+        from replaylm.layers.kernels import as_rows
+        from replaylm.layers.kernels.skinny_matmul import MAX_ROWS
+        from replaylm.layers.moe.fused_router import fused_router
+
+        if torch.compiler.is_compiling():  # the row count is symbolic: chosen in the op
+            return torch.ops.replaylm.route_hidden(
+                hidden, router.weight, counts, top_k, renormalize, first_expert
+            )
+        if hidden.shape[0] <= MAX_ROWS:
+            rows = as_rows(hidden, hidden.shape[-1])
+            return fused_router(
+                rows, router.weight, top_k, renormalize, counts, live.slots, first_expert
+            )
+    return route(router(hidden), top_k, renormalize, counts, live, first_expert)
+
+
+@torch.library.custom_op(ROUTE_HIDDEN_OP_NAME, mutates_args=("counts",))
+def _route_hidden_in_context(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    counts: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    first: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from replaylm.layers.kernels import as_rows
+    from replaylm.layers.kernels.skinny_matmul import MAX_ROWS
+    from replaylm.layers.moe.fused_router import fused_router
+    from replaylm.layers.moe.fused_routing import fused_route
+
+    slots = current_batch().out_cache_loc
+    rows = as_rows(hidden, hidden.shape[-1])
+    if rows.shape[0] <= MAX_ROWS:
+        return fused_router(rows, weight, top_k, renormalize, counts, slots, first)
+    return fused_route(F.linear(rows, weight), top_k, renormalize, counts, slots, first)
+
+
+@_route_hidden_in_context.register_fake
+def _route_hidden_in_context_fake(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    counts: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    first: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (hidden.shape[0], top_k)
+    weights = hidden.new_empty(shape, dtype=torch.float32)
+    return weights, hidden.new_empty(shape, dtype=torch.int32)
 
 
 @torch.library.custom_op(ROUTE_OP_NAME, mutates_args=("counts",))
