@@ -1,0 +1,160 @@
+"""Compile the decode path's Triton kernels for Hopper (sm_90) with no GPU present: Triton's own
+front end, its passes and ptxas, as a GPU's first launch would run them (CPU tensors run the
+kernels through the interpreter, which takes code the compiler refuses).
+
+    python test/hopper_compile.py    # run with TRITON_INTERPRET unset; exit 1 on a failure
+
+Each case names a kernel and its arguments: a pointer or scalar type string (`"*bf16"`, `"i32"`),
+or a constexpr's value (`Const` for a string one). test/cpu/test_kernels_compile_for_hopper.py
+runs it in a process of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+class Const(str):
+    """A string constexpr, not a type."""
+
+
+def _skinny_cases() -> list[tuple[str, str, dict[str, Any]]]:
+    cases = []
+    variants = [  # (dot swapped, K slices, gated, input): each branch of the kernel at least once
+        (False, 1, True, "bf16"),
+        (True, 4, False, "bf16"),
+        (True, 4, False, "fp8"),
+        (True, 1, True, "fp8"),
+        (False, 4, False, "quantize"),
+        (True, 4, True, "quantize"),
+    ]
+    for swap, split, gated, mode in variants:
+        fp8 = mode != "bf16"
+        args = {
+            "X": "*fp8e4nv" if mode == "fp8" else "*bf16",
+            "W": "*fp8e4nv" if fp8 else "*bf16",
+            "B": "*bf16",
+            "Scale": "*fp32",
+            "XScale": "*fp32",
+            "Y": "*bf16",
+            "Partials": "*fp32",
+            "Arrivals": "*i32",
+            **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_ym"], "i32"),
+            "BLOCKS_PER_SPLIT": 4,
+            "HAS_BIAS": False,
+            "SPLIT_K": split,
+            "BLOCK_M": 16,
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+            "PRECISION": Const("ieee"),
+            "GATED": gated,
+            "FP8": fp8,
+            "QUANTIZE_X": mode == "quantize",
+            "SWAP": swap,
+            "USE_PDL": True,
+        }
+        label = f"skinny_matmul swap={swap} split_k={split} gated={gated} {mode}"
+        cases.append(("replaylm.layers.kernels.skinny_matmul._skinny_matmul_kernel", label, args))
+    return cases
+
+
+def _moe_cases() -> list[tuple[str, str, dict[str, Any]]]:
+    cases = []
+    common = {"TOP_K": 8, "BLOCK_M": 16, "BLOCK_K": 128, "PRECISION": Const("ieee")}
+    for swap, fp8 in ((False, False), (True, True)):
+        weight = "*fp8e4nv" if fp8 else "*bf16"
+        gate_up = {
+            **dict(X="*bf16", W13=weight, W13Scale="*fp32", Ids="*i32", Act="*bf16"),
+            **dict.fromkeys(["N", "K", "num_experts", "stride_xm", "stride_wn"], "i32"),
+            **dict(stride_we="i64", stride_se="i32", stride_am="i32"),
+            **common,
+            **dict(BLOCKS=16, BLOCK_N=32, SWAP=swap, FP8=fp8, USE_PDL=True),
+        }
+        down = {
+            **dict(Act="*bf16", W2=weight, W2Scale="*fp32", Ids="*i32", Weights="*fp32"),
+            **dict(Out="*bf16", Partials="*fp32", Arrivals="*i32"),
+            **dict.fromkeys(["N", "K", "num_experts", "stride_am", "stride_wn"], "i32"),
+            **dict(stride_we="i64", stride_se="i32", stride_om="i32"),
+            **common,
+            **dict(BLOCKS=6, BLOCK_N=64, SWAP=swap, FP8=fp8, USE_PDL=True),
+        }
+        module = "replaylm.layers.moe.pair_experts"
+        cases.append(
+            (f"{module}._pair_gate_up_kernel", f"pair gate_up swap={swap} fp8={fp8}", gate_up)
+        )
+        cases.append((f"{module}._pair_down_kernel", f"pair down swap={swap} fp8={fp8}", down))
+    for split in (1, 8):
+        router = {
+            **dict(X="*bf16", W="*bf16", Logits="*bf16", Weights="*fp32", Ids="*i32"),
+            **dict(Counts="*i64", Slots="*i64", Partials="*fp32", Arrivals="*i32"),
+            **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "first_expert"], "i32"),
+            **dict(BLOCKS_PER_SPLIT=2, SPLIT_K=split, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+            **dict(BLOCK_E=128, TOP_K=8, BLOCK_TOP_K=8, RENORMALIZE=True, HAS_SLOTS=True),
+            **dict(PRECISION=Const("ieee"), SWAP=False, USE_PDL=True),
+        }
+        label = f"fused router split_k={split}"
+        cases.append(("replaylm.layers.moe.fused_router._router_kernel", label, router))
+    route = {
+        **dict(Logits="*bf16", Weights="*fp32", Ids="*i32", Counts="*i64", Slots="*i64"),
+        **dict.fromkeys(["stride_t", "num_tokens", "num_experts", "first_expert"], "i32"),
+        **dict(TOP_K=8, BLOCK_E=128, BLOCK_K=8, RENORMALIZE=True, HAS_SLOTS=True, USE_PDL=True),
+    }
+    cases.append(("replaylm.layers.moe.fused_routing._route_kernel", "route", route))
+    return cases
+
+
+def _quantize_cases() -> list[tuple[str, str, dict[str, Any]]]:
+    args = {
+        **dict(X="*bf16", Q="*fp8e4nv", Scale="*fp32", Static="*fp32"),
+        **dict.fromkeys(["n_cols", "group", "num_static", "stride_x"], "i32"),
+        **dict(BLOCK=4096, STATIC_BLOCK=1, HAS_STATIC=False, USE_PDL=True),
+    }
+    name = "replaylm.layers.quantization.fp8_kernels._quantize_kernel"
+    return [(name, "quantize activation", args)]
+
+
+CASES = _skinny_cases() + _moe_cases() + _quantize_cases()
+
+
+def _kernel(path: str) -> Any:
+    module, name = path.rsplit(".", 1)
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+def compile_for_hopper(path: str, args: dict[str, Any]) -> None:
+    """Compile kernel `path` (module.name) with `args` for sm_90, 4 warps, 3 stages."""
+    kernel = _kernel(path)
+    signature, constants = {}, {}
+    for name in kernel.arg_names:
+        value = args[name]
+        if isinstance(value, str) and not isinstance(value, Const):
+            signature[name] = value
+        else:
+            signature[name] = "constexpr"
+            constants[name] = str(value) if isinstance(value, Const) else value
+    source = ASTSource(kernel, signature, constants)
+    triton.compile(source, target=HOPPER, options={"num_warps": 4, "num_stages": 3})
+
+
+def main() -> int:
+    failures = 0
+    for path, label, args in CASES:
+        try:
+            compile_for_hopper(path, args)
+            print(f"ok {label}", flush=True)
+        except Exception as err:  # a compile error of any kind is this tool's finding
+            failures += 1
+            print(f"FAIL {label}: {type(err).__name__}: {err}", flush=True)
+    print(f"{len(CASES) - failures} of {len(CASES)} compiled")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
