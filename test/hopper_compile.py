@@ -90,6 +90,20 @@ def _moe_cases() -> list[tuple[str, str, dict[str, Any]]]:
             (f"{module}._pair_gate_up_kernel", f"pair gate_up swap={swap} fp8={fp8}", gate_up)
         )
         cases.append((f"{module}._pair_down_kernel", f"pair down swap={swap} fp8={fp8}", down))
+    for gated, combine, fp8 in ((True, 0, False), (False, 8, False), (False, 8, True)):
+        grouped = {
+            **dict(A="*fp8e4nv" if fp8 else "*bf16", B="*fp8e4nv" if fp8 else "*bf16", C="*bf16"),
+            **dict(SortedIds="*i32", ExpertIds="*i32", NumPostPad="*i32"),
+            **dict.fromkeys(["N", "K", "num_pairs", "max_rows", "stride_am", "stride_bn"], "i32"),
+            **dict(stride_be="i64", stride_cm="i32", AScale="*fp32", BScale="*fp32"),
+            **dict.fromkeys(["stride_asm", "stride_ask", "stride_bse", "stride_bsn"], "i32"),
+            **dict(stride_bsk="i32", Weights="*fp32", Out="*bf16", Arrivals="*i32"),
+            **dict(stride_om="i32", PAIRS_PER_ROW=8 if gated else 1, COMBINE_TOP_K=combine),
+            **dict(GATED=gated, FP8=fp8, GROUP_N=1, GROUP_K=0, BLOCK_M=16, BLOCK_N=64),
+            **dict(BLOCK_K=128, GROUP_M=1, PRECISION=Const("ieee"), USE_PDL=True),
+        }
+        label = f"grouped gemm gated={gated} combine_top_k={combine} fp8={fp8}"
+        cases.append(("replaylm.layers.moe.triton_experts._grouped_gemm_kernel", label, grouped))
     for split in (1, 8):
         router = {
             **dict(X="*bf16", W="*bf16", Logits="*bf16", Weights="*fp32", Ids="*i32"),

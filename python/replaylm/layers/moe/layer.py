@@ -182,7 +182,10 @@ class FusedMoE(nn.Module):
     def _experts(
         self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, self._fp8())
+        all_here = self.local_experts.size == self.local_experts.full
+        return fused_experts(
+            hidden, self.w13_weight, self.w2_weight, weights, ids, self._fp8(), all_here
+        )
 
     def _fp8(self) -> Fp8ExpertScales | None:
         if self.quant is None:
