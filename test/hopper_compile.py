@@ -27,15 +27,18 @@ class Const(str):
 
 def _skinny_cases() -> list[tuple[str, str, dict[str, Any]]]:
     cases = []
-    variants = [  # (dot swapped, K slices, gated, input): each branch of the kernel at least once
-        (False, 1, True, "bf16"),
-        (True, 4, False, "bf16"),
-        (True, 4, False, "fp8"),
-        (True, 1, True, "fp8"),
-        (False, 4, False, "quantize"),
-        (True, 4, True, "quantize"),
+    variants = [  # (dot swapped, K slices, gated, input, norm prologue): each branch once at least
+        (False, 1, True, "bf16", None),
+        (True, 4, False, "bf16", None),
+        (True, 4, False, "fp8", None),
+        (True, 1, True, "fp8", None),
+        (False, 4, False, "quantize", None),
+        (True, 4, True, "quantize", None),
+        (True, 4, False, "bf16", "residual"),
+        (False, 1, True, "bf16", "plain"),
+        (True, 4, True, "quantize", "residual"),
     ]
-    for swap, split, gated, mode in variants:
+    for swap, split, gated, mode, norm in variants:
         fp8 = mode != "bf16"
         args = {
             "X": "*fp8e4nv" if mode == "fp8" else "*bf16",
@@ -46,6 +49,7 @@ def _skinny_cases() -> list[tuple[str, str, dict[str, Any]]]:
             "Y": "*bf16",
             "Partials": "*fp32",
             "Arrivals": "*i32",
+            **dict(R="*bf16", NormW="*bf16", ResOut="*bf16", eps="fp32", stride_r="i32"),
             **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_ym"], "i32"),
             "BLOCKS_PER_SPLIT": 4,
             "HAS_BIAS": False,
@@ -57,10 +61,12 @@ def _skinny_cases() -> list[tuple[str, str, dict[str, Any]]]:
             "GATED": gated,
             "FP8": fp8,
             "QUANTIZE_X": mode == "quantize",
+            "NORM": norm is not None,
+            "HAS_RESIDUAL": norm == "residual",
             "SWAP": swap,
             "USE_PDL": True,
         }
-        label = f"skinny_matmul swap={swap} split_k={split} gated={gated} {mode}"
+        label = f"skinny_matmul swap={swap} split_k={split} gated={gated} {mode} norm={norm}"
         cases.append(("replaylm.layers.kernels.skinny_matmul._skinny_matmul_kernel", label, args))
     return cases
 

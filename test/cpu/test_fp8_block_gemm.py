@@ -32,6 +32,7 @@ from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
 )
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import GateUpLinear, Linear  # noqa: E402
+from replaylm.layers.norm_input import NormInput  # noqa: E402
 from replaylm.layers.quantization import fp8_kernels  # noqa: E402
 from replaylm.layers.quantization import fp8_linear as fp8_linear_module  # noqa: E402
 from replaylm.layers.quantization.config import Fp8Config  # noqa: E402
@@ -393,6 +394,30 @@ def test_the_kernel_quantizes_its_input_as_the_quantization_launch(
     assert torch.equal(fused, two_launches)
     with pytest.raises(ValueError, match="e4m3 x comes with its x_scale"):
         skinny_matmul(x_q, weight, out_dtype=x.dtype, weight_scale=scale)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_a_norm_prologue_quantizes_the_norms_output(with_residual: bool) -> None:
+    """An FP8 weight behind a norm prologue: the RMSNorm's output quantized in the kernel gives
+    `rms_norm_quantize` then the matmul on its rows (up to the order of the sum of squares),
+    and the new residual bit for bit."""
+    weight, scale = quantize_weight(torch.randn(96, 640, generator=_gen(25)), None)
+    x = torch.randn(5, 640, generator=_gen(26)) * 3
+    norm_w = 1 + torch.randn(640, generator=_gen(27)) / 4
+    residual = torch.randn(5, 640, generator=_gen(28)) if with_residual else None
+    residual_out = torch.empty_like(x) if with_residual else None
+    got = skinny_matmul(
+        x,
+        weight,
+        out_dtype=x.dtype,
+        weight_scale=scale,
+        norm=NormInput(norm_w, 1e-6, residual, residual_out),
+    )
+    rows, summed = fp8_kernels.rms_norm_quantize(x, norm_w, 1e-6, residual)
+    want = skinny_matmul(rows.q, weight, out_dtype=x.dtype, weight_scale=scale, x_scale=rows.scale)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if with_residual:
+        assert torch.equal(residual_out, summed)
 
 
 def _gated_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.e4m3 import amax_scale, scaled_e4m3
 from replaylm.layers.kernels.pdl import wait_for_producers
+from replaylm.layers.norm_input import NormInput
 
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
 # FP8 rows the kernel takes: up to here it reads the weight once, faster than cuBLASLt's FP8 GEMM
@@ -167,30 +168,29 @@ def weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def dot_tile(
-    X,
-    w,
-    acc,
-    offs_m,
-    k_block,
-    M,
-    K,
-    stride_xm,
-    BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    SWAP: tl.constexpr,
-    x_scale,
-    QUANTIZE: tl.constexpr,
-):
-    """`acc + X[offs_m, k_block-th BLOCK_K columns] @ w^T` (`SWAP`: its transpose,
-    `acc + w @ X[...]^T`); with `QUANTIZE` the X tile is first quantized to e4m3 by its rows'
-    scales `x_scale` `[BLOCK_M]` (w is e4m3)."""
+def x_tile(X, offs_m, k_block, M, K, stride_xm, BLOCK_K: tl.constexpr):
+    """Rows `offs_m` of X over the `k_block`-th BLOCK_K columns (zeros past M and K)."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = tl.load(
+    return tl.load(
         X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
         other=0.0,
     )
+
+
+@triton.jit
+def dot_tile(
+    x,
+    w,
+    acc,
+    x_scale,
+    PRECISION: tl.constexpr,
+    SWAP: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+):
+    """`acc + x @ w^T` for an input tile `x` `[BLOCK_M, BLOCK_K]` (`SWAP`: its transpose,
+    `acc + w @ x^T`); with `QUANTIZE` `x` is first quantized to e4m3 by its rows' scales
+    `x_scale` `[BLOCK_M]` (w is e4m3)."""
     if QUANTIZE:
         x = scaled_e4m3(x.to(tl.float32), x_scale[:, None]).to(tl.float8e4nv)
     # one return after the branches: Triton compiles what follows a taken constexpr `if`
@@ -208,16 +208,123 @@ def dot_tile(
 
 
 @triton.jit
-def row_scales(X, offs_m, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The per-token e4m3 scales `[BLOCK_M]` of X's rows `offs_m` over all of K (what
-    `quantize_activation` gives them)."""
+def _summed_tile(
+    X,
+    R,
+    offs_m,
+    k_block,
+    M,
+    K,
+    stride_xm,
+    stride_r,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """X's tile plus R's (`HAS_RESIDUAL`), rounded to X's dtype: the norm's input (and the new
+    residual), as `rms_norm` sums them."""
+    x = x_tile(X, offs_m, k_block, M, K, stride_xm, BLOCK_K)
+    if HAS_RESIDUAL:
+        r = x_tile(R, offs_m, k_block, M, K, stride_r, BLOCK_K)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _norm_rstd(
+    X,
+    R,
+    offs_m,
+    M,
+    K,
+    stride_xm,
+    stride_r,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`rsqrt(mean(s^2) + eps)` `[BLOCK_M]` of the rows' sums s over all of K."""
+    squares = tl.zeros((BLOCK_M,), tl.float32)
+    for k_block in range(0, tl.cdiv(K, BLOCK_K)):
+        s = _summed_tile(X, R, offs_m, k_block, M, K, stride_xm, stride_r, HAS_RESIDUAL, BLOCK_K)
+        s = s.to(tl.float32)
+        squares += tl.sum(s * s, axis=1)
+    return tl.math.rsqrt(squares / K + eps)
+
+
+@triton.jit
+def input_tile(
+    X,
+    R,
+    NormW,
+    ResOut,
+    rstd,
+    offs_m,
+    k_block,
+    M,
+    K,
+    stride_xm,
+    stride_r,
+    write_residual,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The matmul's input tile: X's, or with `NORM` RMSNorm's output of X (+ R) as `rms_norm`
+    computes it, `weight * (s * rstd)` in float32 not yet rounded (the sum s stored to ResOut
+    where `write_residual`)."""
+    if NORM:
+        s = _summed_tile(X, R, offs_m, k_block, M, K, stride_xm, stride_r, HAS_RESIDUAL, BLOCK_K)
+        offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+        if HAS_RESIDUAL:  # noqa: SIM102 (a constexpr, then a runtime flag: not one `and`)
+            if write_residual:
+                mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+                tl.store(ResOut + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], s, mask=mask)
+        normed = (s.to(tl.float32) * rstd[:, None]).to(s.dtype).to(tl.float32)
+        w = tl.load(NormW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        x = w[None, :] * normed
+    else:  # one return after the branches (see dot_tile)
+        x = x_tile(X, offs_m, k_block, M, K, stride_xm, BLOCK_K)
+    return x
+
+
+@triton.jit
+def row_scales(
+    X,
+    R,
+    NormW,
+    rstd,
+    offs_m,
+    M,
+    K,
+    stride_xm,
+    stride_r,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The per-token e4m3 scales `[BLOCK_M]` of the input's rows `offs_m` over all of K (X's,
+    or with `NORM` the norm's output: what `quantize_activation` and `rms_norm_quantize` give
+    them)."""
     amax = tl.zeros((BLOCK_M,), tl.float32)
     for k_block in range(0, tl.cdiv(K, BLOCK_K)):
-        offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
-            other=0.0,
+        x = input_tile(
+            X,
+            R,
+            NormW,
+            X,
+            rstd,
+            offs_m,
+            k_block,
+            M,
+            K,
+            stride_xm,
+            stride_r,
+            False,
+            NORM,
+            HAS_RESIDUAL,
+            BLOCK_K,
         )
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
     return amax_scale(amax)
@@ -228,6 +335,11 @@ def slice_product(
     X,
     W,
     XScale,
+    R,
+    NormW,
+    ResOut,
+    eps,
+    stride_r,
     offs_m,
     offs_n,
     first,
@@ -236,6 +348,7 @@ def slice_product(
     K,
     stride_xm,
     stride_wn,
+    write_residual,
     BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -244,12 +357,16 @@ def slice_product(
     SWAP: tl.constexpr,
     FP8: tl.constexpr,
     QUANTIZE_X: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """(`X[offs_m] @ W[offs_n]^T` over `BLOCKS` blocks of K from block `first`, a
-    `[BLOCK_M, BLOCK_N]` float32 tile, and X's row scales `[BLOCK_M]`: `XScale`'s with `FP8`,
-    found here with `QUANTIZE_X`, else unused). Waits for the producers of X first; with PDL the
-    first weight tile loads before that (the weights are constant)."""
+    """(`x[offs_m] @ W[offs_n]^T` over `BLOCKS` blocks of K from block `first`, a
+    `[BLOCK_M, BLOCK_N]` float32 tile, and x's row scales `[BLOCK_M]`: `XScale`'s with `FP8`,
+    found here with `QUANTIZE_X`, else unused). x is X, or with `NORM` the RMSNorm (weight
+    `NormW`, `eps`) of X (+ R with `HAS_RESIDUAL`, the sum stored to ResOut where
+    `write_residual`), each program finding its rows' rstd first. Waits for the producers of X
+    first; with PDL the first weight tile loads before that (the weights are constant)."""
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
@@ -257,51 +374,77 @@ def slice_product(
     if USE_PDL:
         w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
     wait_for_producers(USE_PDL)
-    if QUANTIZE_X:  # X quantized per token here: every program reads its rows whole first
-        x_scale = row_scales(X, offs_m, M, K, stride_xm, BLOCK_M, BLOCK_K)
+    if NORM:  # every program reads its rows whole for their rstd first
+        rstd = _norm_rstd(
+            X, R, offs_m, M, K, stride_xm, stride_r, eps, HAS_RESIDUAL, BLOCK_M, BLOCK_K
+        )
+    else:
+        rstd = tl.zeros((BLOCK_M,), tl.float32)  # unused
+    if QUANTIZE_X:  # the input quantized per token here: its rows' amax first
+        x_scale = row_scales(
+            X,
+            R,
+            NormW,
+            rstd,
+            offs_m,
+            M,
+            K,
+            stride_xm,
+            stride_r,
+            NORM,
+            HAS_RESIDUAL,
+            BLOCK_M,
+            BLOCK_K,
+        )
     elif FP8:
         x_scale = tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)
     else:
         x_scale = tl.zeros((BLOCK_M,), tl.float32)  # unused
-    if USE_PDL:
-        acc = dot_tile(
-            X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP, x_scale, QUANTIZE_X
+    start = 0
+    if USE_PDL:  # the prefetched tile first
+        x = input_tile(
+            X,
+            R,
+            NormW,
+            ResOut,
+            rstd,
+            offs_m,
+            first,
+            M,
+            K,
+            stride_xm,
+            stride_r,
+            write_residual,
+            NORM,
+            HAS_RESIDUAL,
+            BLOCK_K,
         )
-        for i in range(1, BLOCKS):
-            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = dot_tile(
-                X,
-                w,
-                acc,
-                offs_m,
-                first + i,
-                M,
-                K,
-                stride_xm,
-                BLOCK_K,
-                PRECISION,
-                SWAP,
-                x_scale,
-                QUANTIZE_X,
-            )
-    else:
-        for i in range(0, BLOCKS):
-            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = dot_tile(
-                X,
-                w,
-                acc,
-                offs_m,
-                first + i,
-                M,
-                K,
-                stride_xm,
-                BLOCK_K,
-                PRECISION,
-                SWAP,
-                x_scale,
-                QUANTIZE_X,
-            )
+        if not QUANTIZE_X:
+            x = x.to(X.dtype.element_ty)  # the norm's output rounded as `rms_norm` rounds it
+        acc = dot_tile(x, w, acc, x_scale, PRECISION, SWAP, QUANTIZE_X)
+        start = 1
+    for i in range(start, BLOCKS):
+        w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+        x = input_tile(
+            X,
+            R,
+            NormW,
+            ResOut,
+            rstd,
+            offs_m,
+            first + i,
+            M,
+            K,
+            stride_xm,
+            stride_r,
+            write_residual,
+            NORM,
+            HAS_RESIDUAL,
+            BLOCK_K,
+        )
+        if not QUANTIZE_X:
+            x = x.to(X.dtype.element_ty)
+        acc = dot_tile(x, w, acc, x_scale, PRECISION, SWAP, QUANTIZE_X)
     if SWAP:
         acc = tl.trans(acc)
     return acc, x_scale
@@ -346,12 +489,17 @@ def _skinny_matmul_kernel(
     Y,
     Partials,
     Arrivals,
+    R,
+    NormW,
+    ResOut,
+    eps,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_r,
     BLOCKS_PER_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -362,6 +510,8 @@ def _skinny_matmul_kernel(
     GATED: tl.constexpr,
     FP8: tl.constexpr,
     QUANTIZE_X: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     SWAP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -373,6 +523,11 @@ def _skinny_matmul_kernel(
         X,
         W,
         XScale,
+        R,
+        NormW,
+        ResOut,
+        eps,
+        stride_r,
         offs_m,
         offs_n,
         pid_k * BLOCKS_PER_SPLIT,
@@ -381,6 +536,7 @@ def _skinny_matmul_kernel(
         K,
         stride_xm,
         stride_wn,
+        pid_n == 0,
         BLOCKS_PER_SPLIT,
         BLOCK_M,
         BLOCK_N,
@@ -389,6 +545,8 @@ def _skinny_matmul_kernel(
         SWAP,
         FP8,
         QUANTIZE_X,
+        NORM,
+        HAS_RESIDUAL,
         USE_PDL,
     )
     if SPLIT_K == 1:
@@ -433,6 +591,24 @@ def _skinny_matmul_kernel(
             )
 
 
+def _check_norm(x: torch.Tensor, norm: NormInput, x_scale: torch.Tensor | None) -> None:
+    """ValueError for a norm prologue the kernel does not take."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows > MAX_ROWS:
+        raise ValueError(f"a norm prologue takes at most {MAX_ROWS} rows, not {rows}")
+    if x_scale is not None:
+        raise ValueError("a norm prologue takes x unquantized")
+    if norm.weight.shape != (x.shape[-1],) or norm.weight.dtype != x.dtype:
+        raise ValueError(f"the norm's weight must be [{x.shape[-1]}] {x.dtype}")
+    if (norm.residual is None) != (norm.residual_out is None):
+        raise ValueError("a residual and its residual_out go together")
+    for name, t in (("residual", norm.residual), ("residual_out", norm.residual_out)):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype):
+            raise ValueError(f"{name} must be {x.dtype} {list(x.shape)}")
+    if norm.residual_out is not None and not norm.residual_out.is_contiguous():
+        raise ValueError("residual_out must be contiguous")
+
+
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -466,6 +642,7 @@ def skinny_matmul(
     out: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
+    norm: NormInput | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous; FP8: `weight` e4m3 with `weight_scale` (float32 `[N]`: the weight is
@@ -478,9 +655,15 @@ def skinny_matmul(
     and the result `[..., N / 2]` is SiluAndMul of the product, bit-equal to
     `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype; FP8: `out_dtype`). `out`: a
     contiguous tensor of the result's shape and dtype to write (and return) instead of a new one
-    (e.g. a buffer that outlives a CUDA graph's private pool)."""
+    (e.g. a buffer that outlives a CUDA graph's private pool). `norm`: the matmul of
+    `rms_norm(x (+ residual))` instead, at most MAX_ROWS rows of one dtype, each program
+    normalizing its rows itself (the new residual written by the programs of the first column
+    tile); an FP8 weight then quantizes the norm's output in the kernel as `rms_norm_quantize`
+    does."""
     n, k = weight.shape
     fp8 = weight_scale is not None
+    if norm is not None:
+        _check_norm(x, norm, x_scale)
     if (x_scale is not None and not fp8) or (fp8 and out_dtype is None):
         raise ValueError("FP8 takes weight_scale and out_dtype together (and an e4m3 x's x_scale)")
     if fp8 and x_scale is None and x.dtype == torch.float8_e4m3fn:
@@ -521,6 +704,7 @@ def skinny_matmul(
     ):
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
     partials, arrivals = split_k_workspace(x.device) if cfg.split_k > 1 else (y, y)  # y: unused
+    residual = None if norm is None or norm.residual is None else as_rows(norm.residual, k)
     if m:
         _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, cfg.block_m))](
             x2,
@@ -531,12 +715,17 @@ def skinny_matmul(
             y,
             partials,
             arrivals,
+            x2 if residual is None else residual,
+            weight if norm is None else norm.weight,
+            x2 if norm is None or norm.residual_out is None else norm.residual_out,
+            0.0 if norm is None else norm.eps,
             m,
             n,
             k,
             x2.stride(0),
             weight.stride(0),
             width,
+            0 if residual is None else residual.stride(0),
             BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),
             HAS_BIAS=bias is not None,
             SPLIT_K=cfg.split_k,
@@ -547,6 +736,8 @@ def skinny_matmul(
             GATED=gated_silu,
             FP8=fp8,
             QUANTIZE_X=fp8 and x_scale is None,
+            NORM=norm is not None,
+            HAS_RESIDUAL=residual is not None,
             SWAP=cfg.swap,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

@@ -37,6 +37,7 @@ from replaylm.layers.kernels.skinny_matmul import (
     weight_rows,
     weight_tile,
     write_tile,
+    x_tile,
 )
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales
 
@@ -64,8 +65,8 @@ def _pair_dot(
     float32 tile whose rows past the first are zero. `FP8`: W is e4m3 with per-row scales
     `WScale`, and the row is quantized per token here; both scales multiply the sums."""
     offs_m = tl.arange(0, BLOCK_M)
-    if FP8:
-        x_scale = row_scales(X, offs_m, 1, K, 0, BLOCK_M, BLOCK_K)
+    if FP8:  # a plain input: the stand-ins for the residual, norm weight and rstd are unread
+        x_scale = row_scales(X, X, W, W, offs_m, 1, K, 0, 0, False, False, BLOCK_M, BLOCK_K)
     else:
         x_scale = tl.zeros((BLOCK_M,), tl.float32)  # unused
     if SWAP:
@@ -74,7 +75,8 @@ def _pair_dot(
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k_block in range(0, BLOCKS):
         w = weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K)
-        acc = dot_tile(X, w, acc, offs_m, k_block, 1, K, 0, BLOCK_K, PRECISION, SWAP, x_scale, FP8)
+        x = x_tile(X, offs_m, k_block, 1, K, 0, BLOCK_K)
+        acc = dot_tile(x, w, acc, x_scale, PRECISION, SWAP, FP8)
     if SWAP:
         acc = tl.trans(acc)
     if FP8:
