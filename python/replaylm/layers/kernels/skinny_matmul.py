@@ -48,6 +48,9 @@ FP8_MAX_ROWS = 64
 # the workspace's bounds: fp32 partials of a split-K launch (tiles x slices x BLOCK_M x BLOCK_N;
 # 8 MiB) and output tiles (one arrival counter each)
 _PARTIAL_FLOATS, _MAX_SPLIT_TILES = 2**21, 4096
+# a row's columns per load where a program reads its rows whole (the norm's rstd, the
+# quantization's amax): wide, so that few dependent loads come before the first dot
+_ROW_CHUNK = tl.constexpr(1024)
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,18 @@ def _summed_tile(
 
 
 @triton.jit
+def _row_chunk(X, R, row, k0, K, stride_xm, stride_r, HAS_RESIDUAL: tl.constexpr):
+    """`_ROW_CHUNK` columns of row `row` from `k0`: X's, plus R's with `HAS_RESIDUAL` rounded to
+    X's dtype as `_summed_tile` rounds them, and where they lie."""
+    cols = k0 + tl.arange(0, _ROW_CHUNK)
+    x = tl.load(X + row * stride_xm + cols, mask=cols < K, other=0.0)  # row < 16: no overflow
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=cols < K, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+    return x, cols
+
+
+@triton.jit
 def _norm_rstd(
     X,
     R,
@@ -241,15 +256,19 @@ def _norm_rstd(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
-    """`rsqrt(mean(s^2) + eps)` `[BLOCK_M]` of the rows' sums s over all of K."""
-    squares = tl.zeros((BLOCK_M,), tl.float32)
-    for k_block in range(0, tl.cdiv(K, BLOCK_K)):
-        s = _summed_tile(X, R, offs_m, k_block, M, K, stride_xm, stride_r, HAS_RESIDUAL, BLOCK_K)
-        s = s.to(tl.float32)
-        squares += tl.sum(s * s, axis=1)
-    return tl.math.rsqrt(squares / K + eps)
+    """`rsqrt(mean(s^2) + eps)` `[BLOCK_M]` of the rows' sums s over all of K, a row at a time
+    in wide chunks (few dependent loads before the first dot)."""
+    rstd = tl.zeros((BLOCK_M,), tl.float32)
+    first = tl.min(offs_m, axis=0)
+    for row in range(first, tl.minimum(M, first + BLOCK_M)):
+        squares = tl.sum(tl.zeros((_ROW_CHUNK,), tl.float32), axis=0)
+        for k0 in range(0, K, _ROW_CHUNK):
+            s, _ = _row_chunk(X, R, row, k0, K, stride_xm, stride_r, HAS_RESIDUAL)
+            s = s.to(tl.float32)
+            squares += tl.sum(s * s, axis=0)
+        rstd = tl.where(offs_m == row, tl.math.rsqrt(squares / K + eps), rstd)
+    return rstd
 
 
 @triton.jit
@@ -302,32 +321,24 @@ def row_scales(
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
     """The per-token e4m3 scales `[BLOCK_M]` of the input's rows `offs_m` over all of K (X's,
-    or with `NORM` the norm's output: what `quantize_activation` and `rms_norm_quantize` give
-    them)."""
-    amax = tl.zeros((BLOCK_M,), tl.float32)
-    for k_block in range(0, tl.cdiv(K, BLOCK_K)):
-        x = input_tile(
-            X,
-            R,
-            NormW,
-            X,
-            rstd,
-            offs_m,
-            k_block,
-            M,
-            K,
-            stride_xm,
-            stride_r,
-            False,
-            NORM,
-            HAS_RESIDUAL,
-            BLOCK_K,
-        )
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    return amax_scale(amax)
+    or with `NORM` the norm's output by the rows' `rstd`: what `quantize_activation` and
+    `rms_norm_quantize` give them), a row at a time in wide chunks."""
+    scales = tl.zeros((BLOCK_M,), tl.float32)
+    first = tl.min(offs_m, axis=0)
+    for row in range(first, tl.minimum(M, first + BLOCK_M)):
+        amax = tl.sum(tl.zeros((_ROW_CHUNK,), tl.float32), axis=0)
+        for k0 in range(0, K, _ROW_CHUNK):
+            x, cols = _row_chunk(X, R, row, k0, K, stride_xm, stride_r, HAS_RESIDUAL)
+            y = x.to(tl.float32)
+            if NORM:  # as input_tile normalizes it
+                row_rstd = tl.sum(tl.where(offs_m == row, rstd, 0.0), axis=0)
+                w = tl.load(NormW + cols, mask=cols < K, other=0.0).to(tl.float32)
+                y = w * (y * row_rstd).to(x.dtype).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(y), axis=0))
+        scales = tl.where(offs_m == row, amax_scale(amax), scales)
+    return scales
 
 
 @triton.jit
@@ -375,9 +386,7 @@ def slice_product(
         w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
     wait_for_producers(USE_PDL)
     if NORM:  # every program reads its rows whole for their rstd first
-        rstd = _norm_rstd(
-            X, R, offs_m, M, K, stride_xm, stride_r, eps, HAS_RESIDUAL, BLOCK_M, BLOCK_K
-        )
+        rstd = _norm_rstd(X, R, offs_m, M, K, stride_xm, stride_r, eps, HAS_RESIDUAL, BLOCK_M)
     else:
         rstd = tl.zeros((BLOCK_M,), tl.float32)  # unused
     if QUANTIZE_X:  # the input quantized per token here: its rows' amax first
@@ -394,7 +403,6 @@ def slice_product(
             NORM,
             HAS_RESIDUAL,
             BLOCK_M,
-            BLOCK_K,
         )
     elif FP8:
         x_scale = tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)

@@ -66,7 +66,7 @@ def _pair_dot(
     `WScale`, and the row is quantized per token here; both scales multiply the sums."""
     offs_m = tl.arange(0, BLOCK_M)
     if FP8:  # a plain input: the stand-ins for the residual, norm weight and rstd are unread
-        x_scale = row_scales(X, X, W, W, offs_m, 1, K, 0, 0, False, False, BLOCK_M, BLOCK_K)
+        x_scale = row_scales(X, X, W, W, offs_m, 1, K, 0, 0, False, False, BLOCK_M)
     else:
         x_scale = tl.zeros((BLOCK_M,), tl.float32)  # unused
     if SWAP:
