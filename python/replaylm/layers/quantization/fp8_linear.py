@@ -38,9 +38,10 @@ from replaylm.layers.quantization.fp8 import (
 
 # up to this many rows (decode) per-channel weights run in the skinny kernel (its FP8_MAX_ROWS)
 SKINNY_ROWS = 64
-# up to this many rows the skinny kernel quantizes a dynamic input itself (its MAX_ROWS: a
-# program's rows, read whole for their scales)
-QUANTIZING_ROWS = 16
+# up to this many rows the skinny kernel quantizes a dynamic input itself: each program reads
+# its rows whole for their scales, a row at a time, which past a few rows costs more than the
+# quantization's own launch (docs/tuning.md, "FP8 GEMMs")
+QUANTIZING_ROWS = 4
 
 
 def fp8_linear(
