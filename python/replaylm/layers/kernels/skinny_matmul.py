@@ -14,6 +14,12 @@ scales on the float32 sums at the end (docs/tuning.md, "FP8 GEMMs"). A bf16 inpu
 token in the kernel (each program finds its rows' scales first, then quantizes each tile as it
 loads it): no quantization launch before the matmul.
 
+With `norm` (`NormInput`) the input is an RMSNorm's (with its residual add) that the kernel
+computes itself: each program finds its rows' rstd first, normalizes each tile as it loads it,
+and the programs of the first column tile write the new residual: no norm launch before the
+matmul (docs/tuning.md, "Norm in the matmul"). Both reads of whole rows go a row at a time in
+wide chunks; the callers take them for a few rows only.
+
 With `gated_silu` the weight is a `[gate; up]` pair and a program's tile interleaves gate and up
 rows of the same output columns, so its epilogue applies SiluAndMul and writes half as many
 columns: the MLP's gate-up projection and activation in one launch, with no intermediate tensor

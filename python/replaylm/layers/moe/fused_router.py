@@ -12,11 +12,12 @@ graphs capture it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from replaylm.layers.attention.triton.common import dot_precision
-from replaylm.layers.kernels import pdl_launch
+from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.skinny_matmul import (
     MAX_ROWS,
     matmul_config,
@@ -25,7 +26,7 @@ from replaylm.layers.kernels.skinny_matmul import (
     split_k_workspace,
     weight_rows,
 )
-from replaylm.layers.moe.fused_routing import live_rows, route_rows, store_routes
+from replaylm.layers.moe.fused_routing import fused_route, live_rows, route_rows, store_routes
 
 
 # one variant for every batch size: the token count is not specialized
@@ -184,3 +185,20 @@ def fused_router(
         **pdl_launch(),
     )
     return weights, ids
+
+
+def route_hidden_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counts: torch.Tensor,
+    slots: torch.Tensor | None,
+    first_expert: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_router` at up to MAX_ROWS tokens, else the router's matmul (`F.linear`, what the
+    skinny-matmul router takes there) then `fused_route`."""
+    rows = as_rows(hidden, hidden.shape[-1])
+    if rows.shape[0] <= MAX_ROWS:
+        return fused_router(rows, weight, top_k, renormalize, counts, slots, first_expert)
+    return fused_route(F.linear(rows, weight), top_k, renormalize, counts, slots, first_expert)

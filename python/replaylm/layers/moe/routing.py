@@ -12,7 +12,6 @@ write) counts nothing.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from replaylm.layers.attention.ops import current_batch
 from replaylm.layers.kernels import use_opaque_kernel
@@ -101,19 +100,15 @@ def route_hidden(
     the routing in one launch (`fused_router.py`)."""
     fusable = router.matmul == "triton" and router.bias is None and router.weight_scale is None
     if fusable and use_opaque_kernel(hidden):
-        from replaylm.layers.kernels import as_rows
-        from replaylm.layers.kernels.skinny_matmul import MAX_ROWS
-        from replaylm.layers.moe.fused_router import fused_router
-
         if torch.compiler.is_compiling():  # the row count is symbolic: chosen in the op
             return torch.ops.replaylm.route_hidden(
                 hidden, router.weight, counts, top_k, renormalize, first_expert
             )
-        if hidden.shape[0] <= MAX_ROWS:
-            rows = as_rows(hidden, hidden.shape[-1])
-            return fused_router(
-                rows, router.weight, top_k, renormalize, counts, live.slots, first_expert
-            )
+        from replaylm.layers.moe.fused_router import route_hidden_rows
+
+        return route_hidden_rows(
+            hidden, router.weight, top_k, renormalize, counts, live.slots, first_expert
+        )
     return route(router(hidden), top_k, renormalize, counts, live, first_expert)
 
 
@@ -126,16 +121,10 @@ def _route_hidden_in_context(
     renormalize: bool,
     first: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from replaylm.layers.kernels import as_rows
-    from replaylm.layers.kernels.skinny_matmul import MAX_ROWS
-    from replaylm.layers.moe.fused_router import fused_router
-    from replaylm.layers.moe.fused_routing import fused_route
+    from replaylm.layers.moe.fused_router import route_hidden_rows
 
     slots = current_batch().out_cache_loc
-    rows = as_rows(hidden, hidden.shape[-1])
-    if rows.shape[0] <= MAX_ROWS:
-        return fused_router(rows, weight, top_k, renormalize, counts, slots, first)
-    return fused_route(F.linear(rows, weight), top_k, renormalize, counts, slots, first)
+    return route_hidden_rows(hidden, weight, top_k, renormalize, counts, slots, first)
 
 
 @_route_hidden_in_context.register_fake
