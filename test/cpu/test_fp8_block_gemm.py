@@ -32,7 +32,6 @@ from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
 )
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import GateUpLinear, Linear  # noqa: E402
-from replaylm.layers.norm_input import NormInput  # noqa: E402
 from replaylm.layers.quantization import fp8_kernels  # noqa: E402
 from replaylm.layers.quantization import fp8_linear as fp8_linear_module  # noqa: E402
 from replaylm.layers.quantization.config import Fp8Config  # noqa: E402
@@ -50,7 +49,6 @@ from replaylm.layers.quantization.fp8_kernels import (  # noqa: E402
     block_gemm_config,
 )
 from replaylm.layers.quantization.fp8_linear import (  # noqa: E402
-    QUANTIZING_ROWS,
     SKINNY_ROWS,
     fp8_linear,
     gated_fp8_linear,
@@ -336,14 +334,13 @@ def test_decode_rows_run_the_skinny_kernel_on_the_quantized_input(
     rows: int, kernel_device_cpu: dict[str, int]
 ) -> None:
     """Up to SKINNY_ROWS rows, per-channel weights run the skinny matmul on the input quantized
-    per token (FP8 dots, both scales on the float32 sums): the emulation's numbers; K over
-    several split-K slices up to 16 rows (up to QUANTIZING_ROWS the kernel quantizing the input
-    itself: no quantization launch), in 64-row tiles past."""
-    assert SKINNY_ROWS == FP8_MAX_ROWS and QUANTIZING_ROWS <= MAX_ROWS
+    per token (one quantization launch, FP8 dots, both scales on the float32 sums): the
+    emulation's numbers; K over several split-K slices up to 16 rows, in 64-row tiles past."""
+    assert SKINNY_ROWS == FP8_MAX_ROWS
     weight, scale = quantize_weight(torch.randn(48, 1024, generator=_gen(13)), None)
     x = torch.randn(rows, 1024, generator=_gen(14))
     got = fp8_linear(x, weight, scale, None, out_dtype=torch.float32)
-    assert kernel_device_cpu["quantize"] == (rows > QUANTIZING_ROWS)
+    assert kernel_device_cpu["quantize"] == 1
     torch.testing.assert_close(got, EMULATED(x, weight, scale, None, None), rtol=1e-5, atol=1e-4)
     if rows <= MAX_ROWS:  # the dot taken the other way round: the same sums
         x_q, x_scale = fp8_kernels.quantize_activation(x)
@@ -361,65 +358,6 @@ def test_decode_rows_run_the_skinny_kernel_on_the_quantized_input(
         )
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        MatmulConfig(32, 128, 1, num_warps=4, num_stages=2),
-        MatmulConfig(64, 128, 3, num_warps=4, num_stages=2, swap=True),  # a ragged last slice
-    ],
-    ids=["whole", "split-swapped"],
-)
-@pytest.mark.parametrize("gated", [False, True])
-def test_the_kernel_quantizes_its_input_as_the_quantization_launch(
-    config: MatmulConfig, gated: bool
-) -> None:
-    """A float input with dynamic scales, quantized per token inside the skinny kernel: bit-equal
-    to `quantize_activation` then the kernel on its e4m3 rows, gated or not; an e4m3 input without
-    its scales is refused."""
-    weight, scale = quantize_weight(torch.randn(96, 640, generator=_gen(23)), None)
-    x = torch.randn(5, 640, generator=_gen(24)) * torch.tensor([1e-3, 1.0, 30.0, 0.1, 5.0])[:, None]
-    fused = skinny_matmul(
-        x, weight, config=config, out_dtype=x.dtype, weight_scale=scale, gated_silu=gated
-    )
-    x_q, x_scale = fp8_kernels.quantize_activation(x)
-    two_launches = skinny_matmul(
-        x_q,
-        weight,
-        config=config,
-        out_dtype=x.dtype,
-        weight_scale=scale,
-        x_scale=x_scale,
-        gated_silu=gated,
-    )
-    assert torch.equal(fused, two_launches)
-    with pytest.raises(ValueError, match="e4m3 x comes with its x_scale"):
-        skinny_matmul(x_q, weight, out_dtype=x.dtype, weight_scale=scale)
-
-
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_a_norm_prologue_quantizes_the_norms_output(with_residual: bool) -> None:
-    """An FP8 weight behind a norm prologue: the RMSNorm's output quantized in the kernel gives
-    `rms_norm_quantize` then the matmul on its rows (up to the order of the sum of squares),
-    and the new residual bit for bit."""
-    weight, scale = quantize_weight(torch.randn(96, 640, generator=_gen(25)), None)
-    x = torch.randn(5, 640, generator=_gen(26)) * 3
-    norm_w = 1 + torch.randn(640, generator=_gen(27)) / 4
-    residual = torch.randn(5, 640, generator=_gen(28)) if with_residual else None
-    residual_out = torch.empty_like(x) if with_residual else None
-    got = skinny_matmul(
-        x,
-        weight,
-        out_dtype=x.dtype,
-        weight_scale=scale,
-        norm=NormInput(norm_w, 1e-6, residual, residual_out),
-    )
-    rows, summed = fp8_kernels.rms_norm_quantize(x, norm_w, 1e-6, residual)
-    want = skinny_matmul(rows.q, weight, out_dtype=x.dtype, weight_scale=scale, x_scale=rows.scale)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    if with_residual:
-        assert torch.equal(residual_out, summed)
-
-
 def _gated_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """SiluAndMul of the emulated FP8 matmul of `x` and the `[gate; up]` weight, in float32."""
     gate, up = EMULATED(x.float(), weight, scale, None, None).chunk(2, dim=-1)
@@ -431,16 +369,16 @@ def test_decode_rows_run_gate_up_and_silu_in_one_skinny_launch(
     rows: int, kernel_device_cpu: dict[str, int]
 ) -> None:
     """A `[gate; up]` per-channel weight at decode rows (what `GateUpLinear` takes when
-    `takes_skinny`): the quantization (in the launch itself up to QUANTIZING_ROWS rows), then
-    one launch with SiluAndMul in its epilogue, the numbers of the matmul then SiluAndMul's
-    kernel; more rows or block scales go fp8_linear's way."""
+    `takes_skinny`): the quantization, then one launch with SiluAndMul in its epilogue, the
+    numbers of the matmul then SiluAndMul's kernel; more rows or block scales go fp8_linear's
+    way."""
     weight, scale = quantize_weight(torch.randn(2 * 40, 512, generator=_gen(21)), None)
     x = torch.randn(rows, 512, generator=_gen(22))
     assert takes_skinny(x, None) and not takes_skinny(x, BLOCK)
     assert not takes_skinny(torch.zeros(SKINNY_ROWS + 1, 512), None)
     got = gated_fp8_linear(x, weight, scale)
     assert got.shape == (rows, 40) and got.dtype == torch.float32
-    assert kernel_device_cpu["quantize"] == (rows > QUANTIZING_ROWS)
+    assert kernel_device_cpu["quantize"] == 1
     torch.testing.assert_close(got, silu_and_mul(fp8_linear(x, weight, scale, None)))
     torch.testing.assert_close(got, _gated_reference(x, weight, scale), rtol=1e-4, atol=1e-3)
 

@@ -40,7 +40,6 @@ from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
 )
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import set_matmul  # noqa: E402
-from replaylm.layers.norm_input import NormInput  # noqa: E402
 from replaylm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from replaylm.runtime.batch_ops import prepare_extend, release  # noqa: E402
 from replaylm.runtime.request import Req  # noqa: E402
@@ -262,38 +261,6 @@ def test_skinny_matmul_writes_float32_sums_unrounded(config):
         skinny_matmul(x, w, gated_silu=True, out_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize(
-    "config",
-    [
-        MatmulConfig(block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
-        MatmulConfig(block_n=64, block_k=32, split_k=3, num_warps=4, num_stages=2, swap=True),
-    ],
-    ids=["whole", "split-swapped"],
-)
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_a_norm_prologue_is_the_norm_then_the_matmul(dtype, rows, config, with_residual):
-    """`norm=`: the RMSNorm of x (+ residual) in the matmul's own programs gives the norm
-    kernel's output then the matmul, up to the order of the sum of squares; the new residual
-    bit-equal to the norm kernel's."""
-    x = _randn(rows, 160, dtype=dtype, seed=rows) * 3
-    w = _randn(96, 160, dtype=dtype, seed=7) / 13
-    norm_w = 1 + _randn(160, dtype=dtype, seed=8) / 4
-    residual = _randn(rows, 160, dtype=dtype, seed=9) if with_residual else None
-    residual_out = torch.empty_like(x) if with_residual else None
-    norm = NormInput(norm_w, 1e-6, residual, residual_out)
-    got = skinny_matmul(x, w, config=config, norm=norm)
-    if with_residual:
-        normed, summed = rms_norm(x, norm_w, 1e-6, residual)
-        assert torch.equal(residual_out, summed)
-    else:
-        normed = rms_norm(x, norm_w, 1e-6)
-    torch.testing.assert_close(got, skinny_matmul(normed, w, config=config), **TOL[dtype])
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        skinny_matmul(torch.zeros(17, 160, dtype=dtype), w, norm=NormInput(norm_w, 1e-6))
-
-
 def test_split_k_takes_any_tile_count_whose_partials_fit_the_workspace():
     """The split-K workspace is bounded by its partials (8 MiB) and counters (4096 tiles), not
     by a tile count: Llama-3.1-8B's gate_up in 4 slices (896 tiles) fits."""
@@ -462,11 +429,9 @@ def test_tiny_model_triton_route_matches_native(kernel_calls, tmp_path, config):
         want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
     assert kernel_calls == {}
     got = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
-    # 2 forwards x 2 layers; RMSNorm: the prefill's 2 per layer and the final norm, the decode
-    # step's final norm (its 3 rows leave the layers' norms to qkv and gate-up, which normalize
-    # their input themselves); the gate-up matmul (15 and 3 rows: the skinny kernel) with
-    # SiluAndMul in its epilogue
-    assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 6, "gated_silu": 4}
+    # 2 forwards x 2 layers; RMSNorm: 2 forwards x (2 per layer + the final norm); the gate-up
+    # matmul (15 and 3 rows: the skinny kernel) with SiluAndMul in its epilogue
+    assert kernel_calls == {"qk_norm_rope": 4, "rms_norm": 10, "gated_silu": 4}
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 

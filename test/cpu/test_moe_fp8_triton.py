@@ -2,9 +2,8 @@
 
 `triton_experts` against `torch_experts` with the same scales: per channel, 128x128 blocks (the
 hidden size 160 leaves the last block of w13's K and of w2's N ragged) and 32x64 blocks (w2's
-K, the intermediate size 96, ragged too); one and two tokens (per channel: the pair route, its
-kernels quantizing each row themselves) and a ragged batch with experts that get no token and
-other ranks' ids; rows independent of the padding rows beside them; static input
+K, the intermediate size 96, ragged too); one token and a ragged batch with experts that get no
+token and other ranks' ids; rows independent of the padding rows beside them; static input
 scales. Then the block configs' FP8 tables and the checks, the dispatch of `fused_experts` and
 its custom op under torch.compile, and the tuning tool's FP8 options.
 
@@ -30,7 +29,6 @@ from triton_interpreter import require_triton_interpreter, scalar_loop_bounds
 require_triton_interpreter()
 
 from replaylm.layers import kernels  # noqa: E402
-from replaylm.layers.kernels.skinny_matmul import MatmulConfig  # noqa: E402
 from replaylm.layers.moe import triton_experts as triton_module  # noqa: E402
 from replaylm.layers.moe.block_configs import (  # noqa: E402
     MoeBlockConfig,
@@ -41,7 +39,6 @@ from replaylm.layers.moe.block_configs import (  # noqa: E402
     write_table,
 )
 from replaylm.layers.moe.experts import fused_experts  # noqa: E402
-from replaylm.layers.moe.pair_experts import pair_experts, takes_fp8  # noqa: E402
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales, torch_experts  # noqa: E402
 from replaylm.layers.moe.triton_experts import triton_experts  # noqa: E402
 from replaylm.layers.quantization.fp8 import (  # noqa: E402
@@ -62,17 +59,8 @@ LAYOUTS = {
 }
 # 16-row blocks, K steps of 32 (several per 64- or 128-column block), column tiles ragged at N
 SMALL_TILES = MoeBlockConfig(block_m=16, block_n=32, block_k=32, group_m=2)
-# the pair kernels' (gate_up, down) launches over 16-column K steps, both orientations of the dot
-PAIR_TILES = [
-    (MatmulConfig(32, 16, 1, num_warps=4, num_stages=2), MatmulConfig(16, 16, 1, 4, 2)),
-    (
-        MatmulConfig(16, 16, 1, num_warps=4, num_stages=2, swap=True),
-        MatmulConfig(32, 16, 1, num_warps=4, num_stages=2, swap=True),
-    ),
-]
 CASES = [  # tokens, experts, top_k, unused experts, foreign slots
     (1, 4, 2, (), 0),
-    (2, 6, 3, (), 2),  # per channel by default: the pair route, other ranks' ids among them
     (9, 6, 3, (2,), 4),  # a ragged batch, an expert without a token, other ranks' ids
 ]
 
@@ -170,25 +158,6 @@ def test_fp8_rows_do_not_depend_on_padding_rows(layout, config):
     alone = triton_experts(x[:5], w13, w2, weights[:5], ids[:5], fp8, config=config)
     batch = triton_experts(x, w13, w2, weights, ids, fp8, config=config)
     assert torch.equal(alone, batch[:5])
-
-
-@pytest.mark.parametrize("configs", PAIR_TILES, ids=["plain", "swapped"])
-def test_fp8_pair_route_quantizes_in_its_kernels(configs):
-    """The unsorted route with per-channel FP8 experts: each pair's row quantized per token
-    inside the kernels, `torch_experts`' numbers (the sorted route's tolerance), the first rows
-    alone bit-equal to the batch's; block scales and static input scales refused."""
-    block, hidden, inter = LAYOUTS["channel"]
-    w13, w2, fp8 = _fp8_experts(6, hidden, inter, block, seed=17)
-    weights, ids = _routing(4, 3, 6, seed=18, foreign=2)
-    x = _hidden(4, hidden, torch.float32, seed=19)
-    got = pair_experts(x, w13, w2, weights, ids, configs, fp8)
-    _assert_close(got, torch_experts(x, w13, w2, weights, ids, fp8))
-    assert torch.equal(pair_experts(x[:2], w13, w2, weights[:2], ids[:2], configs, fp8), got[:2])
-    static = Fp8ExpertScales(fp8.w13, fp8.w2, None, torch.ones(6, 2), torch.ones(6, 1))
-    blocks = _fp8_experts(6, 160, 128, (128, 128), seed=20)
-    assert takes_fp8(fp8) and not takes_fp8(static) and not takes_fp8(blocks[2])
-    with pytest.raises(ValueError, match="per-channel FP8 scales with dynamic inputs only"):
-        pair_experts(x, w13, w2, weights, ids, configs, static)
 
 
 def test_static_input_scales():

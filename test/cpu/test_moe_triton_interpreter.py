@@ -173,23 +173,6 @@ def test_fused_matches_torch_experts(
         assert torch.equal(got, torch.zeros_like(got))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["default", "small"])
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(7, 4, 2), (40, 3, 2), (9, 8, 3)])
-def test_the_down_gemm_sums_the_tokens_when_every_id_is_local(
-    dtype, config, tokens, experts, top_k
-):
-    """With no other rank's ids the down GEMM's programs sum each token's k rows as the last of
-    them arrives: the weighted-sum launch's numbers bit for bit, every counter back at zero."""
-    weights, ids = _routing(tokens, top_k, experts, seed=tokens + 1)
-    w13, w2 = _weights(experts, 40, 24, dtype, seed=experts + 1)
-    x = _hidden(tokens, 40, dtype, seed=tokens + 2)
-    summed = triton_experts(x, w13, w2, weights, ids, config=config, ids_all_local=True)
-    assert torch.equal(summed, triton_experts(x, w13, w2, weights, ids, config=config))
-    torch.testing.assert_close(summed, torch_experts(x, w13, w2, weights, ids), **TOL[dtype])
-    assert int(split_k_workspace(x.device)[1].count_nonzero()) == 0
-
-
 def test_strided_hidden_and_empty_batch():
     """A column slice of a wider tensor (a row stride above H) reads right; no tokens, no
     launches."""

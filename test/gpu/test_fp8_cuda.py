@@ -49,25 +49,6 @@ def test_fp8_matmul_matches_the_float_reference(rows: int, block: tuple[int, int
     assert rel_error(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 16])
-@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336)], ids=["o", "down"])
-def test_the_skinny_kernel_quantizes_as_the_quantization_launch(rows: int, n: int, k: int) -> None:
-    """Llama-3.1-8B's o and down projections at decode rows: a bf16 input quantized inside the
-    skinny kernel gives the quantization launch's numbers then the kernel's, bit for bit."""
-    from replaylm.layers.kernels.skinny_matmul import skinny_matmul
-    from replaylm.layers.quantization.fp8_kernels import quantize_activation
-
-    gen = torch.Generator(device="cuda").manual_seed(k + rows)
-    x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
-    weight, scale = quantize_weight(torch.randn(n, k, generator=gen, device="cuda") * 0.02, None)
-    x_q, x_scale = quantize_activation(x)
-    two_launches = skinny_matmul(
-        x_q, weight, out_dtype=torch.bfloat16, weight_scale=scale, x_scale=x_scale
-    )
-    fused = skinny_matmul(x, weight, out_dtype=torch.bfloat16, weight_scale=scale)
-    assert torch.equal(fused, two_launches)
-
-
 def _last_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
     """Next-token logits after each prompt, one prefill batch."""
     reqs = [Req(str(i), p, SamplingParams(), 0, 1) for i, p in enumerate(prompts)]

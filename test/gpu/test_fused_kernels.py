@@ -325,26 +325,6 @@ def test_swapped_skinny_matmul_equals_the_unswapped_one(split_k, gated):
     torch.testing.assert_close(got, want, rtol=1e-2 if gated else 1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize(("n", "k"), [(6144, 1024), (4096, 4096)], ids=["qwen3-qkv", "llama-o"])
-def test_a_norm_prologue_is_the_norm_then_the_matmul(rows, n, k):
-    """bf16: the RMSNorm (with its residual add) inside the matmul's programs gives the norm
-    kernel's output then the matmul within a bf16 rounding of the normed input, and the new
-    residual bit for bit."""
-    from replaylm.layers.kernels.rmsnorm import rms_norm
-    from replaylm.layers.norm_input import NormInput
-
-    x = _randn(rows, k, dtype=torch.bfloat16, seed=rows)
-    residual = _randn(rows, k, dtype=torch.bfloat16, seed=rows + 1)
-    norm_w = 1 + _randn(k, dtype=torch.bfloat16, seed=3) / 4
-    w = _randn(n, k, dtype=torch.bfloat16, seed=n) / k**0.5
-    residual_out = torch.empty_like(x)
-    got = skinny_matmul(x, w, norm=NormInput(norm_w, 1e-6, residual, residual_out))
-    normed, summed = rms_norm(x, norm_w, 1e-6, residual)
-    assert torch.equal(residual_out, summed)
-    _check(got, skinny_matmul(normed, w), torch.bfloat16)
-
-
 def test_skinny_matmul_in_a_cuda_graph_equals_eager():
     w1 = _randn(1024, 2048, dtype=torch.bfloat16, seed=1) / 45  # split-K
     w2 = _randn(4096, 1024, dtype=torch.bfloat16, seed=2) / 32  # one slice

@@ -1,22 +1,15 @@
 """RMSNorm with an optional fused residual add, and under tensor parallelism the sum over the
 ranks of the partial outputs it follows; its output quantized to FP8 in the same launch where an
-FP8 layer reads it, or at a decode step's few rows left to the matmul that reads it."""
+FP8 layer reads it."""
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from replaylm.distributed.communication import all_reduce, one_shot_peer
 from replaylm.layers.kernels import use_triton_kernels
-from replaylm.layers.norm_input import NormInput, PendingNorm
 from replaylm.layers.quantization.fp8 import Activation, QuantizesFor
-
-
-class TakesNorm(Protocol):
-    def takes_norm(self, x: torch.Tensor) -> bool: ...
 
 
 class RMSNorm(nn.Module, QuantizesFor):
@@ -32,14 +25,7 @@ class RMSNorm(nn.Module, QuantizesFor):
 
     `quantizes_for(layer)`: on the Triton route (outside torch.compile) the output comes
     quantized per token, from the same launch, whenever `layer` takes it so.
-
-    `leaves_norm_to(layer)`: where `layer.takes_norm(x)` (a decode step's few rows on the
-    skinny matmul) the norm returns a `PendingNorm` instead and no launch of its own: the layer
-    normalizes its input in its matmul, and writes the new residual returned here (filled when
-    the layer runs, before anything reads it).
     """
-
-    _reader: tuple[TakesNorm, ...] = ()  # a tuple: not a submodule of the layer
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -47,12 +33,9 @@ class RMSNorm(nn.Module, QuantizesFor):
         self.eps = eps
         self.sum_site: int | None = None
 
-    def leaves_norm_to(self, layer: TakesNorm) -> None:
-        self._reader = (layer,)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> Activation | PendingNorm | tuple[Activation | PendingNorm, torch.Tensor]:
+    ) -> Activation | tuple[Activation, torch.Tensor]:
         if self.sum_site is not None:
             assert residual is not None  # every sum of partials is followed by a residual add
             peer = one_shot_peer(x, residual)
@@ -65,10 +48,6 @@ class RMSNorm(nn.Module, QuantizesFor):
                 )
             x = all_reduce(x)
         if use_triton_kernels(x):
-            if self._leaves_norm(x, residual):
-                residual_out = None if residual is None else x.new_empty(x.shape)
-                pending = PendingNorm(x, NormInput(self.weight, self.eps, residual, residual_out))
-                return pending if residual_out is None else (pending, residual_out)
             if self.quantizes() and _one_dtype(x, self.weight, residual):
                 from replaylm.layers.quantization.fp8_kernels import rms_norm_quantize
 
@@ -84,15 +63,6 @@ class RMSNorm(nn.Module, QuantizesFor):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(x.dtype)
         return out if residual is None else (out, residual)
-
-    def _leaves_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """Whether the reader normalizes `x` itself (outside torch.compile's tracing)."""
-        return (
-            not torch.compiler.is_compiling()  # first: the rest is not for tracing
-            and len(self._reader) == 1
-            and _one_dtype(x, self.weight, residual)
-            and self._reader[0].takes_norm(x)
-        )
 
 
 def _one_dtype(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:

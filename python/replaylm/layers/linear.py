@@ -17,7 +17,6 @@ from torch import nn
 from replaylm.distributed.sharding import Shard
 from replaylm.layers.activation import SiluAndMul
 from replaylm.layers.kernels import cublas_linear, use_triton_kernels
-from replaylm.layers.norm_input import PendingNorm
 from replaylm.layers.quantization.config import Fp8Config
 from replaylm.layers.quantization.fp8 import FP8_DTYPE, Activation, QuantizesFor
 from replaylm.layers.quantization.fp8_linear import fp8_linear, gated_fp8_linear, takes_skinny
@@ -30,14 +29,6 @@ MATMULS = ("cublas", "triton", "invariant", "auto")
 # auto: layer weights up to this size take the skinny kernel, larger ones cuBLAS (the LM head,
 # `LogitsProcessor`, takes the skinny kernel at every size): docs/tuning.md, "Split-K skinny matmul"
 AUTO_SKINNY_MAX_BYTES = 64 * 2**20
-# up to this many rows a layer on the skinny kernel normalizes its input itself where the RMSNorm
-# before it leaves it the norm (`RMSNorm.leaves_norm_to`): every program reads its rows whole
-# first, which costs more than the norm's own launch past a few rows (docs/tuning.md, "Norm in
-# the matmul")
-NORM_ROWS = 4
-
-# what a linear layer reads: values, values quantized ahead of it, or values to normalize first
-LayerInput = Activation | PendingNorm
 
 
 def linear(
@@ -163,30 +154,7 @@ class Linear(MatmulLayer):
             self.weight_scale is not None and self.block_size is None and self.input_scale is None
         )
 
-    def takes_norm(self, x: torch.Tensor) -> bool:
-        """Whether the layer normalizes `x` itself (`PendingNorm`): at most NORM_ROWS rows on
-        the skinny kernel (the Triton matmul, or FP8 per-channel weights with dynamic inputs)."""
-        skinny = self.takes_quantized_rows or (self.quant is None and self.matmul == "triton")
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return skinny and rows <= NORM_ROWS and use_triton_kernels(x)
-
-    def _normed_matmul(self, x: PendingNorm, gated_silu: bool = False) -> torch.Tensor:
-        """The skinny matmul of `x` normalized in its own programs."""
-        from replaylm.layers.kernels.skinny_matmul import skinny_matmul
-
-        return skinny_matmul(
-            x.x,
-            self.weight,
-            self.bias,
-            gated_silu=gated_silu,
-            out_dtype=None if self.weight_scale is None else x.x.dtype,
-            weight_scale=self.weight_scale,
-            norm=x.norm,
-        )
-
-    def forward(self, x: LayerInput) -> torch.Tensor:
-        if isinstance(x, PendingNorm):
-            return self._normed_matmul(x)
+    def forward(self, x: Activation) -> torch.Tensor:
         if self.weight_scale is not None:
             return fp8_linear(
                 x,
@@ -357,9 +325,7 @@ class GateUpLinear(MergedLinear, QuantizesFor):
         )
         self.act = SiluAndMul()
 
-    def forward(self, x: LayerInput) -> Activation:  # type: ignore[override]
-        if isinstance(x, PendingNorm):
-            return self._normed_matmul(x, gated_silu=True)
+    def forward(self, x: Activation) -> Activation:  # type: ignore[override]
         if (
             isinstance(x, torch.Tensor)
             and self.quant is None

@@ -27,13 +27,7 @@ from replaylm.layers.attention.ops import norm_rope_store
 from replaylm.layers.feature_capture import FeatureStore, FeatureTap
 from replaylm.layers.kernels import use_triton_kernels
 from replaylm.layers.layernorm import RMSNorm
-from replaylm.layers.linear import (
-    GateUpLinear,
-    LayerInput,
-    Linear,
-    MergedLinear,
-    RowParallelLinear,
-)
+from replaylm.layers.linear import GateUpLinear, Linear, MergedLinear, RowParallelLinear
 from replaylm.layers.logits_processor import (
     LMHead,
     LogitsProcessor,
@@ -41,7 +35,7 @@ from replaylm.layers.logits_processor import (
 )
 from replaylm.layers.moe.layer import ExpertPiece, FusedMoE
 from replaylm.layers.quantization.config import Fp8Config
-from replaylm.layers.quantization.fp8 import FP8_DTYPE, is_fp8, quantize_weight
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, Activation, is_fp8, quantize_weight
 from replaylm.layers.rotary_embedding import RotaryEmbedding
 from replaylm.layers.vocab_embedding import VocabEmbedding, VocabParallelEmbedding, VocabRows
 from replaylm.models.config import ModelConfig
@@ -137,7 +131,7 @@ class LlamaAttention(nn.Module):
         return q, k, True
 
     def forward(
-        self, positions: torch.Tensor, hidden: LayerInput, batch: ForwardBatch
+        self, positions: torch.Tensor, hidden: Activation, batch: ForwardBatch
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if use_triton_kernels(q):
@@ -168,7 +162,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = _row_linear(columns, hidden_size, place, quant)
         self.gate_up_proj.quantizes_for(self.down_proj)
 
-    def forward(self, x: LayerInput) -> torch.Tensor:
+    def forward(self, x: Activation) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
 
 
@@ -189,13 +183,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # FP8 per-channel layers take their input quantized by the norm before them, and at a
-        # decode step's few rows the matmul after a norm normalizes its input itself
+        # FP8 per-channel layers take their input quantized by the norm before them
         self.input_layernorm.quantizes_for(self.self_attn.qkv_proj)
-        self.input_layernorm.leaves_norm_to(self.self_attn.qkv_proj)
         if isinstance(mlp, LlamaMLP):
             self.post_attention_layernorm.quantizes_for(mlp.gate_up_proj)
-            self.post_attention_layernorm.leaves_norm_to(mlp.gate_up_proj)
         # an EAGLE-3 head's feature: the residual stream entering this layer (summed over the
         # tensor-parallel ranks by the input norm, so whole)
         self.feature_tap: FeatureTap | None = None
@@ -209,14 +200,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
-            normed = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden)
         else:
-            normed, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, normed, batch)
-        if self.feature_tap is not None:  # after qkv: it may write the residual (PendingNorm)
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.feature_tap is not None:
             self.feature_tap(residual, batch)
-        normed, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(normed), residual
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

@@ -10,15 +10,7 @@ matmul").
 
 FP8 (e4m3) weights with per-output-channel scales run the same way on an e4m3 input with per-row
 scales: half the weight bytes, the dots taken in FP8 on the tensor cores (no tile converted), both
-scales on the float32 sums at the end (docs/tuning.md, "FP8 GEMMs"). A bf16 input is quantized per
-token in the kernel (each program finds its rows' scales first, then quantizes each tile as it
-loads it): no quantization launch before the matmul.
-
-With `norm` (`NormInput`) the input is an RMSNorm's (with its residual add) that the kernel
-computes itself: each program finds its rows' rstd first, normalizes each tile as it loads it,
-and the programs of the first column tile write the new residual: no norm launch before the
-matmul (docs/tuning.md, "Norm in the matmul"). Both reads of whole rows go a row at a time in
-wide chunks; the callers take them for a few rows only.
+scales on the float32 sums at the end (docs/tuning.md, "FP8 GEMMs").
 
 With `gated_silu` the weight is a `[gate; up]` pair and a program's tile interleaves gate and up
 rows of the same output columns, so its epilogue applies SiluAndMul and writes half as many
@@ -44,9 +36,7 @@ import triton.language as tl
 
 from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
-from replaylm.layers.kernels.e4m3 import amax_scale, scaled_e4m3
 from replaylm.layers.kernels.pdl import wait_for_producers
-from replaylm.layers.norm_input import NormInput
 
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
 # FP8 rows the kernel takes: up to here it reads the weight once, faster than cuBLASLt's FP8 GEMM
@@ -54,9 +44,6 @@ FP8_MAX_ROWS = 64
 # the workspace's bounds: fp32 partials of a split-K launch (tiles x slices x BLOCK_M x BLOCK_N;
 # 8 MiB) and output tiles (one arrival counter each)
 _PARTIAL_FLOATS, _MAX_SPLIT_TILES = 2**21, 4096
-# a row's columns per load where a program reads its rows whole (the norm's rstd, the
-# quantization's amax): wide, so that few dependent loads come before the first dot
-_ROW_CHUNK = tl.constexpr(1024)
 
 
 @dataclass(frozen=True)
@@ -141,15 +128,15 @@ def write_tile(
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    x_scale,
+    XScale,
     FP8: tl.constexpr,
 ):
-    """Store the tile `acc` (with `FP8` times W's row scales and x's, `x_scale` `[BLOCK_M]`, +
-    bias) of W rows `offs_n`; with `GATED`, `silu(gate) * up` over its column pairs, rounded as
-    SiluAndMul rounds the separate launch's bf16/fp16 input."""
+    """Store the tile `acc` (with `FP8` times W's and x's row scales, + bias) of W rows `offs_n`;
+    with `GATED`, `silu(gate) * up` over its column pairs, rounded as SiluAndMul rounds the
+    separate launch's bf16/fp16 input."""
     if FP8:
         acc *= tl.load(Scale + offs_n, mask=offs_n < N, other=0.0)[None, :]
-        acc *= x_scale[:, None]
+        acc *= tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -177,31 +164,27 @@ def weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def x_tile(X, offs_m, k_block, M, K, stride_xm, BLOCK_K: tl.constexpr):
-    """Rows `offs_m` of X over the `k_block`-th BLOCK_K columns (zeros past M and K)."""
+def dot_tile(
+    X,
+    w,
+    acc,
+    offs_m,
+    k_block,
+    M,
+    K,
+    stride_xm,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SWAP: tl.constexpr,
+):
+    """`acc + X[offs_m, k_block-th BLOCK_K columns] @ w^T` (`SWAP`: its transpose,
+    `acc + w @ X[...]^T`)."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    return tl.load(
+    x = tl.load(
         X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
         other=0.0,
     )
-
-
-@triton.jit
-def dot_tile(
-    x,
-    w,
-    acc,
-    x_scale,
-    PRECISION: tl.constexpr,
-    SWAP: tl.constexpr,
-    QUANTIZE: tl.constexpr,
-):
-    """`acc + x @ w^T` for an input tile `x` `[BLOCK_M, BLOCK_K]` (`SWAP`: its transpose,
-    `acc + w @ x^T`); with `QUANTIZE` `x` is first quantized to e4m3 by its rows' scales
-    `x_scale` `[BLOCK_M]` (w is e4m3)."""
-    if QUANTIZE:
-        x = scaled_e4m3(x.to(tl.float32), x_scale[:, None]).to(tl.float8e4nv)
     # one return after the branches: Triton compiles what follows a taken constexpr `if`
     if SWAP:
         if x.dtype == tl.float8e4nv:  # and so is w
@@ -217,146 +200,9 @@ def dot_tile(
 
 
 @triton.jit
-def _summed_tile(
-    X,
-    R,
-    offs_m,
-    k_block,
-    M,
-    K,
-    stride_xm,
-    stride_r,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """X's tile plus R's (`HAS_RESIDUAL`), rounded to X's dtype: the norm's input (and the new
-    residual), as `rms_norm` sums them."""
-    x = x_tile(X, offs_m, k_block, M, K, stride_xm, BLOCK_K)
-    if HAS_RESIDUAL:
-        r = x_tile(R, offs_m, k_block, M, K, stride_r, BLOCK_K)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-    return x
-
-
-@triton.jit
-def _row_chunk(X, R, row, k0, K, stride_xm, stride_r, HAS_RESIDUAL: tl.constexpr):
-    """`_ROW_CHUNK` columns of row `row` from `k0`: X's, plus R's with `HAS_RESIDUAL` rounded to
-    X's dtype as `_summed_tile` rounds them, and where they lie."""
-    cols = k0 + tl.arange(0, _ROW_CHUNK)
-    x = tl.load(X + row * stride_xm + cols, mask=cols < K, other=0.0)  # row < 16: no overflow
-    if HAS_RESIDUAL:
-        r = tl.load(R + row * stride_r + cols, mask=cols < K, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-    return x, cols
-
-
-@triton.jit
-def _norm_rstd(
-    X,
-    R,
-    offs_m,
-    M,
-    K,
-    stride_xm,
-    stride_r,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """`rsqrt(mean(s^2) + eps)` `[BLOCK_M]` of the rows' sums s over all of K, a row at a time
-    in wide chunks (few dependent loads before the first dot)."""
-    rstd = tl.zeros((BLOCK_M,), tl.float32)
-    first = tl.min(offs_m, axis=0)
-    for row in range(first, tl.minimum(M, first + BLOCK_M)):
-        squares = tl.sum(tl.zeros((_ROW_CHUNK,), tl.float32), axis=0)
-        for k0 in range(0, K, _ROW_CHUNK):
-            s, _ = _row_chunk(X, R, row, k0, K, stride_xm, stride_r, HAS_RESIDUAL)
-            s = s.to(tl.float32)
-            squares += tl.sum(s * s, axis=0)
-        rstd = tl.where(offs_m == row, tl.math.rsqrt(squares / K + eps), rstd)
-    return rstd
-
-
-@triton.jit
-def input_tile(
-    X,
-    R,
-    NormW,
-    ResOut,
-    rstd,
-    offs_m,
-    k_block,
-    M,
-    K,
-    stride_xm,
-    stride_r,
-    write_residual,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """The matmul's input tile: X's, or with `NORM` RMSNorm's output of X (+ R) as `rms_norm`
-    computes it, `weight * (s * rstd)` in float32 not yet rounded (the sum s stored to ResOut
-    where `write_residual`)."""
-    if NORM:
-        s = _summed_tile(X, R, offs_m, k_block, M, K, stride_xm, stride_r, HAS_RESIDUAL, BLOCK_K)
-        offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-        if HAS_RESIDUAL:  # noqa: SIM102 (a constexpr, then a runtime flag: not one `and`)
-            if write_residual:
-                mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-                tl.store(ResOut + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], s, mask=mask)
-        normed = (s.to(tl.float32) * rstd[:, None]).to(s.dtype).to(tl.float32)
-        w = tl.load(NormW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        x = w[None, :] * normed
-    else:  # one return after the branches (see dot_tile)
-        x = x_tile(X, offs_m, k_block, M, K, stride_xm, BLOCK_K)
-    return x
-
-
-@triton.jit
-def row_scales(
-    X,
-    R,
-    NormW,
-    rstd,
-    offs_m,
-    M,
-    K,
-    stride_xm,
-    stride_r,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """The per-token e4m3 scales `[BLOCK_M]` of the input's rows `offs_m` over all of K (X's,
-    or with `NORM` the norm's output by the rows' `rstd`: what `quantize_activation` and
-    `rms_norm_quantize` give them), a row at a time in wide chunks."""
-    scales = tl.zeros((BLOCK_M,), tl.float32)
-    first = tl.min(offs_m, axis=0)
-    for row in range(first, tl.minimum(M, first + BLOCK_M)):
-        amax = tl.sum(tl.zeros((_ROW_CHUNK,), tl.float32), axis=0)
-        for k0 in range(0, K, _ROW_CHUNK):
-            x, cols = _row_chunk(X, R, row, k0, K, stride_xm, stride_r, HAS_RESIDUAL)
-            y = x.to(tl.float32)
-            if NORM:  # as input_tile normalizes it
-                row_rstd = tl.sum(tl.where(offs_m == row, rstd, 0.0), axis=0)
-                w = tl.load(NormW + cols, mask=cols < K, other=0.0).to(tl.float32)
-                y = w * (y * row_rstd).to(x.dtype).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(y), axis=0))
-        scales = tl.where(offs_m == row, amax_scale(amax), scales)
-    return scales
-
-
-@triton.jit
 def slice_product(
     X,
     W,
-    XScale,
-    R,
-    NormW,
-    ResOut,
-    eps,
-    stride_r,
     offs_m,
     offs_n,
     first,
@@ -365,24 +211,16 @@ def slice_product(
     K,
     stride_xm,
     stride_wn,
-    write_residual,
     BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     SWAP: tl.constexpr,
-    FP8: tl.constexpr,
-    QUANTIZE_X: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """(`x[offs_m] @ W[offs_n]^T` over `BLOCKS` blocks of K from block `first`, a
-    `[BLOCK_M, BLOCK_N]` float32 tile, and x's row scales `[BLOCK_M]`: `XScale`'s with `FP8`,
-    found here with `QUANTIZE_X`, else unused). x is X, or with `NORM` the RMSNorm (weight
-    `NormW`, `eps`) of X (+ R with `HAS_RESIDUAL`, the sum stored to ResOut where
-    `write_residual`), each program finding its rows' rstd first. Waits for the producers of X
+    """`X[offs_m] @ W[offs_n]^T` over `BLOCKS` blocks of K from block `first`, a
+    `[BLOCK_M, BLOCK_N]` float32 tile (FP8: before the scales). Waits for the producers of X
     first; with PDL the first weight tile loads before that (the weights are constant)."""
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -391,77 +229,42 @@ def slice_product(
     if USE_PDL:
         w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
     wait_for_producers(USE_PDL)
-    if NORM:  # every program reads its rows whole for their rstd first
-        rstd = _norm_rstd(X, R, offs_m, M, K, stride_xm, stride_r, eps, HAS_RESIDUAL, BLOCK_M)
+    if USE_PDL:
+        acc = dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+        for i in range(1, BLOCKS):
+            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+            acc = dot_tile(
+                X,
+                w,
+                acc,
+                offs_m,
+                first + i,
+                M,
+                K,
+                stride_xm,
+                BLOCK_K,
+                PRECISION,
+                SWAP,
+            )
     else:
-        rstd = tl.zeros((BLOCK_M,), tl.float32)  # unused
-    if QUANTIZE_X:  # the input quantized per token here: its rows' amax first
-        x_scale = row_scales(
-            X,
-            R,
-            NormW,
-            rstd,
-            offs_m,
-            M,
-            K,
-            stride_xm,
-            stride_r,
-            NORM,
-            HAS_RESIDUAL,
-            BLOCK_M,
-        )
-    elif FP8:
-        x_scale = tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)
-    else:
-        x_scale = tl.zeros((BLOCK_M,), tl.float32)  # unused
-    start = 0
-    if USE_PDL:  # the prefetched tile first
-        x = input_tile(
-            X,
-            R,
-            NormW,
-            ResOut,
-            rstd,
-            offs_m,
-            first,
-            M,
-            K,
-            stride_xm,
-            stride_r,
-            write_residual,
-            NORM,
-            HAS_RESIDUAL,
-            BLOCK_K,
-        )
-        if not QUANTIZE_X:
-            x = x.to(X.dtype.element_ty)  # the norm's output rounded as `rms_norm` rounds it
-        acc = dot_tile(x, w, acc, x_scale, PRECISION, SWAP, QUANTIZE_X)
-        start = 1
-    for i in range(start, BLOCKS):
-        w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-        x = input_tile(
-            X,
-            R,
-            NormW,
-            ResOut,
-            rstd,
-            offs_m,
-            first + i,
-            M,
-            K,
-            stride_xm,
-            stride_r,
-            write_residual,
-            NORM,
-            HAS_RESIDUAL,
-            BLOCK_K,
-        )
-        if not QUANTIZE_X:
-            x = x.to(X.dtype.element_ty)
-        acc = dot_tile(x, w, acc, x_scale, PRECISION, SWAP, QUANTIZE_X)
+        for i in range(0, BLOCKS):
+            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+            acc = dot_tile(
+                X,
+                w,
+                acc,
+                offs_m,
+                first + i,
+                M,
+                K,
+                stride_xm,
+                BLOCK_K,
+                PRECISION,
+                SWAP,
+            )
     if SWAP:
         acc = tl.trans(acc)
-    return acc, x_scale
+    return acc
 
 
 @triton.jit
@@ -503,17 +306,12 @@ def _skinny_matmul_kernel(
     Y,
     Partials,
     Arrivals,
-    R,
-    NormW,
-    ResOut,
-    eps,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_ym,
-    stride_r,
     BLOCKS_PER_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -523,9 +321,6 @@ def _skinny_matmul_kernel(
     PRECISION: tl.constexpr,
     GATED: tl.constexpr,
     FP8: tl.constexpr,
-    QUANTIZE_X: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
     SWAP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -533,15 +328,9 @@ def _skinny_matmul_kernel(
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = weight_rows(pid_n, N, BLOCK_N, GATED)
-    acc, x_scale = slice_product(
+    acc = slice_product(
         X,
         W,
-        XScale,
-        R,
-        NormW,
-        ResOut,
-        eps,
-        stride_r,
         offs_m,
         offs_n,
         pid_k * BLOCKS_PER_SPLIT,
@@ -550,17 +339,12 @@ def _skinny_matmul_kernel(
         K,
         stride_xm,
         stride_wn,
-        pid_n == 0,
         BLOCKS_PER_SPLIT,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
         PRECISION,
         SWAP,
-        FP8,
-        QUANTIZE_X,
-        NORM,
-        HAS_RESIDUAL,
         USE_PDL,
     )
     if SPLIT_K == 1:
@@ -579,7 +363,7 @@ def _skinny_matmul_kernel(
             GATED,
             BLOCK_M,
             BLOCK_N,
-            x_scale,
+            XScale,
             FP8,
         )
     else:
@@ -600,27 +384,9 @@ def _skinny_matmul_kernel(
                 GATED,
                 BLOCK_M,
                 BLOCK_N,
-                x_scale,
+                XScale,
                 FP8,
             )
-
-
-def _check_norm(x: torch.Tensor, norm: NormInput, x_scale: torch.Tensor | None) -> None:
-    """ValueError for a norm prologue the kernel does not take."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows > MAX_ROWS:
-        raise ValueError(f"a norm prologue takes at most {MAX_ROWS} rows, not {rows}")
-    if x_scale is not None:
-        raise ValueError("a norm prologue takes x unquantized")
-    if norm.weight.shape != (x.shape[-1],) or norm.weight.dtype != x.dtype:
-        raise ValueError(f"the norm's weight must be [{x.shape[-1]}] {x.dtype}")
-    if (norm.residual is None) != (norm.residual_out is None):
-        raise ValueError("a residual and its residual_out go together")
-    for name, t in (("residual", norm.residual), ("residual_out", norm.residual_out)):
-        if t is not None and (t.shape != x.shape or t.dtype != x.dtype):
-            raise ValueError(f"{name} must be {x.dtype} {list(x.shape)}")
-    if norm.residual_out is not None and not norm.residual_out.is_contiguous():
-        raise ValueError("residual_out must be contiguous")
 
 
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -656,32 +422,22 @@ def skinny_matmul(
     out: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
-    norm: NormInput | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous; FP8: `weight` e4m3 with `weight_scale` (float32 `[N]`: the weight is
-    `weight * weight_scale`), `out_dtype` then required, and `x` e4m3 with `x_scale` (float32,
-    one per row) or in a float dtype, quantized per token inside the kernel (each program reads
-    its rows whole for their scales first: the numbers of `quantize_activation` then this);
+    `weight * weight_scale`) and `x` e4m3 with `x_scale` (float32, one per row), given together,
+    and `out_dtype` then required;
     a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums are rounded to it once,
     e.g. float32 logits unrounded). `config` overrides `matmul_config(N, K, fp8)`; a split-K config
     takes at most its `block_m` (<= 16) rows. `gated_silu`: `weight` is `[gate; up]` (N even)
     and the result `[..., N / 2]` is SiluAndMul of the product, bit-equal to
     `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype; FP8: `out_dtype`). `out`: a
     contiguous tensor of the result's shape and dtype to write (and return) instead of a new one
-    (e.g. a buffer that outlives a CUDA graph's private pool). `norm`: the matmul of
-    `rms_norm(x (+ residual))` instead, at most MAX_ROWS rows of one dtype, each program
-    normalizing its rows itself (the new residual written by the programs of the first column
-    tile); an FP8 weight then quantizes the norm's output in the kernel as `rms_norm_quantize`
-    does."""
+    (e.g. a buffer that outlives a CUDA graph's private pool)."""
     n, k = weight.shape
     fp8 = weight_scale is not None
-    if norm is not None:
-        _check_norm(x, norm, x_scale)
-    if (x_scale is not None and not fp8) or (fp8 and out_dtype is None):
-        raise ValueError("FP8 takes weight_scale and out_dtype together (and an e4m3 x's x_scale)")
-    if fp8 and x_scale is None and x.dtype == torch.float8_e4m3fn:
-        raise ValueError("an e4m3 x comes with its x_scale")
+    if fp8 != (x_scale is not None) or (fp8 and out_dtype is None):
+        raise ValueError("FP8 takes weight_scale, x_scale and out_dtype together")
     out_dtype = out_dtype or x.dtype
     x2 = as_rows(x, k)
     m = x2.shape[0]
@@ -718,7 +474,6 @@ def skinny_matmul(
     ):
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
     partials, arrivals = split_k_workspace(x.device) if cfg.split_k > 1 else (y, y)  # y: unused
-    residual = None if norm is None or norm.residual is None else as_rows(norm.residual, k)
     if m:
         _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, cfg.block_m))](
             x2,
@@ -729,17 +484,12 @@ def skinny_matmul(
             y,
             partials,
             arrivals,
-            x2 if residual is None else residual,
-            weight if norm is None else norm.weight,
-            x2 if norm is None or norm.residual_out is None else norm.residual_out,
-            0.0 if norm is None else norm.eps,
             m,
             n,
             k,
             x2.stride(0),
             weight.stride(0),
             width,
-            0 if residual is None else residual.stride(0),
             BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),
             HAS_BIAS=bias is not None,
             SPLIT_K=cfg.split_k,
@@ -749,9 +499,6 @@ def skinny_matmul(
             PRECISION=dot_precision(x.dtype),
             GATED=gated_silu,
             FP8=fp8,
-            QUANTIZE_X=fp8 and x_scale is None,
-            NORM=norm is not None,
-            HAS_RESIDUAL=residual is not None,
             SWAP=cfg.swap,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

@@ -20,15 +20,13 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     fp8: Fp8ExpertScales | None = None,
-    ids_all_local: bool = False,
 ) -> torch.Tensor:
     """`hidden` `[T, H]` through its routed experts (`torch_experts` gives the contract; `fp8`:
-    the scales of FP8 weights; `ids_all_local`: no id is another rank's expert): the fused Triton
-    kernels where `use_opaque_kernel(hidden)` (no host sync: graph-capturable), else the torch
-    code."""
+    the scales of FP8 weights): the fused Triton kernels where `use_opaque_kernel(hidden)` (no
+    host sync: graph-capturable), else the torch code."""
     if use_opaque_kernel(hidden):
         # imported here: triton is optional, and only this route needs it
         from replaylm.layers.moe.triton_experts import triton_fused_experts
 
-        return triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids, fp8, ids_all_local)
+        return triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)
     return torch_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)

@@ -67,15 +67,9 @@ def _router_kernel(
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = weight_rows(pid_n, N, BLOCK_N, False)
-    acc, _ = slice_product(
+    acc = slice_product(
         X,
         W,
-        X,  # the FP8 and norm pointers: unread
-        X,
-        W,
-        X,
-        0.0,
-        0,
         offs_m,
         offs_n,
         pid_k * BLOCKS_PER_SPLIT,
@@ -84,17 +78,12 @@ def _router_kernel(
         K,
         stride_xm,
         stride_wn,
-        False,
         BLOCKS_PER_SPLIT,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
         PRECISION,
         SWAP,
-        False,
-        False,
-        False,
-        False,
         USE_PDL,
     )
     last = True

@@ -182,10 +182,7 @@ class FusedMoE(nn.Module):
     def _experts(
         self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        all_here = self.local_experts.size == self.local_experts.full
-        return fused_experts(
-            hidden, self.w13_weight, self.w2_weight, weights, ids, self._fp8(), all_here
-        )
+        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, self._fp8())
 
     def _fp8(self) -> Fp8ExpertScales | None:
         if self.quant is None:

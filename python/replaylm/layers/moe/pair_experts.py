@@ -14,10 +14,7 @@ k rows back. Here two launches do it all:
   workspace shared: the slots are the slices).
 
 An id outside 0..E-1 (an expert another rank holds) adds nothing. No host sync: CUDA graphs
-capture it. FP8 experts with per-channel scales and dynamic inputs run w8a8 here too: each
-program quantizes its pair's row per token itself (`skinny_matmul`'s in-kernel quantization: no
-launch of its own) and multiplies its sums by both scales; block scales and static input scales
-take the sorted route.
+capture it. bf16/fp16/fp32 weights; FP8 experts take the sorted route.
 """
 
 from __future__ import annotations
@@ -32,14 +29,11 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 from replaylm.layers.kernels.skinny_matmul import (
     MatmulConfig,
     dot_tile,
-    row_scales,
     split_k_workspace,
     weight_rows,
     weight_tile,
     write_tile,
-    x_tile,
 )
-from replaylm.layers.moe.torch_experts import Fp8ExpertScales
 
 PAIR_TOKENS = 2  # the most tokens this route takes: docs/tuning.md, "MoE pair kernels"
 
@@ -48,7 +42,6 @@ PAIR_TOKENS = 2  # the most tokens this route takes: docs/tuning.md, "MoE pair k
 def _pair_dot(
     X,
     W,
-    WScale,
     N,
     K,
     stride_wn,
@@ -59,29 +52,19 @@ def _pair_dot(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     SWAP: tl.constexpr,
-    FP8: tl.constexpr,
 ):
     """`X`'s one row by W's rows `offs_n` over `BLOCKS` blocks of K: a `[BLOCK_M, BLOCK_N]`
-    float32 tile whose rows past the first are zero. `FP8`: W is e4m3 with per-row scales
-    `WScale`, and the row is quantized per token here; both scales multiply the sums."""
+    float32 tile whose rows past the first are zero."""
     offs_m = tl.arange(0, BLOCK_M)
-    if FP8:  # a plain input: the stand-ins for the residual, norm weight and rstd are unread
-        x_scale = row_scales(X, X, W, W, offs_m, 1, K, 0, 0, False, False, BLOCK_M)
-    else:
-        x_scale = tl.zeros((BLOCK_M,), tl.float32)  # unused
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k_block in range(0, BLOCKS):
         w = weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K)
-        x = x_tile(X, offs_m, k_block, 1, K, 0, BLOCK_K)
-        acc = dot_tile(x, w, acc, x_scale, PRECISION, SWAP, FP8)
+        acc = dot_tile(X, w, acc, offs_m, k_block, 1, K, 0, BLOCK_K, PRECISION, SWAP)
     if SWAP:
         acc = tl.trans(acc)
-    if FP8:
-        acc *= tl.load(WScale + offs_n, mask=offs_n < N, other=0.0)[None, :]
-        acc *= x_scale[:, None]
     return acc
 
 
@@ -89,7 +72,6 @@ def _pair_dot(
 def _pair_gate_up_kernel(
     X,
     W13,
-    W13Scale,
     Ids,
     Act,
     N,
@@ -98,7 +80,6 @@ def _pair_gate_up_kernel(
     stride_xm,
     stride_we,
     stride_wn,
-    stride_se,
     stride_am,
     TOP_K: tl.constexpr,
     BLOCKS: tl.constexpr,
@@ -107,7 +88,6 @@ def _pair_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     SWAP: tl.constexpr,
-    FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Act[pair, tile's columns] = silu(gate) * up of X[pair // TOP_K] by its expert's W13."""
@@ -121,7 +101,6 @@ def _pair_gate_up_kernel(
     acc = _pair_dot(
         X + (pair // TOP_K) * stride_xm,
         W13 + expert.to(tl.int64) * stride_we,
-        W13Scale + expert.to(tl.int64) * stride_se,
         N,
         K,
         stride_wn,
@@ -132,7 +111,6 @@ def _pair_gate_up_kernel(
         BLOCK_K,
         PRECISION,
         SWAP,
-        FP8,
     )
     row = Act + pair * stride_am
     offs_m = tl.arange(0, BLOCK_M)
@@ -151,7 +129,7 @@ def _pair_gate_up_kernel(
         True,
         BLOCK_M,
         BLOCK_N,
-        1.0,
+        row,
         False,
     )
 
@@ -160,7 +138,6 @@ def _pair_gate_up_kernel(
 def _pair_down_kernel(
     Act,
     W2,
-    W2Scale,
     Ids,
     Weights,
     Out,
@@ -172,7 +149,6 @@ def _pair_down_kernel(
     stride_am,
     stride_we,
     stride_wn,
-    stride_se,
     stride_om,
     TOP_K: tl.constexpr,
     BLOCKS: tl.constexpr,
@@ -181,7 +157,6 @@ def _pair_down_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     SWAP: tl.constexpr,
-    FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Out[token, tile's columns] = sum over slots s of Weights[pair] * (Act[pair] @ W2[expert]^T)
@@ -198,7 +173,6 @@ def _pair_down_kernel(
         acc = _pair_dot(
             Act + pair * stride_am,
             W2 + expert.to(tl.int64) * stride_we,
-            W2Scale + expert.to(tl.int64) * stride_se,
             N,
             K,
             stride_wn,
@@ -209,7 +183,6 @@ def _pair_down_kernel(
             BLOCK_K,
             PRECISION,
             SWAP,
-            FP8,
         )
         product = tl.sum(acc, axis=0).to(Out.dtype.element_ty).to(tl.float32)
         y = tl.load(Weights + pair) * product
@@ -236,14 +209,6 @@ def pair_configs() -> tuple[MatmulConfig, MatmulConfig]:
     )
 
 
-def takes_fp8(fp8: Fp8ExpertScales | None) -> bool:
-    """Whether the pair kernels take experts with these FP8 scales (None: not FP8): per-channel
-    weight scales with dynamic per-token inputs, which a program quantizes itself."""
-    return fp8 is None or (
-        fp8.block_size is None and fp8.w13_input is None and fp8.w2_input is None
-    )
-
-
 def pair_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -251,16 +216,11 @@ def pair_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     configs: tuple[MatmulConfig, MatmulConfig] | None = None,
-    fp8: Fp8ExpertScales | None = None,
 ) -> torch.Tensor:
     """`torch_experts`' contract in two launches for `hidden` `[T, H]` (rows contiguous),
-    `topk_weights` float32 and `topk_ids` int32 `[T, k]` (contiguous); `fp8`: the scales of
-    e4m3 weights (`takes_fp8`), each pair's rows quantized per token in the kernels, as the sorted
-    route's quantization launches quantize them. `configs`: the (gate_up, down) launches
-    (default `pair_configs`; K is never split: the `split_k` of both is 1). ValueError where the
-    split-K workspace cannot take T tokens or for FP8 scales the kernels do not take."""
-    if not takes_fp8(fp8):
-        raise ValueError("the pair kernels take per-channel FP8 scales with dynamic inputs only")
+    `topk_weights` float32 and `topk_ids` int32 `[T, k]` (contiguous), non-FP8 weights.
+    `configs`: the (gate_up, down) launches (default `pair_configs`; K is never split: the
+    `split_k` of both is 1). ValueError where the split-K workspace cannot take T tokens."""
     tokens, width = hidden.shape
     num_experts, intermediate, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     gate_up, down = configs or pair_configs()
@@ -271,11 +231,9 @@ def pair_experts(
     out = torch.empty_like(hidden)
     act = hidden.new_empty((pairs, intermediate))
     precision = dot_precision(hidden.dtype)
-    w13_scale, w2_scale = (w13, w2) if fp8 is None else (fp8.w13, fp8.w2)  # unread without FP8
     _pair_gate_up_kernel[(triton.cdiv(intermediate, gate_up.block_n // 2), pairs)](
         hidden,
         w13,
-        w13_scale,
         topk_ids,
         act,
         2 * intermediate,
@@ -284,7 +242,6 @@ def pair_experts(
         hidden.stride(0),
         w13.stride(0),
         w13.stride(1),
-        w13_scale.stride(0),
         act.stride(0),
         TOP_K=top_k,
         BLOCKS=triton.cdiv(width, gate_up.block_k),
@@ -293,7 +250,6 @@ def pair_experts(
         BLOCK_K=gate_up.block_k,
         PRECISION=precision,
         SWAP=gate_up.swap,
-        FP8=fp8 is not None,
         num_warps=gate_up.num_warps,
         num_stages=gate_up.num_stages,
         **pdl_launch(),
@@ -301,7 +257,6 @@ def pair_experts(
     _pair_down_kernel[(tiles, tokens, top_k)](
         act,
         w2,
-        w2_scale,
         topk_ids,
         topk_weights,
         out,
@@ -313,7 +268,6 @@ def pair_experts(
         act.stride(0),
         w2.stride(0),
         w2.stride(1),
-        w2_scale.stride(0),
         out.stride(0),
         TOP_K=top_k,
         BLOCKS=triton.cdiv(intermediate, down.block_k),
@@ -322,7 +276,6 @@ def pair_experts(
         BLOCK_K=down.block_k,
         PRECISION=precision,
         SWAP=down.swap,
-        FP8=fp8 is not None,
         num_warps=down.num_warps,
         num_stages=down.num_stages,
         **pdl_launch(),

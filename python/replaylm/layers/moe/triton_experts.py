@@ -3,13 +3,11 @@
 The routed (token, slot) pairs are sorted by expert into blocks of `block_m` rows
 (`moe_align`); a grouped GEMM gives each program one block of one expert, its A rows gathered
 from the pairs' tokens. It runs twice: gate_up with SiluAndMul in its epilogue (a tile
-interleaves gate and up rows of the same columns), then down; each token's k rows are summed,
-weighted by the router in float32, by the down GEMM's program that stores the last of them (an
-arrival counter per token and column tile), or where other ranks hold experts (their ids skipped)
-by a last kernel. Three or four launches (two more for more than a decode step's pairs), no host
-sync, buffers sized by T, k, E and the block config alone: CUDA graphs capture it. A batch of up
-to `PAIR_TOKENS` tokens skips the sort and the sum (`pair_experts.py`: two launches; FP8 with
-per-channel scales and dynamic inputs too). Under torch.compile (inside
+interleaves gate and up rows of the same columns), then down; a last kernel sums each token's k
+rows weighted by the router in float32, skipping other ranks' experts. Four launches (six for
+more than a decode step's pairs), no host sync, buffers sized by T, k, E and the block config
+alone: CUDA graphs capture it. A batch of up to `PAIR_TOKENS` tokens of non-FP8 experts skips
+the sort and the sum (`pair_experts.py`: two launches). Under torch.compile (inside
 `kernels_in_compiled_code`) it is the custom op `replaylm::fused_experts`.
 
 FP8 (e4m3) experts run w8a8, as vLLM's and SGLang's `use_fp8_w8a8`: each GEMM's A is quantized
@@ -36,7 +34,6 @@ import triton.language as tl
 from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
-from replaylm.layers.kernels.skinny_matmul import split_k_workspace
 from replaylm.layers.moe.block_configs import (
     MoeBlockConfig,
     config_tokens,
@@ -45,7 +42,7 @@ from replaylm.layers.moe.block_configs import (
     moe_block_config,
 )
 from replaylm.layers.moe.moe_align import moe_align_block_size
-from replaylm.layers.moe.pair_experts import PAIR_TOKENS, pair_experts, takes_fp8
+from replaylm.layers.moe.pair_experts import PAIR_TOKENS, pair_experts
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales
 from replaylm.layers.quantization.fp8 import FP8_DTYPE, Block, quantize_activation
 from replaylm.layers.quantization.layout import scale_shape
@@ -138,12 +135,7 @@ def _grouped_gemm_kernel(
     stride_bse,
     stride_bsn,
     stride_bsk,
-    Weights,
-    Out,
-    Arrivals,
-    stride_om,
     PAIRS_PER_ROW: tl.constexpr,
-    COMBINE_TOP_K: tl.constexpr,
     GATED: tl.constexpr,
     FP8: tl.constexpr,
     GROUP_N: tl.constexpr,
@@ -159,9 +151,7 @@ def _grouped_gemm_kernel(
     block (padding rows masked); programs of blocks past the padded total exit. With `FP8`, A
     and B are e4m3 with float32 scales: AScale `[rows, groups]`, BScale per weight row
     (`GROUP_N` 1, `GROUP_K` 0: per channel, applied once) or per `GROUP_N` x `GROUP_K` block
-    (applied at each K step, which `BLOCK_K` dividing `GROUP_K` keeps within one group). With
-    `COMBINE_TOP_K` (k; 0: off) the tokens' outputs too, as `_weighted_sum_kernel` sums them
-    (`_combine_rows`)."""
+    (applied at each K step, which `BLOCK_K` dividing `GROUP_K` keeps within one group)."""
     wait_for_producers(USE_PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), max_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(NumPostPad):
@@ -193,66 +183,6 @@ def _grouped_gemm_kernel(
     if FP8 and not GROUP_K:
         acc *= _outer_scales(a_scales, b_scales, live, rows_ok)
     _store_tile(C, acc, slots, live, pid_n, N, stride_cm, BLOCK_M, BLOCK_N, GATED)
-    if COMBINE_TOP_K:
-        _combine_rows(
-            C,
-            Weights,
-            Out,
-            Arrivals,
-            slots,
-            live,
-            pid_n,
-            N,
-            stride_cm,
-            stride_om,
-            COMBINE_TOP_K,
-            BLOCK_M,
-            BLOCK_N,
-        )
-
-
-@triton.jit
-def _combine_rows(
-    C,
-    Weights,
-    Out,
-    Arrivals,
-    slots,
-    live,
-    pid_n,
-    N,
-    stride_cm,
-    stride_om,
-    TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """After this program stored its pairs' rows of C (column tile `pid_n`), arrive on each
-    pair's token's counter for the tile; a token whose k-th row this was gets its output,
-    `_weighted_sum_kernel`'s sum (the k rows of C weighted in float32, slot order), and its
-    counter back at zero. Every token has k pairs here (no other rank's ids), and a block holds
-    a token at most once (its experts differ)."""
-    tl.debug_barrier()
-    tokens = (slots // TOP_K).to(tl.int64)
-    counters = Arrivals + tokens * tl.cdiv(N, BLOCK_N) + pid_n
-    arrived = tl.atomic_add(counters, 1, mask=live, sem="acq_rel")
-    last = live & (arrived == TOP_K - 1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = last[:, None] & (cols[None, :] < N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for s in tl.static_range(TOP_K):
-        pair = tokens * TOP_K + s
-        y = tl.load(
-            C + pair[:, None] * stride_cm + cols[None, :],
-            mask=mask,
-            other=0.0,
-            cache_modifier=".cg",
-        ).to(tl.float32)
-        acc += tl.load(Weights + pair, mask=last, other=0.0)[:, None] * y
-    tl.store(
-        Out + tokens[:, None] * stride_om + cols[None, :], acc.to(Out.dtype.element_ty), mask=mask
-    )
-    tl.store(counters, 0, mask=last)
 
 
 @triton.jit
@@ -336,16 +266,6 @@ def _scale_args(scales: _Fp8Scales | None) -> dict[str, Any]:
     }
 
 
-class _Combine(NamedTuple):
-    """What the down GEMM sums the tokens' outputs with: the router's weights `[T, k]` float32,
-    the output `[T, H]` and the split-K workspace's arrival counters (one per token and column
-    tile)."""
-
-    weights: torch.Tensor
-    out: torch.Tensor
-    arrivals: torch.Tensor
-
-
 def _grouped_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -355,12 +275,10 @@ def _grouped_gemm(
     gated: bool,
     config: MoeBlockConfig,
     scales: _Fp8Scales | None = None,
-    combine: _Combine | None = None,
-    top_k: int = 0,
 ) -> None:
     """Launch the grouped GEMM of `a` `[rows, K]` by `weight` `[E, N, K]` into `out`, over the
     sorted pairs `routing` (`moe_align_block_size`'s result); FP8 (e4m3 `a` and `weight`) with
-    `scales`; with `combine`, the tokens' weighted sums of their `top_k` rows of `out` too."""
+    `scales`."""
     sorted_ids, expert_ids, num_post_pad = routing
     n, k = weight.shape[1], weight.shape[2]
     max_rows = sorted_ids.numel()
@@ -381,12 +299,7 @@ def _grouped_gemm(
         weight.stride(1),
         out.stride(0),
         **_scale_args(scales),
-        Weights=None if combine is None else combine.weights,
-        Out=None if combine is None else combine.out,
-        Arrivals=None if combine is None else combine.arrivals,
-        stride_om=0 if combine is None else combine.out.stride(0),
         PAIRS_PER_ROW=pairs_per_row,
-        COMBINE_TOP_K=0 if combine is None else top_k,
         GATED=gated,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -448,26 +361,22 @@ def triton_experts(
     topk_ids: torch.Tensor,
     fp8: Fp8ExpertScales | None = None,
     config: MoeBlockConfig | None = None,
-    ids_all_local: bool = False,
 ) -> torch.Tensor:
     """`torch_experts`'s contract (an id outside 0..E-1 adds nothing; `fp8`: the scales of e4m3
     weights, run w8a8) in four to six launches, plus each GEMM's input quantization with FP8, and no
-    host sync; up to `PAIR_TOKENS` tokens in two (`pair_experts`, unsorted; FP8 where `takes_fp8`).
+    host sync; up to `PAIR_TOKENS` tokens of non-FP8 experts in two (`pair_experts`, unsorted).
     `config` overrides `moe_block_config`'s choice for this shape and token count and takes the
-    sorted route (with block scales its BLOCK_K must divide the blocks' columns: ValueError).
-    `ids_all_local`: every id is one of these experts (no expert parallelism), so that the down
-    GEMM sums the tokens' outputs itself where the split-K workspace's counters hold one per
-    token and column tile: a launch less."""
+    sorted route (with block scales its BLOCK_K must divide the blocks' columns: ValueError)."""
     _check(hidden, w13, w2, topk_ids, fp8)
     tokens, width = hidden.shape
     num_experts, intermediate, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     out = torch.empty((tokens, width), dtype=hidden.dtype, device=hidden.device)
     if tokens == 0:
         return out
-    if config is None and takes_fp8(fp8) and 0 < config_tokens(tokens) <= PAIR_TOKENS:
+    if config is None and fp8 is None and 0 < config_tokens(tokens) <= PAIR_TOKENS:
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
-        return pair_experts(as_rows(hidden, width), w13, w2, weights, ids, fp8=fp8)
+        return pair_experts(as_rows(hidden, width), w13, w2, weights, ids)
     block = None if fp8 is None else fp8.block_size
     if config is None:
         place = device_name(hidden.device)
@@ -483,13 +392,8 @@ def triton_experts(
     _grouped_gemm(a, w13, act, routing, top_k, True, config, scales)
     down = hidden.new_empty((tokens * top_k, width))
     a, scales = _quantized(act, fp8, first=False)
-    weights = topk_weights.to(torch.float32).contiguous()
-    arrivals = split_k_workspace(hidden.device)[1]
-    if ids_all_local and tokens * triton.cdiv(width, config.block_n) <= arrivals.numel():
-        combine = _Combine(weights, out, arrivals)
-        _grouped_gemm(a, w2, down, routing, 1, False, config, scales, combine, top_k)
-        return out
     _grouped_gemm(a, w2, down, routing, 1, False, config, scales)
+    weights = topk_weights.to(torch.float32).contiguous()
     _weighted_sum_kernel[(tokens, triton.cdiv(width, _SUM_BLOCK))](
         down,
         weights,
@@ -547,10 +451,9 @@ def _fused_experts_op(
     w13_input_scale: torch.Tensor | None = None,
     w2_input_scale: torch.Tensor | None = None,
     block_size: list[int] | None = None,
-    ids_all_local: bool = False,
 ) -> torch.Tensor:
     fp8 = _op_fp8(w13_scale, w2_scale, w13_input_scale, w2_input_scale, block_size)
-    return triton_experts(hidden, w13, w2, topk_weights, topk_ids, fp8, ids_all_local=ids_all_local)
+    return triton_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)
 
 
 @_fused_experts_op.register_fake
@@ -565,7 +468,6 @@ def _(
     w13_input_scale: torch.Tensor | None = None,
     w2_input_scale: torch.Tensor | None = None,
     block_size: list[int] | None = None,
-    ids_all_local: bool = False,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 
@@ -577,15 +479,12 @@ def triton_fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     fp8: Fp8ExpertScales | None = None,
-    ids_all_local: bool = False,
 ) -> torch.Tensor:
     """`triton_experts` with its own config choice: a direct call when run eagerly, the custom
     op `replaylm::fused_experts` (`fp8`'s scales as its trailing arguments) when torch.compile
     traces it."""
     if not torch.compiler.is_compiling():
-        return triton_experts(
-            hidden, w13, w2, topk_weights, topk_ids, fp8, ids_all_local=ids_all_local
-        )
+        return triton_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)
     return torch.ops.replaylm.fused_experts(
-        hidden, w13, w2, topk_weights, topk_ids, *_op_fp8_args(fp8), ids_all_local
+        hidden, w13, w2, topk_weights, topk_ids, *_op_fp8_args(fp8)
     )

@@ -2,11 +2,10 @@
 
 On CUDA (the kernels' device, `KERNEL_DEVICE_TYPE`), the input is quantized per token (or with
 the layer's static scale) to e4m3 by a Triton kernel (`fp8_kernels.quantize_activation`: one
-launch, where the torch code takes several), or up to `QUANTIZING_ROWS` rows with dynamic scales
-inside the skinny matmul itself (no launch of its own). Per-channel weights times at most
-`SKINNY_ROWS` rows (decode) then run the skinny matmul, FP8 dots with both scales on its float32
-sums (a decode matmul is bound by reading the weight, which FP8 halves; cuBLASLt's FP8 GEMM at a
-few rows is slower than bf16's, docs/tuning.md "FP8 GEMMs"). More rows run `torch._scaled_mm`
+launch, where the torch code takes several). Per-channel weights times at most `SKINNY_ROWS`
+rows (decode) then run the skinny matmul, FP8 dots with both scales on its float32 sums (a
+decode matmul is bound by reading the weight, which FP8 halves; cuBLASLt's FP8 GEMM at a few
+rows is slower than bf16's, docs/tuning.md "FP8 GEMMs"). More rows run `torch._scaled_mm`
 (compute capability 8.9+), the input's row scales `[T, 1]` and the weight's column scales
 `[1, N]` applied in the GEMM's epilogue (row-wise scaling; K and N multiples of 16, the weight
 read column-major: `q.t()` of the row-major `[N, K]` weight). The input may come quantized
@@ -38,10 +37,6 @@ from replaylm.layers.quantization.fp8 import (
 
 # up to this many rows (decode) per-channel weights run in the skinny kernel (its FP8_MAX_ROWS)
 SKINNY_ROWS = 64
-# up to this many rows the skinny kernel quantizes a dynamic input itself: each program reads
-# its rows whole for their scales, a row at a time, which past a few rows costs more than the
-# quantization's own launch (docs/tuning.md, "FP8 GEMMs")
-QUANTIZING_ROWS = 4
 
 
 def fp8_linear(
@@ -101,13 +96,11 @@ def gated_fp8_linear(
     from replaylm.layers.kernels.skinny_matmul import skinny_matmul
 
     rows = _values(x)
-    flat = rows.reshape(-1, rows.shape[-1])
-    if not isinstance(x, QuantizedRows) and _quantizes_in_matmul(flat, input_scale):
-        y = skinny_matmul(
-            flat, weight, bias, gated_silu=True, out_dtype=flat.dtype, weight_scale=weight_scale
-        )
-        return y.reshape(*rows.shape[:-1], -1)
-    q = x if isinstance(x, QuantizedRows) else _quantized(flat, input_scale)
+    q = (
+        x
+        if isinstance(x, QuantizedRows)
+        else _quantized(rows.reshape(-1, rows.shape[-1]), input_scale)
+    )
     y = skinny_matmul(
         q.q,
         weight,
@@ -118,16 +111,6 @@ def gated_fp8_linear(
         x_scale=q.scale,
     )
     return y.reshape(*rows.shape[:-1], -1)
-
-
-def _quantizes_in_matmul(rows: torch.Tensor, input_scale: torch.Tensor | None) -> bool:
-    """Whether the skinny kernel quantizes `rows` `[T, K]` itself: dynamic scales, at most
-    QUANTIZING_ROWS rows, on the kernels' device."""
-    return (
-        input_scale is None
-        and rows.shape[0] <= QUANTIZING_ROWS
-        and kernels.use_triton_kernels(rows)
-    )
 
 
 def _values(x: Activation) -> torch.Tensor:
@@ -169,10 +152,6 @@ def _channel_scaled_mm(
     out_dtype: torch.dtype,
     input_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    if _quantizes_in_matmul(x, input_scale):
-        from replaylm.layers.kernels.skinny_matmul import skinny_matmul
-
-        return skinny_matmul(x, weight, out_dtype=out_dtype, weight_scale=weight_scale)
     x_q, x_scale = _quantize_per_token(x, input_scale)
     return _channel_mm(x_q, x_scale, weight, weight_scale, out_dtype)
 
