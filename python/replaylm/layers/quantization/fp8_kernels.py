@@ -242,7 +242,8 @@ def silu_and_mul_quantize(x: torch.Tensor) -> QuantizedRows:
             width,
             x2.stride(0),
             BLOCK=block,
-            num_warps=min(max(block // 256, 1), 8),
+            # a whole row a program: wide rows (an 8B model's 14,336) want 16 warps to stream
+            num_warps=min(max(block // 1024, 4), 16),
             **pdl_launch(),
         )
     return QuantizedRows(q, scale, x.dtype)
