@@ -54,7 +54,9 @@
 #   through bench_offline.py (nano-vllm's workload) and its 64 x 512 prefill + 1; fp8_moe: dummy
 #   Qwen3-30B-A3B's decode, its experts in FP8; matmul_fp8: bench_matmul.py --configs --fp8, the
 #   skinny kernel's FP8 launches (swapped dots among them) at 1 and 16 rows. One call each: the
-#   three together pass a call's 10 minutes.
+#   three together pass a call's 10 minutes. quantize: bench_quantize.py, the FP8 activation
+#   quantization launches of a prefill chunk (the norm's, SiluAndMul's per chunk width, alone)
+#   against the copy bandwidth.
 #   http: bench_http.py, the HTTP server against the in-process Engine (SmolLM2-135M, Qwen3-0.6B
 #   and Llama-3.1-8B, dummy weights, the built-in model's tokenizer), 1,024 requests of 512 tokens
 #   at once, with GPU_CHECK_HTTP_COUNTS front ends (default "1 8").
@@ -222,6 +224,7 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
                 --runs '{"decode": "full", "prefill": "breakable"}' --server-args "${fp8_variants[@]}" ;;
             matmul_fp8) run_bench bench_matmul_fp8 benchmark/tuning/bench_matmul.py --configs --fp8 \
                 --models llama-3.1-8b qwen3-0.6b --rows 1 16 ;;
+            quantize) run_bench bench_quantize benchmark/tuning/bench_quantize.py ;;
             fp8_offline) for model in llama-3.1-8b qwen3-0.6b; do
                     run_bench "bench_offline_fp8_$model" benchmark/bench_offline.py --modes full \
                     --model-path "benchmark/configs/$model.json" --server-args "${fp8_variants[@]}"

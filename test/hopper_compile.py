@@ -110,8 +110,15 @@ def _quantize_cases() -> list[tuple[str, str, dict[str, Any]]]:
         **dict.fromkeys(["n_cols", "group", "num_static", "stride_x"], "i32"),
         **dict(BLOCK=4096, STATIC_BLOCK=1, HAS_STATIC=False, USE_PDL=True),
     }
-    name = "replaylm.layers.quantization.fp8_kernels._quantize_kernel"
-    return [(name, "quantize activation", args)]
+    module = "replaylm.layers.quantization.fp8_kernels"
+    cases = [(f"{module}._quantize_kernel", "quantize activation", args)]
+    for chunks in (1, 4):
+        silu = {
+            **dict(X="*bf16", Q="*fp8e4nv", Scale="*fp32", width="i32", stride_x="i32"),
+            **dict(CHUNK=4096, CHUNKS=chunks, USE_PDL=True),
+        }
+        cases.append((f"{module}._silu_mul_quantize_kernel", f"silu-mul quantize x{chunks}", silu))
+    return cases
 
 
 CASES = _skinny_cases() + _moe_cases() + _quantize_cases()

@@ -459,11 +459,13 @@ def test_a_norm_feeding_a_per_channel_layer_hands_it_quantized_rows(
     assert torch.equal(got, layer(rms_norm(x, norm.weight, norm.eps)))
 
 
-def test_silu_and_mul_quantize_is_the_activation_then_the_quantization() -> None:
+@pytest.mark.parametrize("chunk", [None, 128])
+def test_silu_and_mul_quantize_is_the_activation_then_the_quantization(chunk: int | None) -> None:
     """One launch gives what SiluAndMul's kernel then the quantization kernel give, bit for bit
-    (a width that is no power of two: the last block's columns masked)."""
+    (a width that is no power of two: the last block's columns masked), the row held whole or
+    read in chunks (three of 128 columns, the last one ragged)."""
     x = torch.randn(4, 2 * 300, generator=_gen(41)).bfloat16() * 3
-    rows = fp8_kernels.silu_and_mul_quantize(x)
+    rows = fp8_kernels.silu_and_mul_quantize(x, chunk=chunk)
     want_q, want_scale = fp8_kernels.quantize_activation(silu_and_mul(x))
     assert rows.dtype == torch.bfloat16 and rows.q.shape == (4, 300)
     assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))

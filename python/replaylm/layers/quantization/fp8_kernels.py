@@ -42,6 +42,8 @@ _MIN_NORMAL_FIELD = tl.constexpr(121 << 23)
 _SPACING_SHIFT = tl.constexpr(20 << 23)
 # decode: column tiles as wide as still give the GPU this many programs
 _MIN_TILES = 128
+# SiluAndMul's quantization holds at most this many columns of a row at once
+SILU_QUANT_CHUNK = 16384
 
 
 @triton.jit
@@ -58,10 +60,16 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
+def _amax_scale(amax):
+    """The scale of values whose largest magnitude is `amax`: amax over 448, the amax at least
+    MIN_AMAX, correctly rounded."""
+    return tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)
+
+
+@triton.jit
 def _token_scale(x):
-    """The per-token (or per-group) scale of `x` (float32, any shape: one token's values):
-    its amax over 448, the amax at least MIN_AMAX, correctly rounded."""
-    return tl.math.div_rn(tl.maximum(tl.max(tl.abs(x)), _MIN_AMAX), _FP8_MAX)
+    """The per-token (or per-group) scale of `x` (float32, any shape: one token's values)."""
+    return _amax_scale(tl.max(tl.abs(x)))
 
 
 @triton.jit
@@ -212,28 +220,46 @@ def rms_norm_quantize(
 
 @triton.jit
 def _silu_mul_quantize_kernel(
-    X, Q, Scale, width, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+    X, Q, Scale, width, stride_x, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr
 ):
-    """Row `program_id(0)`'s SiluAndMul (`silu_mul_columns`, all `width` columns in one block),
-    quantized per token as `_quantize_kernel` quantizes it: e4m3 to Q, scale to Scale."""
+    """Row `program_id(0)`'s SiluAndMul (`silu_mul_columns`) quantized per token as
+    `_quantize_kernel` quantizes it: e4m3 to Q, scale to Scale. One chunk: the row is held
+    whole; more: `CHUNKS` chunks of `CHUNK` columns, once for the amax and again (recomputed
+    from the input, by then in L2) to quantize, so that a program holds one chunk at a time."""
     wait_for_producers(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < width
-    y = silu_mul_columns(X, row, cols, mask, width, stride_x).to(tl.float32)
-    scale = _token_scale(y)
-    tl.store(Q + row * width + cols, _scaled_e4m3(y, scale).to(Q.dtype.element_ty), mask=mask)
+    offs = tl.arange(0, CHUNK)
+    if CHUNKS == 1:
+        mask = offs < width
+        y = silu_mul_columns(X, row, offs, mask, width, stride_x).to(tl.float32)
+        scale = _token_scale(y)
+        tl.store(Q + row * width + offs, _scaled_e4m3(y, scale).to(Q.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.max(tl.zeros((CHUNK,), tl.float32), axis=0)
+        for c in range(CHUNKS):
+            cols = c * CHUNK + offs
+            y = silu_mul_columns(X, row, cols, cols < width, width, stride_x).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(y), axis=0))
+        scale = _amax_scale(amax)
+        for c in range(CHUNKS):
+            cols = c * CHUNK + offs
+            mask = cols < width
+            y = silu_mul_columns(X, row, cols, mask, width, stride_x).to(tl.float32)
+            q = _scaled_e4m3(y, scale).to(Q.dtype.element_ty)
+            tl.store(Q + row * width + cols, q, mask=mask)
     tl.store(Scale + row, scale)
 
 
-def silu_and_mul_quantize(x: torch.Tensor) -> QuantizedRows:
+def silu_and_mul_quantize(x: torch.Tensor, chunk: int | None = None) -> QuantizedRows:
     """`silu_mul.silu_and_mul` of `x` `[T, 2I]` (its numbers) quantized per token as
-    `quantize_activation` quantizes it, in one launch: the `[T, I]` QuantizedRows."""
+    `quantize_activation` quantizes it, in one launch: the `[T, I]` QuantizedRows. `chunk` (a
+    power of two; default `SILU_QUANT_CHUNK`): a program's columns at a time, the row read twice
+    where it is wider (a whole row held at once keeps few programs on an SM)."""
     width = x.shape[-1] // 2
     x2 = as_rows(x, 2 * width)
     rows = x2.shape[0]
     q, scale = _quantized_buffers(rows, width, x.device)
-    block = triton.next_power_of_2(width)
+    block = min(triton.next_power_of_2(width), chunk or SILU_QUANT_CHUNK)
     if rows:
         _silu_mul_quantize_kernel[(rows,)](
             x2,
@@ -241,8 +267,9 @@ def silu_and_mul_quantize(x: torch.Tensor) -> QuantizedRows:
             scale,
             width,
             x2.stride(0),
-            BLOCK=block,
-            # a whole row a program: wide rows (an 8B model's 14,336) want 16 warps to stream
+            CHUNK=block,
+            CHUNKS=triton.cdiv(width, block),
+            # wide chunks (an 8B model's whole row of 14,336) want 16 warps to stream
             num_warps=min(max(block // 1024, 4), 16),
             **pdl_launch(),
         )
