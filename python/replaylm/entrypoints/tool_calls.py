@@ -165,9 +165,10 @@ class ChatTools:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The conversation and the tools to render through the chat template (chat_input_ids'
         `messages` and `tools`), with `request`'s tools offered to the model (None: none)."""
+        tools = None if request is None else request.tools
         if self.format is ToolFormat.FALLBACK:
-            return fallback_messages(messages, request), None
-        return template_messages(messages), request.tools if request is not None else None
+            return fallback_messages(messages, tools), None
+        return template_messages(messages), tools
 
     def structural_tag(self, request: ToolRequest | None) -> str | None:
         """The constraint (xgrammar structural tag JSON) forcing calls; None where not forced."""

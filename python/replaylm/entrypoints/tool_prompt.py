@@ -4,10 +4,7 @@ tool support, the tools themselves) written the way a chat template can take the
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from replaylm.entrypoints.tool_calls import ToolRequest
+from typing import Any
 
 FALLBACK_PROMPT = (
     "You can call these functions:\n{functions}\n\n"
@@ -47,10 +44,11 @@ def _call_with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def fallback_messages(
-    messages: list[dict[str, Any]], request: ToolRequest | None
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:
-    """`messages` for a template without tool support: the tools in a system message, earlier
-    calls as the JSON the model is asked to write, tool results as user messages."""
+    """`messages` for a template without tool support: the `tools` offered (None: none) in a
+    system message, earlier calls as the JSON the model is asked to write, tool results as user
+    messages."""
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
     results: dict[str, Any] | None = None  # the user message holding this round's results
@@ -72,11 +70,9 @@ def fallback_messages(
             content = message.get("content")
             message = {"role": "assistant", "content": f"{content}\n{text}" if content else text}
         out.append(message)
-    if request is None:
+    if tools is None:
         return out
-    functions = "\n".join(
-        json.dumps(tool["function"], ensure_ascii=False) for tool in request.tools
-    )
+    functions = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
     prompt = FALLBACK_PROMPT.format(functions=functions)
     if out and out[0].get("role") == "system":
         return [{**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}"}, *out[1:]]

@@ -147,7 +147,9 @@ def _load(
             torch.zeros(1, device=device)
             # the Engine's, beside its model's loading (a scheduler process started it earlier)
             hash_triton_in_background()
-    attn_backend = create_phase_backends(config.attention, args.deterministic)
+    attn_backend = create_phase_backends(
+        config.attention.decode, config.attention.prefill, args.deterministic
+    )
     stages.mark(f"{label}device init")
     path = resolve_model_path(args.model_path)
     model_config = load_model_config(path)

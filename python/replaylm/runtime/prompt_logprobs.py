@@ -15,25 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from replaylm.runtime.io_struct import TokenLogprob
+from replaylm.runtime.request import PromptLogprobChunk, Req
 
 if TYPE_CHECKING:
     from replaylm.model_executor.model_runner import ModelRunner
-    from replaylm.runtime.request import Req
 
 # rows projected to the vocabulary at a time: bounds the float32 [rows, V] logits in memory
 _ROWS_PER_PROJECTION = 256
-
-
-@dataclass
-class PromptLogprobChunk:
-    """Scores of prompt positions `start .. end - 1` (targets: tokens `start + 1 .. end`), host
-    tensors that are complete once the step that computed them has been read back."""
-
-    start: int
-    end: int
-    chosen: torch.Tensor  # [end - start] float32
-    top_vals: torch.Tensor  # [end - start, k] float32
-    top_ids: torch.Tensor  # [end - start, k] int64
 
 
 @dataclass

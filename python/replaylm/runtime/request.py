@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Literal
 from replaylm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from replaylm.mem_cache.radix_cache import TreeNode
-    from replaylm.runtime.prompt_logprobs import PromptLogprobChunk
     from replaylm.structured.grammar import RequestGrammar
 
 
@@ -24,6 +25,19 @@ class FinishReason:
 
     def to_dict(self) -> dict[str, object]:
         return {"type": self.type, "matched": self.matched}
+
+
+@dataclass
+class PromptLogprobChunk:
+    """Scores of prompt positions `start .. end - 1` (targets: tokens `start + 1 .. end`), host
+    tensors that are complete once the step that computed them has been read back
+    (`prompt_logprobs.py` computes them)."""
+
+    start: int
+    end: int
+    chosen: torch.Tensor  # [end - start] float32
+    top_vals: torch.Tensor  # [end - start, k] float32
+    top_ids: torch.Tensor  # [end - start, k] int64
 
 
 @dataclass

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from replaylm.layers.attention.base import AttentionBackend
-    from replaylm.layers.attention.selection import PhaseAttentionBackends
 
 
 @dataclass(frozen=True)
@@ -95,13 +94,13 @@ def create_attention_backend(name: str, deterministic: bool = False) -> Attentio
 
 
 def create_phase_backends(
-    backends: PhaseAttentionBackends, deterministic: bool = False
+    decode: str, prefill: str, deterministic: bool = False
 ) -> AttentionBackend:
-    """The backend of both phases, or a PerPhaseAttnBackend over two (`create_attention_backend`
-    each)."""
-    decode = create_attention_backend(backends.decode, deterministic)
-    if backends.prefill == backends.decode:
-        return decode
+    """The backend of both phases (resolved names, `selection.py`'s), or a PerPhaseAttnBackend
+    over two (`create_attention_backend` each)."""
+    decode_backend = create_attention_backend(decode, deterministic)
+    if prefill == decode:
+        return decode_backend
     from replaylm.layers.attention.per_phase import PerPhaseAttnBackend
 
-    return PerPhaseAttnBackend(decode, create_attention_backend(backends.prefill, deterministic))
+    return PerPhaseAttnBackend(decode_backend, create_attention_backend(prefill, deterministic))
