@@ -29,6 +29,7 @@ as the model's forward is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -56,6 +57,19 @@ class MatmulConfig:
     block_m: int = MAX_ROWS
     # the dot taken as `W x^T`: the weight tile on the MMA's row side, the rows on its columns
     swap: bool = False
+
+    def launch(self) -> dict[str, Any]:
+        """The keywords of a launch of this tile (`slice_product`'s kernels): its constexprs,
+        warps and stages, and PDL's."""
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "BLOCK_K": self.block_k,
+            "SWAP": self.swap,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            **pdl_launch(),
+        }
 
 
 # any row count, one launch for every weight: rows never depend on the others (64-row tiles, so a
@@ -229,39 +243,12 @@ def slice_product(
     if USE_PDL:
         w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
     wait_for_producers(USE_PDL)
-    if USE_PDL:
+    if USE_PDL:  # the prefetched tile first
         acc = dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
-        for i in range(1, BLOCKS):
-            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = dot_tile(
-                X,
-                w,
-                acc,
-                offs_m,
-                first + i,
-                M,
-                K,
-                stride_xm,
-                BLOCK_K,
-                PRECISION,
-                SWAP,
-            )
-    else:
-        for i in range(0, BLOCKS):
-            w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-            acc = dot_tile(
-                X,
-                w,
-                acc,
-                offs_m,
-                first + i,
-                M,
-                K,
-                stride_xm,
-                BLOCK_K,
-                PRECISION,
-                SWAP,
-            )
+    start = 1 if USE_PDL else 0  # folded: the loop's bounds stay constants
+    for i in range(start, BLOCKS):
+        w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
+        acc = dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     return acc
@@ -493,15 +480,9 @@ def skinny_matmul(
             BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k),
             HAS_BIAS=bias is not None,
             SPLIT_K=cfg.split_k,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
             PRECISION=dot_precision(x.dtype),
             GATED=gated_silu,
             FP8=fp8,
-            SWAP=cfg.swap,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **pdl_launch(),
+            **cfg.launch(),
         )
     return y

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from replaylm.layers.attention.triton.common import dot_precision
-from replaylm.layers.kernels import as_rows, pdl_launch
+from replaylm.layers.kernels import as_rows
 from replaylm.layers.kernels.skinny_matmul import (
     MAX_ROWS,
     matmul_config,
@@ -159,19 +159,13 @@ def fused_router(
         first_expert,
         BLOCKS_PER_SPLIT=triton.cdiv(triton.cdiv(width, cfg.block_k), cfg.split_k),
         SPLIT_K=cfg.split_k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
         BLOCK_E=triton.next_power_of_2(num_experts),
         TOP_K=top_k,
         BLOCK_TOP_K=triton.next_power_of_2(top_k),
         RENORMALIZE=renormalize,
         HAS_SLOTS=slots is not None,
         PRECISION=dot_precision(hidden.dtype),
-        SWAP=cfg.swap,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **pdl_launch(),
+        **cfg.launch(),
     )
     return weights, ids
 

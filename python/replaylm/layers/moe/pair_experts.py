@@ -24,14 +24,12 @@ import triton
 import triton.language as tl
 
 from replaylm.layers.attention.triton.common import dot_precision
-from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 from replaylm.layers.kernels.skinny_matmul import (
     MatmulConfig,
-    dot_tile,
+    slice_product,
     split_k_workspace,
     weight_rows,
-    weight_tile,
     write_tile,
 )
 
@@ -39,13 +37,13 @@ PAIR_TOKENS = 2  # the most tokens this route takes: docs/tuning.md, "MoE pair k
 
 
 @triton.jit
-def _pair_dot(
+def _pair_product(
     X,
     W,
+    offs_n,
     N,
     K,
     stride_wn,
-    offs_n,
     BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -53,19 +51,27 @@ def _pair_dot(
     PRECISION: tl.constexpr,
     SWAP: tl.constexpr,
 ):
-    """`X`'s one row by W's rows `offs_n` over `BLOCKS` blocks of K: a `[BLOCK_M, BLOCK_N]`
-    float32 tile whose rows past the first are zero."""
-    offs_m = tl.arange(0, BLOCK_M)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k_block in range(0, BLOCKS):
-        w = weight_tile(W, offs_n, k_block, N, K, stride_wn, BLOCK_K)
-        acc = dot_tile(X, w, acc, offs_m, k_block, 1, K, 0, BLOCK_K, PRECISION, SWAP)
-    if SWAP:
-        acc = tl.trans(acc)
-    return acc
+    """`X`'s one row by W's rows `offs_n` over all `BLOCKS` blocks of K (`slice_product`, its
+    producers already waited for): a float32 tile whose rows past the first are zero."""
+    return slice_product(
+        X,
+        W,
+        tl.arange(0, BLOCK_M),
+        offs_n,
+        0,
+        1,
+        N,
+        K,
+        0,
+        stride_wn,
+        BLOCKS,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        PRECISION,
+        SWAP,
+        False,
+    )
 
 
 @triton.jit
@@ -98,13 +104,13 @@ def _pair_gate_up_kernel(
     if (expert < 0) | (expert >= num_experts):
         return
     offs_n = weight_rows(pid_n, N, BLOCK_N, True)
-    acc = _pair_dot(
+    acc = _pair_product(
         X + (pair // TOP_K) * stride_xm,
         W13 + expert.to(tl.int64) * stride_we,
+        offs_n,
         N,
         K,
         stride_wn,
-        offs_n,
         BLOCKS,
         BLOCK_M,
         BLOCK_N,
@@ -170,13 +176,13 @@ def _pair_down_kernel(
     expert = tl.load(Ids + pair)
     y = tl.zeros((BLOCK_N,), tl.float32)
     if (expert >= 0) & (expert < num_experts):
-        acc = _pair_dot(
+        acc = _pair_product(
             Act + pair * stride_am,
             W2 + expert.to(tl.int64) * stride_we,
+            offs_n,
             N,
             K,
             stride_wn,
-            offs_n,
             BLOCKS,
             BLOCK_M,
             BLOCK_N,
@@ -245,14 +251,8 @@ def pair_experts(
         act.stride(0),
         TOP_K=top_k,
         BLOCKS=triton.cdiv(width, gate_up.block_k),
-        BLOCK_M=gate_up.block_m,
-        BLOCK_N=gate_up.block_n,
-        BLOCK_K=gate_up.block_k,
         PRECISION=precision,
-        SWAP=gate_up.swap,
-        num_warps=gate_up.num_warps,
-        num_stages=gate_up.num_stages,
-        **pdl_launch(),
+        **gate_up.launch(),
     )
     _pair_down_kernel[(tiles, tokens, top_k)](
         act,
@@ -271,13 +271,7 @@ def pair_experts(
         out.stride(0),
         TOP_K=top_k,
         BLOCKS=triton.cdiv(intermediate, down.block_k),
-        BLOCK_M=down.block_m,
-        BLOCK_N=down.block_n,
-        BLOCK_K=down.block_k,
         PRECISION=precision,
-        SWAP=down.swap,
-        num_warps=down.num_warps,
-        num_stages=down.num_stages,
-        **pdl_launch(),
+        **down.launch(),
     )
     return out
