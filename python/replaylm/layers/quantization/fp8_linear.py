@@ -171,12 +171,15 @@ def _channel_mm(
         return skinny_matmul(
             x_q, weight, out_dtype=out_dtype, weight_scale=weight_scale, x_scale=x_scale
         )
+    # fast accumulation (in the tensor cores, no periodic float32 promotion): the FP8 GEMMs of
+    # SGLang's and vLLM's CUTLASS kernels accumulate so too (docs/tuning.md, "FP8 GEMMs")
     y = torch._scaled_mm(
         x_q,
         weight.t(),
         scale_a=x_scale,
         scale_b=weight_scale.reshape(1, -1),
         out_dtype=torch.bfloat16,  # row-wise scaling writes bf16 only
+        use_fast_accum=True,
     )
     return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
 

@@ -38,7 +38,7 @@ CONFIGS = {
     16: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),
     32: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),
     64: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=128),
-    128: KernelConfig(block_n=64, num_warps=8, num_stages=3, block_m=128),
+    128: KernelConfig(block_n=64, num_warps=4, num_stages=3, block_m=64),
     256: KernelConfig(block_n=32, num_warps=8, num_stages=2, block_m=64),
 }
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1, block_m=32)  # FMA dots
