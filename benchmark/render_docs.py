@@ -168,8 +168,9 @@ SECTIONS = (
     Section(
         "FP8 weights: offline throughput",
         ("offline_fp8_llama-3.1-8b",),
-        "nano-vllm's offline workload on dummy Llama-3.1-8B, full decode graphs, in bf16 and with "
-        "`--quantization fp8`.",
+        "nano-vllm's offline workload on dummy Llama-3.1-8B, full decode graphs: with "
+        "`--quantization fp8` (in the default prefill chunks, in chunks of 2,048, and with the "
+        "FP8 KV cache too) and in bf16.",
         offline_table,
     ),
     Section(
@@ -190,7 +191,8 @@ SECTIONS = (
         "FP8 weights: prefill, Qwen3-0.6B",
         ("prefill_fp8_qwen3-0.6b",),
         "The same 64 x 512 prefill + 1 on dummy Qwen3-0.6B, in bf16, with `--quantization fp8` "
-        "and with the FP8 KV cache too.",
+        "and with the FP8 KV cache too. Host-bound: its GPU is busy for 0.05-0.07 s of each run, "
+        "and the wall varies from run to run (0.08-0.20 s).",
         offline_table,
     ),
     Section(

@@ -48,7 +48,8 @@ DEFAULT_SPECULATIVE_MAX_BS = 32
 # kernel that takes them together (triton/decode.py's MAX_RUN)
 MAX_SPECULATIVE_STEPS = 63
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
-# a dense model's prefill chunk (model_executor/prefill_chunk.py raises a mixture of experts')
+# a dense model's prefill chunk on a small GPU or the CPU (model_executor/prefill_chunk.py:
+# larger on a large GPU and for a mixture of experts)
 DEFAULT_PREFILL_CHUNK = 2048
 
 
@@ -293,9 +294,9 @@ class ServerArgs:
             "Prompts longer than this many tokens are prefilled in chunks of this size, between "
             "decode steps, so that one long prompt does not stall the other requests' output. "
             "Smaller chunks keep streams smoother; larger ones finish long prompts sooner. "
-            "Default: 2048; for a mixture of experts enough tokens that each expert gets about "
-            "512 rows a step (experts x 512 / top-k, at most 8192), which its grouped GEMMs "
-            "need to run near peak."
+            "Default: 2048, or 8192 on a GPU of 35 GiB or more; for a mixture of experts at least "
+            "enough tokens that each expert gets about 512 rows a step (experts x 512 / top-k, at "
+            "most 8192), which its grouped GEMMs need to run near peak."
         ),
     )
     max_prefill_tokens: int | None = field(
