@@ -5,9 +5,9 @@
 Ceilings: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate
 (8192^3). Cases (Qwen3-0.6B attention: 16 query heads, 8 KV heads, head dim 128, bf16):
 - decode at bs 1/8/64/256 x context 1k/4k/16k: bytes moved (K and V once, the slot table, q and
-  out) over time, against the copy bandwidth. Timed as replays of a CUDA graph of several calls
-  (as in a decode graph; no launch overhead), each call on other random KV slots so repeated
-  calls do not run from L2;
+  out) over time, against the copy bandwidth; and over an fp8 cache (e4m3) at bs 64/256 x 1k/4k.
+  Timed as replays of a CUDA graph of several calls (as in a decode graph; no launch overhead),
+  each call on other random KV slots so repeated calls do not run from L2;
 - decode over mixed lengths (uniform in 100-2048 tokens) at bs 64/128/256, one slice per request,
   the programs started in request order and longest request first (the model's launch from
   LONGEST_FIRST_PROGRAMS_PER_SM programs per multiprocessor);
@@ -48,6 +48,8 @@ from common import (
 
 DECODE_BS = (1, 8, 64, 256)
 DECODE_CTX = (1024, 4096, 16384)
+FP8_DECODE_BS = (64, 256)  # `--kv-cache-dtype fp8_e4m3`'s decode: its bytes are half
+FP8_DECODE_CTX = (1024, 4096)
 MIXED_BS = (64, 128, 256)
 GOAL_DECODE_PCT = 70.0  # decode bs 64, ctx 4096: % of the copy bandwidth
 GOAL_PREFILL_RATIO = 1.5  # 4096 causal prefill: time over SDPA flash
@@ -96,6 +98,22 @@ def bench_store(tokens: int) -> dict:
     }
 
 
+def decode_row(cache: KVCache, bs: int, ctx: int, bandwidth: float) -> dict:
+    """Decode of `bs` requests over `ctx` tokens of `cache` (the model's launch), its rate
+    against the copy bandwidth."""
+    ms = time_decode_attention(cache, bs, ctx)
+    gbs = decode_attention_bytes(bs, ctx, cache.k.element_size()) / (ms / 1e3) / 1e9
+    fp8 = cache.k.dtype == torch.float8_e4m3fn
+    return {
+        "kernel": "decode, fp8 cache" if fp8 else "decode",
+        "case": f"bs{bs} ctx{ctx}",
+        "us": 1e3 * ms,
+        "GB/s": gbs,
+        "pct_copy_bw": 100 * gbs / bandwidth,
+        "TFLOP/s": 4 * bs * HEADS * ctx * DIM / (ms / 1e3) / 1e12,
+    }
+
+
 def mixed_length_rows(cache: KVCache, bandwidth: float) -> list[dict]:
     """Decode over random lengths, one slice per request: request order, then longest first."""
     gen = torch.Generator().manual_seed(0)
@@ -130,21 +148,12 @@ def main() -> None:
     print(f"{device}: copy {bandwidth:.0f} GB/s (read + write), bf16 matmul {tflops:.0f} TFLOP/s")
 
     cache = KVCache(max(DECODE_BS) * max(DECODE_CTX))
-    rows = []
-    for bs in DECODE_BS:
-        for ctx in DECODE_CTX:
-            ms = time_decode_attention(cache, bs, ctx)
-            gbs = decode_attention_bytes(bs, ctx) / (ms / 1e3) / 1e9
-            rows.append(
-                {
-                    "kernel": "decode",
-                    "case": f"bs{bs} ctx{ctx}",
-                    "us": 1e3 * ms,
-                    "GB/s": gbs,
-                    "pct_copy_bw": 100 * gbs / bandwidth,
-                    "TFLOP/s": 4 * bs * HEADS * ctx * DIM / (ms / 1e3) / 1e12,
-                }
-            )
+    rows = [decode_row(cache, bs, ctx, bandwidth) for bs in DECODE_BS for ctx in DECODE_CTX]
+    fp8_cache = KVCache(max(FP8_DECODE_BS) * max(FP8_DECODE_CTX), torch.float8_e4m3fn)
+    rows += [
+        decode_row(fp8_cache, bs, ctx, bandwidth) for bs in FP8_DECODE_BS for ctx in FP8_DECODE_CTX
+    ]
+    del fp8_cache
     rows += mixed_length_rows(cache, bandwidth)
     prompt, chunks = ExtendCase(1, 4096, 0), ExtendCase(8, 512, 2048)
     sdpa = sdpa_ms(prompt)

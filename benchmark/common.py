@@ -523,12 +523,13 @@ def graph_ms(fn: Callable[[int], object], calls: int = CALLS_PER_GRAPH) -> float
 
 
 class KVCache:
-    """One layer's K and V of `slots` random tokens; slot 0 is padding."""
+    """One layer's K and V of `slots` random tokens in `dtype` (an fp8 cache's: its values
+    rounded from DTYPE's); slot 0 is padding."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, dtype: torch.dtype = DTYPE) -> None:
         shape = (slots + 1, KV_HEADS, DIM)
-        self.k = torch.randn(shape, device="cuda", dtype=DTYPE)
-        self.v = torch.randn(shape, device="cuda", dtype=DTYPE)
+        self.k = torch.randn(shape, device="cuda", dtype=DTYPE).to(dtype)
+        self.v = torch.randn(shape, device="cuda", dtype=DTYPE).to(dtype)
         self.slots = slots
 
     def tables(self, bs: int, ctx: int, n: int, contiguous: bool = False) -> list[torch.Tensor]:
@@ -597,9 +598,10 @@ def mixed_decode_bytes(lengths: torch.Tensor) -> int:
     return sum(decode_attention_bytes(1, int(n)) for n in lengths)
 
 
-def decode_attention_bytes(bs: int, ctx: int) -> int:
-    """What a decode attention call must move: K and V once, the slot table, q and out."""
-    kv = 2 * bs * ctx * KV_HEADS * DIM * DTYPE.itemsize
+def decode_attention_bytes(bs: int, ctx: int, kv_itemsize: int = DTYPE.itemsize) -> int:
+    """What a decode attention call must move: K and V once (`kv_itemsize` bytes a value), the
+    slot table, q and out."""
+    kv = 2 * bs * ctx * KV_HEADS * DIM * kv_itemsize
     return kv + 4 * bs * ctx + 2 * bs * HEADS * DIM * DTYPE.itemsize
 
 

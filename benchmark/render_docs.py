@@ -351,7 +351,8 @@ SECTIONS = (
     Section(
         "Attention kernels (`bench_attention.py`)",
         ("attention",),
-        "The Triton attention kernels alone with Qwen3-0.6B's heads, bf16, against ceilings "
+        "The Triton attention kernels alone with Qwen3-0.6B's heads, bf16 (decode also over an "
+        "fp8 cache, its bytes counted at one a value), against ceilings "
         "measured in the run (the copy rate counts bytes read and written, so pure reads can pass "
         "it). Decode: the model's launch, graphed; *mixed*: lengths uniform in 100-2048, in "
         "request order or longest first.",

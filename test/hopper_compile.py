@@ -25,6 +25,11 @@ class Const(str):
     """A string constexpr, not a type."""
 
 
+def _kernel(path: str) -> Any:
+    module, name = path.rsplit(".", 1)
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
 def _skinny_cases() -> list[tuple[str, str, dict[str, Any]]]:
     cases = []
     variants = [  # (dot swapped, K slices, gated, input): each branch of the kernel at least once
@@ -121,12 +126,42 @@ def _quantize_cases() -> list[tuple[str, str, dict[str, Any]]]:
     return cases
 
 
-CASES = _skinny_cases() + _moe_cases() + _quantize_cases()
+def _attention_cases() -> list[tuple[str, str, dict[str, Any]]]:
+    cases = []
+    module = "replaylm.layers.attention.triton"
+    for cache in ("bf16", "fp8e4nv"):  # an fp8 cache's dots take float16 (`dot_operand`)
+        decode = {
+            **dict.fromkeys(["qk_scale", "v_scale"], "fp32"),
+            **dict(Q="*bf16", KCache=f"*{cache}", VCache=f"*{cache}", ReqToToken="*i32"),
+            **dict(ReqPoolIndices="*i64", SeqLens="*i64", Order="*i32", Out="*bf16"),
+            **dict(MidO="*fp32", MidLse="*fp32", Arrivals="*i32"),
+            **dict.fromkeys(["min_split_len", "num_splits", "has_order", "num_rows"], "i32"),
+            **dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_N=64),
+            **dict(MERGE_UNROLL=4, PRECISION=Const("tf32"), SEPARATE_MERGE=True, USE_PDL=True),
+            "ROWS": 1,
+        }
+        extend = {
+            **dict(Q="*bf16", KNew="*bf16", VNew="*bf16", Out="*bf16", ReqToToken="*i32"),
+            **dict(KCache=f"*{cache}", VCache=f"*{cache}", ReqPoolIndices="*i64"),
+            **dict.fromkeys(["PrefixLens", "ExtendLens", "ExtendStart"], "*i64"),
+            **dict.fromkeys(["qk_scale", "v_scale"], "fp32"),
+            **dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, PRECISION=Const("tf32")),
+            **dict(ALIGNED=cache == "fp8e4nv", USE_PDL=True),
+        }
+        for name, args in (("decode", decode), ("extend", extend)):
+            kernel = f"{module}.{name}._{name}_kernel"
+            strides = [n for n in _kernel(kernel).arg_names if n.startswith("stride")]
+            cases.append(
+                (
+                    kernel,
+                    f"{name} attention {cache} cache",
+                    {**args, **dict.fromkeys(strides, "i32")},
+                )
+            )
+    return cases
 
 
-def _kernel(path: str) -> Any:
-    module, name = path.rsplit(".", 1)
-    return getattr(__import__(module, fromlist=[name]), name)
+CASES = _skinny_cases() + _moe_cases() + _quantize_cases() + _attention_cases()
 
 
 def compile_for_hopper(path: str, args: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
 # the model's dtypes, and float8 e4m3 (`--kv-cache-dtype fp8_e4m3`), whose tiles the kernels
-# convert to q's dtype (exactly) as they load them
+# convert (exactly) to the dots' dtype as they load them: float16 (`dot_operand`)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 
@@ -54,6 +54,17 @@ def qk_scale(scale: float, k_scale: float) -> float:
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs multiply in full precision (not tf32): a float32 model stays a reference."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def dot_operand(q, KCache):
+    """`q` as the dots take it: a 16-bit q over an fp8 cache in float16 (clamped to its range),
+    whose conversion from e4m3 is one instruction a pair of values where bfloat16's takes three
+    more (docs/tuning.md, "FP8 KV cache at decode"); else as it is (a float32 model's dots stay
+    float32)."""
+    if KCache.dtype.element_ty == tl.float8e4nv and q.dtype != tl.float32:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit

@@ -45,6 +45,7 @@ import triton.language as tl
 from replaylm.layers.attention.triton.common import (
     KernelConfig,
     check_inputs,
+    dot_operand,
     dot_precision,
     qk_scale,
     softmax_update,
@@ -209,6 +210,7 @@ def _decode_kernel(
     q = tl.load(
         q_at + heads[:, None] * stride_qh + offs_d[None, :], mask=head_ok[:, None], other=0.0
     )
+    q = dot_operand(q, KCache)
     split_len = _split_len(seq_len, num_splits, min_split_len)
     num_active = tl.cdiv(seq_len, split_len)
     start = split * split_len
@@ -459,7 +461,7 @@ def decode_attention(
     the output is the same. `rows_per_program` > 1: the rows are a verify step's (runs of rows
     of one request, at most MAX_RUN long), attended that many at a time (no `order`).
     `k_scale`, `v_scale`: an fp8 cache's (it holds K / k_scale, V / v_scale); the dots run in
-    q's dtype."""
+    q's dtype, over an fp8 cache in float16."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     bs = q.shape[0]
     group = num_heads // num_kv_heads

@@ -25,6 +25,7 @@ import triton.language as tl
 from replaylm.layers.attention.triton.common import (
     KernelConfig,
     check_inputs,
+    dot_operand,
     dot_precision,
     qk_scale,
     softmax_update,
@@ -131,7 +132,7 @@ def _extend_kernel(
     ext_len = tl.load(ExtendLens + b).to(tl.int32)
     if m_start < ext_len:
         kv_head = head // GROUP
-        dtype = Q.dtype.element_ty  # the dots': q's (an fp8 cache's tiles convert to it)
+        dtype = Q.dtype.element_ty  # the unaligned passes' dots: q's (a 16-bit cache)
         prefix_len = tl.load(PrefixLens + b).to(tl.int32)
         first = tl.load(ExtendStart + b).to(tl.int64)
         row = ReqToToken + tl.load(ReqPoolIndices + b).to(tl.int64) * stride_rt
@@ -144,6 +145,7 @@ def _extend_kernel(
             mask=q_ok[:, None],
             other=0.0,
         )
+        q = dot_operand(q, KCache)  # an fp8 cache (the aligned pass only): float16 dots
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -261,7 +263,8 @@ def extend_attention(
     over each request's cached prefix plus themselves. `max_extend_len` (>= every extend length)
     sizes the grid. `aligned`: the batch-invariant single pass (the new tokens' K/V must be in the
     cache already), which an fp8 cache takes too, its `k_scale`, `v_scale` applied (it holds
-    K / k_scale, V / v_scale). The dots run in q's dtype. Writes and returns `out` `[T, H, D]`."""
+    K / k_scale, V / v_scale). The dots run in q's dtype, over an fp8 cache in float16. Writes
+    and returns `out` `[T, H, D]`."""
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v must be contiguous along the head dim")
