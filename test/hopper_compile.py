@@ -1,6 +1,7 @@
-"""Compile the decode path's Triton kernels for Hopper (sm_90) with no GPU present: Triton's own
-front end, its passes and ptxas, as a GPU's first launch would run them (CPU tensors run the
-kernels through the interpreter, which takes code the compiler refuses).
+"""Compile the decode path's Triton kernels (and the attention kernels' prefill pass) for Hopper
+(sm_90) with no GPU present: Triton's own front end, its passes and ptxas, as a GPU's first launch
+would run them (CPU tensors run the kernels through the interpreter, which takes code the
+compiler refuses).
 
     python test/hopper_compile.py    # run with TRITON_INTERPRET unset; exit 1 on a failure
 
