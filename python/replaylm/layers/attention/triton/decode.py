@@ -55,6 +55,9 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 
 # key block, warps, stages: docs/tuning.md, "Decode attention slices"
 CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
+# over an fp8 cache (half the bytes a block) two warps a program beat four from bs 32 on and match
+# them below: docs/tuning.md, "FP8 KV cache at decode"
+FP8_CONFIG = KernelConfig(block_n=64, num_warps=2, num_stages=3)
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-precision dots: FMA
 MERGE_WARPS = 4  # warps of the merge kernel: docs/tuning.md, "Decode attention merge kernel"
 MIN_SPLIT_LEN = 64  # tokens (one block): docs/tuning.md, "Decode attention slices"
@@ -294,6 +297,13 @@ def _decode_kernel(
                         )
 
 
+def launch_config(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> KernelConfig:
+    """The decode kernel's launch for a query of `q_dtype` over a cache of `cache_dtype`."""
+    if q_dtype == torch.float32:
+        return FLOAT32_CONFIG
+    return FP8_CONFIG if cache_dtype == torch.float8_e4m3fn else CONFIG
+
+
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     """The requests' indices by length, longest first: `decode_attention`'s `order` for a batch
     of more than two waves of programs (`starts_longest_first`; one sort kernel, no host
@@ -465,7 +475,7 @@ def decode_attention(
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     bs = q.shape[0]
     group = num_heads // num_kv_heads
-    cfg = config or (FLOAT32_CONFIG if q.dtype == torch.float32 else CONFIG)
+    cfg = config or launch_config(q.dtype, k_cache.dtype)
     ws = workspace or decode_workspace(q, num_kv_heads, num_splits)
     mid_o, mid_lse = ws.mid_o, ws.mid_lse
     separate = separate_merge and num_splits > 1  # one slice: written directly either way
