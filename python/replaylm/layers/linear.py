@@ -338,7 +338,12 @@ class GateUpLinear(MergedLinear, QuantizesFor):
             )
         if self.weight_scale is not None and takes_skinny(x, self.block_size):
             return gated_fp8_linear(
-                x, self.weight, self.weight_scale, self.bias, input_scale=self.input_scale
+                x,
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                input_scale=self.input_scale,
+                with_amax=self.quantizes(),
             )
         y = super().forward(x)
         if use_triton_kernels(y) and self.quantizes():

@@ -71,6 +71,9 @@ def _pair_product(
         PRECISION,
         SWAP,
         False,
+        X,
+        0,
+        0,
     )
 
 
@@ -135,7 +138,7 @@ def _pair_gate_up_kernel(
         True,
         BLOCK_M,
         BLOCK_N,
-        row,
+        tl.zeros((BLOCK_M,), tl.float32),
         False,
     )
 
