@@ -33,33 +33,24 @@ def _kernel(path: str) -> Any:
 
 def _skinny_cases() -> list[tuple[str, str, dict[str, Any]]]:
     cases = []
-    # (dot swapped, K slices, gated, input): each branch of the kernel at least once; "amax": a
-    # bf16 input quantized in the kernel by its amax parts, "fp8 amax": the amax parts written
-    variants = [
+    variants = [  # (dot swapped, K slices, gated, input): each branch of the kernel at least once
         (False, 1, True, "bf16"),
         (True, 4, False, "bf16"),
         (True, 4, False, "fp8"),
         (True, 1, True, "fp8"),
-        (True, 1, True, "fp8 amax"),
-        (False, 4, True, "fp8 amax"),
-        (True, 4, False, "amax"),
-        (False, 1, False, "amax"),
     ]
     for swap, split, gated, mode in variants:
-        fp8 = mode.startswith("fp8")
+        fp8 = mode == "fp8"
         args = {
             "X": "*fp8e4nv" if fp8 else "*bf16",
-            "W": "*fp8e4nv" if mode != "bf16" else "*bf16",
+            "W": "*fp8e4nv" if fp8 else "*bf16",
             "B": "*bf16",
             "Scale": "*fp32",
             "XScale": "*fp32",
             "Y": "*bf16",
-            "AmaxOut": "*fp32",
             "Partials": "*fp32",
             "Arrivals": "*i32",
-            **dict.fromkeys(
-                ["M", "N", "K", "num_parts", "stride_xm", "stride_wn", "stride_ym"], "i32"
-            ),
+            **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_ym"], "i32"),
             "BLOCKS_PER_SPLIT": 4,
             "HAS_BIAS": False,
             "SPLIT_K": split,
@@ -68,9 +59,7 @@ def _skinny_cases() -> list[tuple[str, str, dict[str, Any]]]:
             "BLOCK_K": 128,
             "PRECISION": Const("ieee"),
             "GATED": gated,
-            "FP8": mode != "bf16",
-            "AMAX_CHUNK": 128 if mode == "amax" else 0,
-            "AMAX_OUT": mode == "fp8 amax",
+            "FP8": fp8,
             "SWAP": swap,
             "USE_PDL": True,
         }

@@ -29,7 +29,6 @@ from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
     MAX_ROWS,
     MatmulConfig,
     skinny_matmul,
-    skinny_matmul_amax,
 )
 from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import GateUpLinear, Linear  # noqa: E402
@@ -38,7 +37,6 @@ from replaylm.layers.quantization import fp8_linear as fp8_linear_module  # noqa
 from replaylm.layers.quantization.config import Fp8Config  # noqa: E402
 from replaylm.layers.quantization.fp8 import (  # noqa: E402
     FP8_DTYPE,
-    AmaxRows,
     QuantizedRows,
     dequantize_activation,
     dequantize_weight,
@@ -474,66 +472,26 @@ def test_silu_and_mul_quantize_is_the_activation_then_the_quantization(chunk: in
     assert torch.equal(rows.scale, want_scale)
 
 
-def _fp8_mlp(seed: int) -> tuple[GateUpLinear, Linear]:
-    """A per-channel FP8 gate-up layer (96 -> 2 x 64) and down projection (64 -> 48) of random
-    weights."""
+def test_a_gate_up_layer_past_the_skinny_rows_hands_down_quantized_rows(
+    kernel_device_cpu: dict[str, int],
+) -> None:
+    """Past the skinny kernel's rows a per-channel FP8 gate-up layer that `quantizes_for` its
+    down projection gives it SiluAndMul's output quantized in the same launch: the down
+    projection quantizes nothing itself, and its numbers are the unfused ones."""
     gate_up = GateUpLinear(96, 64, quant=Fp8Config("channel"))
     down = Linear(64, 48, quant=Fp8Config("channel"))
-    for layer, offset in ((gate_up, 0), (down, 1)):
-        shape = layer.weight.shape
-        weight, scale = quantize_weight(torch.randn(shape, generator=_gen(seed + offset)), None)
+    for layer, seed in ((gate_up, 42), (down, 43)):
+        weight, scale = quantize_weight(torch.randn(layer.weight.shape, generator=_gen(seed)), None)
         layer.weight.data.copy_(weight)
         layer.weight_scale.data.copy_(scale)
-    return gate_up, down
-
-
-@pytest.mark.parametrize(("rows", "kind"), [(3, AmaxRows), (SKINNY_ROWS + 3, QuantizedRows)])
-def test_a_gate_up_layer_hands_down_what_saves_its_quantization_launch(
-    rows: int, kind: type, kernel_device_cpu: dict[str, int]
-) -> None:
-    """A per-channel FP8 gate-up layer that `quantizes_for` its down projection hands it, at
-    decode rows, its output with the amax parts the gated skinny launch wrote (`AmaxRows`: the
-    down projection quantizes it as it loads it) and past them SiluAndMul's output quantized in
-    the same launch (`QuantizedRows`): either way the down projection launches no quantization
-    of its own, and its numbers are the unfused ones bit for bit."""
-    gate_up, down = _fp8_mlp(42)
-    x = torch.randn(rows, 96, generator=_gen(44)).bfloat16()
+    x = torch.randn(SKINNY_ROWS + 3, 96, generator=_gen(44)).bfloat16()
     try:
         unfused = down(gate_up(x))
     except RuntimeError as err:
         pytest.skip(f"torch._scaled_mm does not run on this CPU build: {err}")
     gate_up.quantizes_for(down)
     calls = kernel_device_cpu["quantize"]
-    handed = gate_up(x)
-    assert isinstance(handed, kind)
-    assert torch.equal(down(handed), unfused)
+    rows = gate_up(x)
+    assert isinstance(rows, QuantizedRows)
+    assert torch.equal(down(rows), unfused)
     assert kernel_device_cpu["quantize"] == calls + 1  # gate-up's input alone
-
-
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_amax_parts_let_the_next_matmul_quantize_its_input_as_the_launch_would(rows: int) -> None:
-    """The gated launch with its amax parts writes the same output, and parts whose max is each
-    row's amax; the down projection that quantizes that output by them as it loads it gives the
-    numbers of the quantization launch then the matmul, bit for bit (split-K slices up to 16
-    rows, 64-row tiles past)."""
-    gate_up, gate_up_scale = quantize_weight(torch.randn(2 * 200, 256, generator=_gen(51)), None)
-    down, down_scale = quantize_weight(torch.randn(48, 200, generator=_gen(52)) * 3, None)
-    x_q, x_scale = fp8_kernels.quantize_activation(
-        torch.randn(rows, 256, generator=_gen(53)).bfloat16()
-    )
-    up = {"gated_silu": True, "out_dtype": torch.bfloat16, "weight_scale": gate_up_scale}
-    y, amax = skinny_matmul_amax(x_q, gate_up, x_scale=x_scale, **up)
-    assert amax is not None
-    assert torch.equal(y, skinny_matmul(x_q, gate_up, x_scale=x_scale, **up))
-    assert amax.dtype == torch.float32 and amax.shape[0] == rows and amax.shape[1] > 1
-    assert torch.equal(amax.amax(dim=1), y.float().abs().amax(dim=1))
-    got = skinny_matmul(y, down, out_dtype=torch.bfloat16, weight_scale=down_scale, x_amax=amax)
-    y_q, y_scale = fp8_kernels.quantize_activation(y)
-    want = skinny_matmul(
-        y_q, down, out_dtype=torch.bfloat16, weight_scale=down_scale, x_scale=y_scale
-    )
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="not both"):
-        skinny_matmul(
-            y, down, out_dtype=torch.bfloat16, weight_scale=down_scale, x_scale=y_scale, x_amax=amax
-        )

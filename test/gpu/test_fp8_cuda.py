@@ -13,9 +13,7 @@ import torch
 
 from replaylm.cuda_graph_modes import DISABLED
 from replaylm.entrypoints.engine import Engine
-from replaylm.layers.kernels.skinny_matmul import skinny_matmul, skinny_matmul_amax
 from replaylm.layers.quantization.fp8 import FP8_DTYPE, quantize_weight
-from replaylm.layers.quantization.fp8_kernels import quantize_activation
 from replaylm.layers.quantization.fp8_linear import _emulated, fp8_linear
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_extend, release
@@ -49,31 +47,6 @@ def test_fp8_matmul_matches_the_float_reference(rows: int, block: tuple[int, int
     want = _emulated(x, weight, scale, block, None) + bias.float()
     assert got.dtype == torch.bfloat16
     assert rel_error(got, want) < 1e-2
-
-
-@pytest.mark.parametrize("rows", [1, 8, 64])
-def test_down_quantizes_the_gated_output_by_its_amax_parts_bit_for_bit(rows: int) -> None:
-    """Llama-3.1-8B's gate-up (4096 -> 2 x 14336) and down (14336 -> 4096) at decode rows, their
-    own launches: the down projection quantizing the gated output by its amax parts as it loads
-    it gives what the quantization launch then the matmul give, bit for bit."""
-    gen = torch.Generator(device="cuda").manual_seed(rows)
-    gate_up, gate_up_scale = quantize_weight(
-        torch.randn(2 * 14336, 4096, generator=gen, device="cuda") * 0.02, None
-    )
-    down, down_scale = quantize_weight(
-        torch.randn(4096, 14336, generator=gen, device="cuda") * 0.02, None
-    )
-    x_q, x_scale = quantize_activation(torch.randn(rows, 4096, generator=gen, device="cuda"))
-    up = {"gated_silu": True, "out_dtype": torch.bfloat16, "weight_scale": gate_up_scale}
-    y, amax = skinny_matmul_amax(x_q, gate_up, x_scale=x_scale, **up)
-    assert amax is not None
-    assert torch.equal(amax.amax(dim=1), y.float().abs().amax(dim=1))
-    got = skinny_matmul(y, down, out_dtype=torch.bfloat16, weight_scale=down_scale, x_amax=amax)
-    y_q, y_scale = quantize_activation(y)
-    want = skinny_matmul(
-        y_q, down, out_dtype=torch.bfloat16, weight_scale=down_scale, x_scale=y_scale
-    )
-    assert torch.equal(got, want)
 
 
 def _last_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:

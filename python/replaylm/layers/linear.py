@@ -338,12 +338,7 @@ class GateUpLinear(MergedLinear, QuantizesFor):
             )
         if self.weight_scale is not None and takes_skinny(x, self.block_size):
             return gated_fp8_linear(
-                x,
-                self.weight,
-                self.weight_scale,
-                self.bias,
-                input_scale=self.input_scale,
-                with_amax=self.quantizes(),
+                x, self.weight, self.weight_scale, self.bias, input_scale=self.input_scale
             )
         y = super().forward(x)
         if use_triton_kernels(y) and self.quantizes():

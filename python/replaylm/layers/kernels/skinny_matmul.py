@@ -37,14 +37,11 @@ import triton.language as tl
 
 from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
-from replaylm.layers.kernels.e4m3 import amax_scale, scaled_e4m3
 from replaylm.layers.kernels.pdl import wait_for_producers
 
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
 # FP8 rows the kernel takes: up to here it reads the weight once, faster than cuBLASLt's FP8 GEMM
 FP8_MAX_ROWS = 64
-# amax parts a program reads at once to find its rows' scales (`row_scales`)
-AMAX_CHUNK = 128
 # the workspace's bounds: fp32 partials of a split-K launch (tiles x slices x BLOCK_M x BLOCK_N;
 # 8 MiB) and output tiles (one arrival counter each)
 _PARTIAL_FLOATS, _MAX_SPLIT_TILES = 2**21, 4096
@@ -145,16 +142,15 @@ def write_tile(
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    x_scale,
+    XScale,
     FP8: tl.constexpr,
 ):
-    """Store the tile `acc` (with `FP8` times W's scales and the rows' `x_scale` `[BLOCK_M]`, +
-    bias) of W rows `offs_n`; with `GATED`, `silu(gate) * up` over its column pairs, rounded as
-    SiluAndMul rounds the separate launch's bf16/fp16 input. Returns the values stored, in
-    float32, zeros where nothing was."""
+    """Store the tile `acc` (with `FP8` times W's and x's row scales, + bias) of W rows `offs_n`;
+    with `GATED`, `silu(gate) * up` over its column pairs, rounded as SiluAndMul rounds the
+    separate launch's bf16/fp16 input."""
     if FP8:
         acc *= tl.load(Scale + offs_n, mask=offs_n < N, other=0.0)[None, :]
-        acc *= x_scale[:, None]
+        acc *= tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -165,9 +161,9 @@ def write_tile(
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         N = N // 2
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    y = acc.to(Y.dtype.element_ty)
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
-    return tl.where(mask, y.to(tl.float32), 0.0)
+    tl.store(
+        Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask
+    )
 
 
 @triton.jit
@@ -194,20 +190,15 @@ def dot_tile(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     SWAP: tl.constexpr,
-    x_scale,
-    QUANTIZE_X: tl.constexpr,
 ):
     """`acc + X[offs_m, k_block-th BLOCK_K columns] @ w^T` (`SWAP`: its transpose,
-    `acc + w @ X[...]^T`); with `QUANTIZE_X` (non-zero), X's tile quantized to e4m3 by the
-    rows' `x_scale` `[BLOCK_M]` as it loads (w is e4m3)."""
+    `acc + w @ X[...]^T`)."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     x = tl.load(
         X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
         other=0.0,
     )
-    if QUANTIZE_X:
-        x = scaled_e4m3(x.to(tl.float32), x_scale[:, None]).to(tl.float8e4nv)
     # one return after the branches: Triton compiles what follows a taken constexpr `if`
     if SWAP:
         if x.dtype == tl.float8e4nv:  # and so is w
@@ -220,23 +211,6 @@ def dot_tile(
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     return acc
-
-
-@triton.jit
-def row_scales(XAmax, offs_m, M, num_parts, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """The per-token e4m3 scales `[BLOCK_M]` of rows `offs_m` whose amax comes in `num_parts`
-    parts, `XAmax` `[M, num_parts]` (the max of the parts is the row's amax: the scale
-    `quantize_activation` takes from the whole row), read `CHUNK` parts at a time."""
-    amax = tl.zeros((BLOCK_M,), tl.float32)
-    offs_p = tl.arange(0, CHUNK)
-    for p0 in range(0, num_parts, CHUNK):
-        parts = tl.load(
-            XAmax + offs_m[:, None] * num_parts + p0 + offs_p[None, :],
-            mask=(offs_m[:, None] < M) & (p0 + offs_p[None, :] < num_parts),
-            other=0.0,
-        )
-        amax = tl.maximum(amax, tl.max(parts, axis=1))
-    return amax_scale(amax)
 
 
 @triton.jit
@@ -258,15 +232,10 @@ def slice_product(
     PRECISION: tl.constexpr,
     SWAP: tl.constexpr,
     USE_PDL: tl.constexpr,
-    XAmax,
-    num_parts,
-    AMAX_CHUNK: tl.constexpr,
 ):
     """`X[offs_m] @ W[offs_n]^T` over `BLOCKS` blocks of K from block `first`, a
     `[BLOCK_M, BLOCK_N]` float32 tile (FP8: before the scales). Waits for the producers of X
-    first; with PDL the first weight tile loads before that (the weights are constant). With
-    `AMAX_CHUNK` (> 0) X is 16-bit and quantized per token as it loads, by the scales of its
-    rows' amax parts `XAmax` `[M, num_parts]` (`row_scales`)."""
+    first; with PDL the first weight tile loads before that (the weights are constant)."""
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
@@ -274,31 +243,12 @@ def slice_product(
     if USE_PDL:
         w = weight_tile(W, offs_n, first, N, K, stride_wn, BLOCK_K)
     wait_for_producers(USE_PDL)
-    x_scale = tl.zeros((BLOCK_M,), tl.float32)
-    if AMAX_CHUNK > 0:
-        x_scale = row_scales(XAmax, offs_m, M, num_parts, BLOCK_M, AMAX_CHUNK)
     if USE_PDL:  # the prefetched tile first
-        acc = dot_tile(
-            X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP, x_scale, AMAX_CHUNK
-        )
+        acc = dot_tile(X, w, acc, offs_m, first, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
     start = 1 if USE_PDL else 0  # folded: the loop's bounds stay constants
     for i in range(start, BLOCKS):
         w = weight_tile(W, offs_n, first + i, N, K, stride_wn, BLOCK_K)
-        acc = dot_tile(
-            X,
-            w,
-            acc,
-            offs_m,
-            first + i,
-            M,
-            K,
-            stride_xm,
-            BLOCK_K,
-            PRECISION,
-            SWAP,
-            x_scale,
-            AMAX_CHUNK,
-        )
+        acc = dot_tile(X, w, acc, offs_m, first + i, M, K, stride_xm, BLOCK_K, PRECISION, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     return acc
@@ -341,13 +291,11 @@ def _skinny_matmul_kernel(
     Scale,
     XScale,
     Y,
-    AmaxOut,
     Partials,
     Arrivals,
     M,
     N,
     K,
-    num_parts,
     stride_xm,
     stride_wn,
     stride_ym,
@@ -360,14 +308,9 @@ def _skinny_matmul_kernel(
     PRECISION: tl.constexpr,
     GATED: tl.constexpr,
     FP8: tl.constexpr,
-    AMAX_CHUNK: tl.constexpr,
-    AMAX_OUT: tl.constexpr,
     SWAP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """FP8: `XScale` holds x's per-row scales, or with `AMAX_CHUNK` its rows' amax parts
-    `[M, num_parts]` (x then 16-bit, quantized here). `AMAX_OUT`: each tile's per-row amax of
-    the values it writes to `AmaxOut` `[M, tiles]`."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -390,20 +333,9 @@ def _skinny_matmul_kernel(
         PRECISION,
         SWAP,
         USE_PDL,
-        XScale,
-        num_parts,
-        AMAX_CHUNK,
     )
-    x_scale = tl.zeros((BLOCK_M,), tl.float32)
-    if AMAX_CHUNK > 0:
-        x_scale = row_scales(XScale, offs_m, M, num_parts, BLOCK_M, AMAX_CHUNK)
-    elif FP8:
-        x_scale = tl.load(XScale + offs_m, mask=offs_m < M, other=0.0)
-    last = True
-    if SPLIT_K > 1:
-        last, acc = merge_slices(acc, Partials, Arrivals, pid_n, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
-    if last:  # the tile's whole sum (the last slice to arrive, with split-K): write it
-        y = write_tile(
+    if SPLIT_K == 1:
+        write_tile(
             Y,
             B,
             Scale,
@@ -418,12 +350,30 @@ def _skinny_matmul_kernel(
             GATED,
             BLOCK_M,
             BLOCK_N,
-            x_scale,
+            XScale,
             FP8,
         )
-        if AMAX_OUT:
-            amax = tl.max(tl.abs(y), axis=1)
-            tl.store(AmaxOut + offs_m * tl.num_programs(0) + pid_n, amax, mask=offs_m < M)
+    else:
+        last, total = merge_slices(acc, Partials, Arrivals, pid_n, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:  # the last slice of this tile: write the sum
+            write_tile(
+                Y,
+                B,
+                Scale,
+                total,
+                offs_m,
+                offs_n,
+                pid_n,
+                M,
+                N,
+                stride_ym,
+                HAS_BIAS,
+                GATED,
+                BLOCK_M,
+                BLOCK_N,
+                XScale,
+                FP8,
+            )
 
 
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -459,15 +409,11 @@ def skinny_matmul(
     out: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
-    x_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]` (unit column stride; any row stride), `weight`
     `[N, K]` contiguous; FP8: `weight` e4m3 with `weight_scale` (float32 `[N]`: the weight is
     `weight * weight_scale`) and `x` e4m3 with `x_scale` (float32, one per row), given together,
-    and `out_dtype` then required; or, for FP8 weights, `x` 16-bit with `x_amax` (float32 `[M,
-    P]`: its rows' amax in parts, as `skinny_matmul_amax` writes them), quantized per token here
-    as `quantize_activation` would (the same numbers as that launch, then this one with its
-    `x_scale`);
+    and `out_dtype` then required;
     a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums are rounded to it once,
     e.g. float32 logits unrounded). `config` overrides `matmul_config(N, K, fp8)`; a split-K config
     takes at most its `block_m` (<= 16) rows. `gated_silu`: `weight` is `[gate; up]` (N even)
@@ -475,61 +421,15 @@ def skinny_matmul(
     `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype; FP8: `out_dtype`). `out`: a
     contiguous tensor of the result's shape and dtype to write (and return) instead of a new one
     (e.g. a buffer that outlives a CUDA graph's private pool)."""
-    y, _ = _skinny_matmul(
-        x, weight, bias, config, gated_silu, out_dtype, out, weight_scale, x_scale, x_amax, False
-    )
-    return y
-
-
-def skinny_matmul_amax(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    gated_silu: bool = False,
-    out_dtype: torch.dtype | None = None,
-    weight_scale: torch.Tensor | None = None,
-    x_scale: torch.Tensor | None = None,
-    amax: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`skinny_matmul` and (with `amax`, else None) its result's per-row amax in parts: float32
-    `[M, tiles]`, each the largest magnitude among one column tile's values as written (so
-    their max is the row's), for a matmul that takes the result with `x_amax`: the per-token
-    FP8 quantization between the two without a launch of its own, nor a pass over the row."""
-    return _skinny_matmul(
-        x, weight, bias, None, gated_silu, out_dtype, None, weight_scale, x_scale, None, amax
-    )
-
-
-def _skinny_matmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: MatmulConfig | None,
-    gated_silu: bool,
-    out_dtype: torch.dtype | None,
-    out: torch.Tensor | None,
-    weight_scale: torch.Tensor | None,
-    x_scale: torch.Tensor | None,
-    x_amax: torch.Tensor | None,
-    amax_out: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = weight.shape
     fp8 = weight_scale is not None
-    if fp8 != (x_scale is not None or x_amax is not None) or (fp8 and out_dtype is None):
-        raise ValueError("FP8 takes weight_scale, x_scale (or x_amax) and out_dtype together")
-    if x_scale is not None and x_amax is not None:
-        raise ValueError("x comes with its scales (x_scale) or its amax parts (x_amax), not both")
+    if fp8 != (x_scale is not None) or (fp8 and out_dtype is None):
+        raise ValueError("FP8 takes weight_scale, x_scale and out_dtype together")
     out_dtype = out_dtype or x.dtype
     x2 = as_rows(x, k)
     m = x2.shape[0]
     if x_scale is not None and x_scale.numel() != m:
         raise ValueError(f"x_scale holds one scale per row: {m}, not {x_scale.numel()}")
-    if x_amax is not None and (
-        x_amax.dim() != 2 or x_amax.shape[0] != m or not x_amax.is_contiguous()
-    ):
-        raise ValueError(f"x_amax must be contiguous [{m}, parts], not {list(x_amax.shape)}")
-    if x_amax is not None and x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"x quantized by its amax parts is bf16 or fp16, not {x.dtype}")
     if config is not None:
         cfg = config
     elif fp8 and m > MAX_ROWS:
@@ -555,30 +455,25 @@ def _skinny_matmul(
         )
     y = out if out is not None else torch.empty(shape, dtype=out_dtype, device=x.device)
     tiles = triton.cdiv(width, cfg.block_n // 2) if gated_silu else triton.cdiv(n, cfg.block_n)
-    amax = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if amax_out else None
     if cfg.split_k > 1 and (
         tiles > _MAX_SPLIT_TILES
         or tiles * cfg.split_k * cfg.block_m * cfg.block_n > _PARTIAL_FLOATS
     ):
         raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
     partials, arrivals = split_k_workspace(x.device) if cfg.split_k > 1 else (y, y)  # y: unused
-    x_scales = x_scale if x_amax is None else x_amax
-    parts = 0 if x_amax is None else x_amax.shape[1]
     if m:
         _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, cfg.block_m))](
             x2,
             weight,
             weight if bias is None else bias,
             weight if weight_scale is None else weight_scale,
-            weight if x_scales is None else x_scales,
+            weight if x_scale is None else x_scale,
             y,
-            y if amax is None else amax,
             partials,
             arrivals,
             m,
             n,
             k,
-            parts,
             x2.stride(0),
             weight.stride(0),
             width,
@@ -588,8 +483,6 @@ def _skinny_matmul(
             PRECISION=dot_precision(x.dtype),
             GATED=gated_silu,
             FP8=fp8,
-            AMAX_CHUNK=min(triton.next_power_of_2(parts), AMAX_CHUNK) if parts else 0,
-            AMAX_OUT=amax_out,
             **cfg.launch(),
         )
-    return y, amax
+    return y

@@ -85,9 +85,6 @@ def _router_kernel(
         PRECISION,
         SWAP,
         USE_PDL,
-        X,
-        0,
-        0,
     )
     last = True
     if SPLIT_K > 1:

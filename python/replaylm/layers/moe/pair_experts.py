@@ -71,9 +71,6 @@ def _pair_product(
         PRECISION,
         SWAP,
         False,
-        X,
-        0,
-        0,
     )
 
 
@@ -138,7 +135,7 @@ def _pair_gate_up_kernel(
         True,
         BLOCK_M,
         BLOCK_N,
-        tl.zeros((BLOCK_M,), tl.float32),
+        row,
         False,
     )
 

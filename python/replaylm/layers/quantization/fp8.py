@@ -40,19 +40,8 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype
 
 
-class AmaxRows(NamedTuple):
-    """An activation in its 16-bit dtype with its rows' amax in parts, written by the skinny
-    matmul that made it (`skinny_matmul_amax`: a row's column tiles come from different
-    programs, none of which sees the row whole): `values` `[T, K]`, float32 `amax` `[T, P]`,
-    whose max over P is a row's amax. The per-channel FP8 skinny matmul that reads it quantizes
-    it per token as it loads it, as `quantize_activation` would."""
-
-    values: torch.Tensor
-    amax: torch.Tensor
-
-
-# what an FP8 linear takes: an activation, one quantized ahead of it, or one with its amax
-Activation = torch.Tensor | QuantizedRows | AmaxRows
+# what an FP8 linear takes: an activation, or one quantized ahead of it
+Activation = torch.Tensor | QuantizedRows
 
 
 class TakesQuantizedRows(Protocol):

@@ -5,7 +5,9 @@ the SiluAndMul that makes the activation) and the block-scaled GEMM.
 group of columns (per token: the whole row as one group), its amax over 448 as the scale (the
 least amax MIN_AMAX), the values divided by it and saturated to +-448, then rounded to e4m3; or
 it takes the layer's static scale (the largest of its input scales, read in the kernel). The
-same numbers bit for bit (`kernels.e4m3`).
+same numbers bit for bit: correctly rounded divisions (the torch code's on the CPU; CUDA's torch
+multiplies by 1/448 instead) and round-to-nearest-even onto e4m3's grid done in float32 (Triton's
+interpreter rounds the float32 -> e4m3 cast wrongly), so the cast itself is exact.
 
 `block_fp8_matmul` is the GEMM of 128x128 block-scaled checkpoints (DeepSeek-V3, Qwen3-*-FP8):
 `y[m, n] = sum over k blocks b of (x_q[m, b] . w_q[n, b]) * x_scale[m, b] * w_scale[n // bn, b]`.
@@ -27,16 +29,53 @@ import triton
 import triton.language as tl
 
 from replaylm.layers.kernels import as_rows, pdl_launch
-from replaylm.layers.kernels.e4m3 import amax_scale, scaled_e4m3, token_scale
 from replaylm.layers.kernels.pdl import wait_for_producers
 from replaylm.layers.kernels.rmsnorm import norm_rows
 from replaylm.layers.kernels.silu_mul import silu_mul_columns
-from replaylm.layers.quantization.fp8 import FP8_DTYPE, Block, QuantizedRows
+from replaylm.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, Block, QuantizedRows
 
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
+# float32 exponent fields: e4m3's least normal binade (2^-6; below it the spacing stays 2^-9),
+# and how far above a binade a float32's spacing is e4m3's in it (23 - 3 mantissa bits)
+_MIN_NORMAL_FIELD = tl.constexpr(121 << 23)
+_SPACING_SHIFT = tl.constexpr(20 << 23)
 # decode: column tiles as wide as still give the GPU this many programs
 _MIN_TILES = 128
 # SiluAndMul's quantization holds at most this many columns of a row at once
 SILU_QUANT_CHUNK = 16384
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """`y` (float32, |y| <= 448) rounded to the nearest e4m3 value, ties to even, still float32:
+    adding and subtracting 2^(e + 20), whose float32 spacing is e4m3's in y's binade 2^e,
+    rounds at that spacing. The sign is put back by its bit (-0 stays -0)."""
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    binade = tl.maximum(magnitude & 0x7F800000, _MIN_NORMAL_FIELD)
+    magic = (binade + _SPACING_SHIFT).to(tl.float32, bitcast=True)
+    rounded = (magnitude.to(tl.float32, bitcast=True) + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | (bits ^ magnitude)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _amax_scale(amax):
+    """The scale of values whose largest magnitude is `amax`: amax over 448, the amax at least
+    MIN_AMAX, correctly rounded."""
+    return tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)
+
+
+@triton.jit
+def _token_scale(x):
+    """The per-token (or per-group) scale of `x` (float32, any shape: one token's values)."""
+    return _amax_scale(tl.max(tl.abs(x)))
+
+
+@triton.jit
+def _scaled_e4m3(x, scale):
+    """`x / scale` saturated to +-448 and rounded onto e4m3's grid (still float32)."""
+    return _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -_FP8_MAX, _FP8_MAX))
 
 
 def _quantized_buffers(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -74,8 +113,8 @@ def _quantize_kernel(
         scales = tl.load(Static + which, mask=which < num_static, other=float("-inf"))
         scale = tl.max(scales.to(tl.float32), axis=0)
     else:
-        scale = token_scale(x)
-    tl.store(Q + row * n_cols + cols, scaled_e4m3(x, scale).to(Q.dtype.element_ty), mask=mask)
+        scale = _token_scale(x)
+    tl.store(Q + row * n_cols + cols, _scaled_e4m3(x, scale).to(Q.dtype.element_ty), mask=mask)
     tl.store(Scale + row * tl.num_programs(1) + g, scale)
 
 
@@ -139,8 +178,8 @@ def _rms_norm_quantize_kernel(
         X, R, W, ResOut, n_rows, n_cols, stride_x, stride_r, eps, HAS_RESIDUAL, 1, BLOCK_D
     )
     y = y.to(X.dtype.element_ty).to(tl.float32)
-    scale = token_scale(y)
-    tl.store(Q + rows * n_cols + cols, scaled_e4m3(y, scale).to(Q.dtype.element_ty), mask=mask)
+    scale = _token_scale(y)
+    tl.store(Q + rows * n_cols + cols, _scaled_e4m3(y, scale).to(Q.dtype.element_ty), mask=mask)
     tl.store(Scale + rows, scale)
 
 
@@ -193,20 +232,20 @@ def _silu_mul_quantize_kernel(
     if CHUNKS == 1:
         mask = offs < width
         y = silu_mul_columns(X, row, offs, mask, width, stride_x).to(tl.float32)
-        scale = token_scale(y)
-        tl.store(Q + row * width + offs, scaled_e4m3(y, scale).to(Q.dtype.element_ty), mask=mask)
+        scale = _token_scale(y)
+        tl.store(Q + row * width + offs, _scaled_e4m3(y, scale).to(Q.dtype.element_ty), mask=mask)
     else:
         amax = tl.max(tl.zeros((CHUNK,), tl.float32), axis=0)
         for c in range(CHUNKS):
             cols = c * CHUNK + offs
             y = silu_mul_columns(X, row, cols, cols < width, width, stride_x).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(y), axis=0))
-        scale = amax_scale(amax)
+        scale = _amax_scale(amax)
         for c in range(CHUNKS):
             cols = c * CHUNK + offs
             mask = cols < width
             y = silu_mul_columns(X, row, cols, mask, width, stride_x).to(tl.float32)
-            q = scaled_e4m3(y, scale).to(Q.dtype.element_ty)
+            q = _scaled_e4m3(y, scale).to(Q.dtype.element_ty)
             tl.store(Q + row * width + cols, q, mask=mask)
     tl.store(Scale + row, scale)
 

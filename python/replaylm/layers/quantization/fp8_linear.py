@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from replaylm.layers import kernels
 from replaylm.layers.quantization.fp8 import (
     Activation,
-    AmaxRows,
     Block,
     QuantizedRows,
     dequantize_activation,
@@ -56,16 +55,6 @@ def fp8_linear(
     the block-scaled Triton GEMM; the CPU: the emulation (the module docstring's). `x` may come
     quantized already (`QuantizedRows`, per token, made on the kernels' device for a per-channel
     layer with dynamic scales): the GPU matmul then takes it as it is."""
-    if isinstance(x, AmaxRows):
-        if block_size is None and input_scale is None and _skinny_rows(x.values):
-            from replaylm.layers.kernels.skinny_matmul import skinny_matmul
-
-            out_dtype = out_dtype or x.values.dtype
-            y = skinny_matmul(
-                x.values, weight, out_dtype=out_dtype, weight_scale=weight_scale, x_amax=x.amax
-            )
-            return y if bias is None else y + bias
-        x = x.values  # quantized as any input: the same numbers
     out_dtype = out_dtype or x.dtype
     if isinstance(x, QuantizedRows):
         y = _channel_mm(x.q, x.scale, weight, weight_scale, out_dtype)
@@ -84,12 +73,13 @@ def takes_skinny(x: Activation, block_size: Block | None) -> bool:
     """Whether `fp8_linear` runs `x` in the skinny kernel: per-channel scales, at most
     SKINNY_ROWS rows, on the kernels' device, outside torch.compile's tracing (checked before
     the rows: a traced row count cannot be compared)."""
-    return block_size is None and not torch.compiler.is_compiling() and _skinny_rows(_values(x))
-
-
-def _skinny_rows(rows: torch.Tensor) -> bool:
-    """Whether `rows` `[..., K]` are few enough for the skinny kernel, on its device."""
-    return kernels.use_triton_kernels(rows) and rows.numel() <= SKINNY_ROWS * rows.shape[-1]
+    rows = _values(x)
+    return (
+        block_size is None
+        and not torch.compiler.is_compiling()
+        and kernels.use_triton_kernels(rows)
+        and rows.numel() <= SKINNY_ROWS * rows.shape[-1]
+    )
 
 
 def gated_fp8_linear(
@@ -98,15 +88,12 @@ def gated_fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
-    with_amax: bool = False,
-) -> Activation:
+) -> torch.Tensor:
     """SiluAndMul of `fp8_linear(x, weight, weight_scale, None, bias, input_scale=input_scale)`
     for a `[gate; up]` per-channel weight, the input quantized (unless it comes quantized) and
     then one skinny launch (SiluAndMul in its epilogue), where `takes_skinny`: the MLP's gate-up
-    and activation with no intermediate tensor and one launch less. `with_amax`: as `AmaxRows`,
-    for an FP8 matmul that quantizes it as it loads it (the down projection's quantization
-    launch saved)."""
-    from replaylm.layers.kernels.skinny_matmul import skinny_matmul_amax
+    and activation with no intermediate tensor and one launch less."""
+    from replaylm.layers.kernels.skinny_matmul import skinny_matmul
 
     rows = _values(x)
     q = (
@@ -114,7 +101,7 @@ def gated_fp8_linear(
         if isinstance(x, QuantizedRows)
         else _quantized(rows.reshape(-1, rows.shape[-1]), input_scale)
     )
-    y, amax = skinny_matmul_amax(
+    y = skinny_matmul(
         q.q,
         weight,
         bias,
@@ -122,17 +109,13 @@ def gated_fp8_linear(
         out_dtype=q.dtype,
         weight_scale=weight_scale,
         x_scale=q.scale,
-        amax=with_amax,
     )
-    y = y.reshape(*rows.shape[:-1], -1)
-    return y if amax is None else AmaxRows(y, amax)
+    return y.reshape(*rows.shape[:-1], -1)
 
 
 def _values(x: Activation) -> torch.Tensor:
     """The tensor of an activation's values (a quantized one's e4m3 values)."""
-    if isinstance(x, QuantizedRows):
-        return x.q
-    return x.values if isinstance(x, AmaxRows) else x
+    return x.q if isinstance(x, QuantizedRows) else x
 
 
 def _quantized(rows: torch.Tensor, input_scale: torch.Tensor | None) -> QuantizedRows:
