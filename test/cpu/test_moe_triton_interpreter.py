@@ -18,13 +18,16 @@ from triton_interpreter import require_triton_interpreter, scalar_loop_bounds
 
 require_triton_interpreter()
 
+from replaylm.distributed.parallel_state import TPPlace  # noqa: E402
 from replaylm.layers import kernels  # noqa: E402
 from replaylm.layers.kernels import native_only  # noqa: E402
+from replaylm.layers.kernels.rmsnorm import rms_norm, rms_norm_of_expert_sum  # noqa: E402
 from replaylm.layers.kernels.skinny_matmul import (  # noqa: E402
     MatmulConfig,
     skinny_matmul,
     split_k_workspace,
 )
+from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import Linear  # noqa: E402
 from replaylm.layers.moe import fused_router as fused_router_module  # noqa: E402
 from replaylm.layers.moe import fused_routing  # noqa: E402
@@ -33,8 +36,10 @@ from replaylm.layers.moe.block_configs import MoeBlockConfig  # noqa: E402
 from replaylm.layers.moe.experts import fused_experts  # noqa: E402
 from replaylm.layers.moe.fused_router import fused_router  # noqa: E402
 from replaylm.layers.moe.fused_routing import fused_route  # noqa: E402
+from replaylm.layers.moe.layer import FusedMoE, SparseMoeBlock  # noqa: E402
 from replaylm.layers.moe.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
 from replaylm.layers.moe.pair_experts import pair_experts  # noqa: E402
+from replaylm.layers.moe.routed_rows import RoutedRows  # noqa: E402
 from replaylm.layers.moe.routing import (  # noqa: E402
     LiveTokens,
     count_routed_tokens,
@@ -370,3 +375,45 @@ def test_route_hidden_fuses_the_router_at_decode_rows(monkeypatch):
         assert torch.equal(fused[1], native[1]) and torch.equal(counts[0], counts[1])
         torch.testing.assert_close(fused[0], native[0], rtol=1e-6, atol=1e-7)
     assert calls == [3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_norm_after_the_experts_takes_their_weighted_sum_into_its_launch(dtype):
+    """The sorted route's rows before their weighted sum (`defer_sum`, other ranks' slots among
+    them): summed alone they are the route's summed output, and the residual-add RMSNorm that
+    sums them in its own launch gives the sum's launch then the norm's, bit for bit (output and
+    new residual)."""
+    weights, ids = _routing(5, 2, 4, seed=61, foreign=3)
+    w13, w2 = _weights(4, 32, 16, dtype, seed=62)
+    x = _hidden(5, 32, dtype, seed=63)
+    routed = triton_experts(x, w13, w2, weights, ids, defer_sum=True)
+    assert isinstance(routed, RoutedRows) and routed.rows.shape == (5 * 2, 32)
+    summed = routed.summed()
+    assert torch.equal(summed, triton_experts(x, w13, w2, weights, ids))
+    norm_weight = (torch.rand(32, generator=torch.Generator().manual_seed(64)) + 0.5).to(dtype)
+    residual = _hidden(5, 32, dtype, seed=65)
+    out, new_residual = rms_norm_of_expert_sum(*routed, norm_weight, 1e-6, residual)
+    want_out, want_residual = rms_norm(summed, norm_weight, 1e-6, residual)
+    assert torch.equal(out, want_out) and torch.equal(new_residual, want_residual)
+
+
+def test_a_moe_block_hands_the_next_norm_its_rows(monkeypatch):
+    """On the kernels' device a MoE block's sorted route hands its rows unsummed to the RMSNorm
+    after it, which gives the summed rows' numbers with a residual, and sums them first without
+    one; at pair-route token counts the block's output comes summed."""
+    monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
+    block = SparseMoeBlock(32, FusedMoE(4, 32, 16, 2, True, TPPlace()))
+    with torch.no_grad():
+        for param, seed in zip(block.parameters(), range(70, 80), strict=False):
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
+    norm = RMSNorm(32)
+    norm.weight.data.copy_(torch.rand(32, generator=torch.Generator().manual_seed(81)) + 0.5)
+    x, residual = _hidden(5, 32, torch.float32, seed=82), _hidden(5, 32, torch.float32, seed=83)
+    with torch.no_grad():
+        routed = block(x)
+        assert isinstance(routed, RoutedRows)
+        got = norm(routed, residual)
+        want = norm(routed.summed(), residual)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(norm(routed), norm(routed.summed()))
+        assert isinstance(block(x[:1]), torch.Tensor)

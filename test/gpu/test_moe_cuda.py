@@ -16,6 +16,9 @@ import torch
 
 from replaylm.cuda_graph_modes import DISABLED
 from replaylm.entrypoints.engine import Engine
+from replaylm.layers.kernels.rmsnorm import rms_norm, rms_norm_of_expert_sum
+from replaylm.layers.moe.pair_experts import PAIR_TOKENS
+from replaylm.layers.moe.routed_rows import RoutedRows
 from replaylm.layers.moe.routing import select_experts
 from replaylm.layers.moe.torch_experts import torch_experts
 from replaylm.layers.moe.triton_experts import triton_experts
@@ -72,7 +75,8 @@ def test_every_cell_at_qwen3_30b_a3bs_shape(dummy_qwen3_30b_a3b, dummy_eager, ce
 @pytest.mark.parametrize("tokens", [1, 2, 8, 64, 300, 4096])
 def test_fused_kernels_equal_the_torch_path_at_qwen3_30b_a3bs_shape(tokens):
     """One Qwen3-30B-A3B MoE layer (128 experts of 768 columns, top 8, hidden 2048): the pair
-    route at 1 and 2 tokens, the sorted one above."""
+    route at 1 and 2 tokens, the sorted one above; there its rows before the weighted sum, summed
+    in the residual-add RMSNorm's launch, give the summed output's norm bit for bit."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     experts, hidden, inter = 128, 2048, 768
 
@@ -82,6 +86,14 @@ def test_fused_kernels_equal_the_torch_path_at_qwen3_30b_a3bs_shape(tokens):
     x = rand(tokens, hidden, scale=1.0)
     w13, w2 = rand(experts, 2 * inter, hidden, scale=0.02), rand(experts, hidden, inter, scale=0.02)
     weights, ids = select_experts(rand(tokens, experts, scale=1.0).float(), 8, True)
-    ours = triton_experts(x, w13, w2, weights, ids).float()
+    ours = triton_experts(x, w13, w2, weights, ids)
     ref = torch_experts(x, w13, w2, weights, ids).float()
-    assert (ours - ref).norm() / ref.norm() < 1e-2
+    assert isinstance(ours, torch.Tensor)
+    assert (ours.float() - ref).norm() / ref.norm() < 1e-2
+    if tokens > PAIR_TOKENS:  # the sorted route's rows, summed by the norm after the layer
+        routed = triton_experts(x, w13, w2, weights, ids, defer_sum=True)
+        assert isinstance(routed, RoutedRows) and torch.equal(routed.summed(), ours)
+        norm_weight, residual = rand(hidden, scale=1.0), rand(tokens, hidden, scale=1.0)
+        got = rms_norm_of_expert_sum(*routed, norm_weight, 1e-6, residual)
+        want = rms_norm(ours, norm_weight, 1e-6, residual)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -9,6 +9,7 @@ from torch import nn
 
 from replaylm.distributed.communication import all_reduce, one_shot_peer
 from replaylm.layers.kernels import use_triton_kernels
+from replaylm.layers.moe.routed_rows import RoutedRows
 from replaylm.layers.quantization.fp8 import Activation, QuantizesFor
 
 
@@ -25,6 +26,10 @@ class RMSNorm(nn.Module, QuantizesFor):
 
     `quantizes_for(layer)`: on the Triton route (outside torch.compile) the output comes
     quantized per token, from the same launch, whenever `layer` takes it so.
+
+    `x` may be a mixture of experts' rows before their weighted sum (`RoutedRows`): with a
+    residual, no sum over ranks and no quantization, the sum runs in the norm's launch
+    (`rms_norm_of_expert_sum`); otherwise they are summed first.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -34,8 +39,15 @@ class RMSNorm(nn.Module, QuantizesFor):
         self.sum_site: int | None = None
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | RoutedRows, residual: torch.Tensor | None = None
     ) -> Activation | tuple[Activation, torch.Tensor]:
+        if isinstance(x, RoutedRows):  # a mixture of experts' rows, not yet summed
+            if residual is not None and self.sum_site is None and not self.quantizes():
+                # imported here: RoutedRows come from the Triton route alone
+                from replaylm.layers.kernels.rmsnorm import rms_norm_of_expert_sum
+
+                return rms_norm_of_expert_sum(*x, self.weight, self.eps, residual)
+            x = x.summed()
         if self.sum_site is not None:
             assert residual is not None  # every sum of partials is followed by a residual add
             peer = one_shot_peer(x, residual)

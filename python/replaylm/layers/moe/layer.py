@@ -34,6 +34,7 @@ from replaylm.distributed.parallel_state import TPPlace
 from replaylm.distributed.sharding import Shard
 from replaylm.layers.linear import Linear
 from replaylm.layers.moe.experts import fused_experts
+from replaylm.layers.moe.routed_rows import RoutedRows
 from replaylm.layers.moe.routing import LiveTokens, route, route_hidden
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales
 from replaylm.layers.quantization.config import Fp8Config
@@ -163,11 +164,15 @@ class FusedMoE(nn.Module):
             self.live,
             self.local_experts.start,
         )
-        return self._experts(hidden, weights, ids)
+        out = self._experts(hidden, weights, ids)
+        assert isinstance(out, torch.Tensor)  # summed: no defer_sum
+        return out
 
-    def forward_with_router(self, hidden: torch.Tensor, router: Linear) -> torch.Tensor:
+    def forward_with_router(
+        self, hidden: torch.Tensor, router: Linear, defer_sum: bool = False
+    ) -> torch.Tensor | RoutedRows:
         """`forward(hidden, router(hidden))`, the router's matmul taken into the routing's launch
-        where `route_hidden` can."""
+        where `route_hidden` can; `defer_sum`: `fused_experts`'."""
         weights, ids = route_hidden(
             hidden,
             router,
@@ -177,12 +182,18 @@ class FusedMoE(nn.Module):
             self.live,
             self.local_experts.start,
         )
-        return self._experts(hidden, weights, ids)
+        return self._experts(hidden, weights, ids, defer_sum)
 
     def _experts(
-        self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, self._fp8())
+        self,
+        hidden: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        defer_sum: bool = False,
+    ) -> torch.Tensor | RoutedRows:
+        return fused_experts(
+            hidden, self.w13_weight, self.w2_weight, weights, ids, self._fp8(), defer_sum
+        )
 
     def _fp8(self) -> Fp8ExpertScales | None:
         if self.quant is None:
@@ -295,15 +306,17 @@ def _projections(name: str) -> tuple[str, ...]:
 
 class SparseMoeBlock(nn.Module):
     """Qwen3-MoE's and Mixtral's MLP: the router `gate` (whole on every rank: it reads the
-    whole hidden states) and the `experts` it routes each token to."""
+    whole hidden states) and the `experts` it routes each token to. On the fused kernels'
+    sorted route the output comes before its weighted sum (`RoutedRows`), which the residual-add
+    RMSNorm after the layer takes into its own launch."""
 
     def __init__(self, hidden_size: int, experts: FusedMoE) -> None:
         super().__init__()
         self.gate = Linear(hidden_size, experts.num_experts)
         self.experts = experts
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts.forward_with_router(hidden, self.gate)
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | RoutedRows:
+        return self.experts.forward_with_router(hidden, self.gate, defer_sum=True)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -318,4 +331,6 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return super().forward(hidden) + shared
+        routed = self.experts.forward_with_router(hidden, self.gate)
+        assert isinstance(routed, torch.Tensor)  # summed: no defer_sum
+        return routed + shared

@@ -43,6 +43,7 @@ from replaylm.layers.moe.block_configs import (
 )
 from replaylm.layers.moe.moe_align import moe_align_block_size
 from replaylm.layers.moe.pair_experts import PAIR_TOKENS, pair_experts
+from replaylm.layers.moe.routed_rows import RoutedRows
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales
 from replaylm.layers.quantization.fp8 import FP8_DTYPE, Block, quantize_activation
 from replaylm.layers.quantization.layout import scale_shape
@@ -361,18 +362,20 @@ def triton_experts(
     topk_ids: torch.Tensor,
     fp8: Fp8ExpertScales | None = None,
     config: MoeBlockConfig | None = None,
-) -> torch.Tensor:
+    defer_sum: bool = False,
+) -> torch.Tensor | RoutedRows:
     """`torch_experts`'s contract (an id outside 0..E-1 adds nothing; `fp8`: the scales of e4m3
     weights, run w8a8) in four to six launches, plus each GEMM's input quantization with FP8, and no
     host sync; up to `PAIR_TOKENS` tokens of non-FP8 experts in two (`pair_experts`, unsorted).
     `config` overrides `moe_block_config`'s choice for this shape and token count and takes the
-    sorted route (with block scales its BLOCK_K must divide the blocks' columns: ValueError)."""
+    sorted route (with block scales its BLOCK_K must divide the blocks' columns: ValueError).
+    `defer_sum`: the sorted route returns its rows before the weighted sum (`RoutedRows`), one
+    launch less, for a reader that sums them itself."""
     _check(hidden, w13, w2, topk_ids, fp8)
     tokens, width = hidden.shape
     num_experts, intermediate, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
-    out = torch.empty((tokens, width), dtype=hidden.dtype, device=hidden.device)
     if tokens == 0:
-        return out
+        return hidden.new_empty((0, width))
     if config is None and fp8 is None and 0 < config_tokens(tokens) <= PAIR_TOKENS:
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
@@ -393,14 +396,23 @@ def triton_experts(
     down = hidden.new_empty((tokens * top_k, width))
     a, scales = _quantized(act, fp8, first=False)
     _grouped_gemm(a, w2, down, routing, 1, False, config, scales)
-    weights = topk_weights.to(torch.float32).contiguous()
+    routed = RoutedRows(down, topk_weights.to(torch.float32).contiguous(), ids, num_experts)
+    return routed if defer_sum else weighted_sum(routed)
+
+
+def weighted_sum(routed: RoutedRows) -> torch.Tensor:
+    """The tokens' outputs `[T, H]` of `routed`: each one's expert rows weighted and summed in
+    float32, rounded once to the rows' dtype."""
+    tokens, top_k = routed.ids.shape
+    width = routed.rows.shape[1]
+    out = routed.rows.new_empty((tokens, width))
     _weighted_sum_kernel[(tokens, triton.cdiv(width, _SUM_BLOCK))](
-        down,
-        weights,
-        ids,
+        routed.rows,
+        routed.weights,
+        routed.ids,
         out,
         width,
-        num_experts,
+        routed.num_experts,
         TOP_K=top_k,
         BLOCK=_SUM_BLOCK,
         num_warps=4,
@@ -453,7 +465,9 @@ def _fused_experts_op(
     block_size: list[int] | None = None,
 ) -> torch.Tensor:
     fp8 = _op_fp8(w13_scale, w2_scale, w13_input_scale, w2_input_scale, block_size)
-    return triton_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)
+    out = triton_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)
+    assert isinstance(out, torch.Tensor)  # summed: no defer_sum
+    return out
 
 
 @_fused_experts_op.register_fake
@@ -479,12 +493,13 @@ def triton_fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     fp8: Fp8ExpertScales | None = None,
-) -> torch.Tensor:
-    """`triton_experts` with its own config choice: a direct call when run eagerly, the custom
-    op `replaylm::fused_experts` (`fp8`'s scales as its trailing arguments) when torch.compile
-    traces it."""
+    defer_sum: bool = False,
+) -> torch.Tensor | RoutedRows:
+    """`triton_experts` with its own config choice: a direct call when run eagerly (`defer_sum`
+    as its), the custom op `replaylm::fused_experts` (`fp8`'s scales as its trailing arguments,
+    the sum taken) when torch.compile traces it."""
     if not torch.compiler.is_compiling():
-        return triton_experts(hidden, w13, w2, topk_weights, topk_ids, fp8)
+        return triton_experts(hidden, w13, w2, topk_weights, topk_ids, fp8, defer_sum=defer_sum)
     return torch.ops.replaylm.fused_experts(
         hidden, w13, w2, topk_weights, topk_ids, *_op_fp8_args(fp8)
     )

@@ -175,7 +175,22 @@ def _rms_norm_quantize_kernel(
     is, then quantized per token as `_quantize_kernel` quantizes it: e4m3 to Q, scale to Scale."""
     wait_for_producers(USE_PDL)
     y, rows, cols, mask = norm_rows(
-        X, R, W, ResOut, n_rows, n_cols, stride_x, stride_r, eps, HAS_RESIDUAL, 1, BLOCK_D
+        X,
+        R,
+        W,
+        ResOut,
+        n_rows,
+        n_cols,
+        stride_x,
+        stride_r,
+        eps,
+        HAS_RESIDUAL,
+        1,
+        BLOCK_D,
+        X,
+        X,
+        0,
+        0,
     )
     y = y.to(X.dtype.element_ty).to(tl.float32)
     scale = _token_scale(y)
