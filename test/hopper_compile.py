@@ -127,6 +127,27 @@ def _quantize_cases() -> list[tuple[str, str, dict[str, Any]]]:
     return cases
 
 
+def _norm_cases() -> list[tuple[str, str, dict[str, Any]]]:
+    cases = []
+    for top_k in (0, 8):  # 8: a MoE layer's rows, summed in the norm's launch
+        norm = {
+            **dict(X="*bf16", R="*bf16", W="*bf16", Out="*bf16", ResOut="*bf16"),
+            **dict(ExpertWeights="*fp32", ExpertIds="*i32", eps="fp32"),
+            **dict.fromkeys(["n_rows", "n_cols", "stride_x", "stride_r", "num_experts"], "i32"),
+            **dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK_D=2048, TOP_K=top_k, USE_PDL=True),
+        }
+        label = f"rms norm top_k={top_k}"
+        cases.append(("replaylm.layers.kernels.rmsnorm._rms_norm_kernel", label, norm))
+    quantize = {
+        **dict(X="*bf16", R="*bf16", W="*bf16", Q="*fp8e4nv", Scale="*fp32", ResOut="*bf16"),
+        **dict.fromkeys(["n_rows", "n_cols", "stride_x", "stride_r"], "i32"),
+        **dict(eps="fp32", HAS_RESIDUAL=True, BLOCK_D=4096, USE_PDL=True),
+    }
+    module = "replaylm.layers.quantization.fp8_kernels"
+    cases.append((f"{module}._rms_norm_quantize_kernel", "rms norm quantize", quantize))
+    return cases
+
+
 def _attention_cases() -> list[tuple[str, str, dict[str, Any]]]:
     cases = []
     module = "replaylm.layers.attention.triton"
@@ -162,7 +183,7 @@ def _attention_cases() -> list[tuple[str, str, dict[str, Any]]]:
     return cases
 
 
-CASES = _skinny_cases() + _moe_cases() + _quantize_cases() + _attention_cases()
+CASES = _skinny_cases() + _moe_cases() + _quantize_cases() + _norm_cases() + _attention_cases()
 
 
 def compile_for_hopper(path: str, args: dict[str, Any]) -> None:
