@@ -49,6 +49,7 @@ from replaylm.layers.moe.routing import (  # noqa: E402
 )
 from replaylm.layers.moe.torch_experts import torch_experts  # noqa: E402
 from replaylm.layers.moe.triton_experts import triton_experts  # noqa: E402
+from replaylm.layers.moe.weighted_sum import weighted_sum  # noqa: E402
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
 DTYPES = [torch.float32, torch.float16]
@@ -388,7 +389,7 @@ def test_the_norm_after_the_experts_takes_their_weighted_sum_into_its_launch(dty
     x = _hidden(5, 32, dtype, seed=63)
     routed = triton_experts(x, w13, w2, weights, ids, defer_sum=True)
     assert isinstance(routed, RoutedRows) and routed.rows.shape == (5 * 2, 32)
-    summed = routed.summed()
+    summed = weighted_sum(routed)
     assert torch.equal(summed, triton_experts(x, w13, w2, weights, ids))
     norm_weight = (torch.rand(32, generator=torch.Generator().manual_seed(64)) + 0.5).to(dtype)
     residual = _hidden(5, 32, dtype, seed=65)
@@ -413,7 +414,7 @@ def test_a_moe_block_hands_the_next_norm_its_rows(monkeypatch):
         routed = block(x)
         assert isinstance(routed, RoutedRows)
         got = norm(routed, residual)
-        want = norm(routed.summed(), residual)
+        want = norm(weighted_sum(routed), residual)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        assert torch.equal(norm(routed), norm(routed.summed()))
+        assert torch.equal(norm(routed), norm(weighted_sum(routed)))
         assert isinstance(block(x[:1]), torch.Tensor)

@@ -22,6 +22,7 @@ from replaylm.layers.moe.routed_rows import RoutedRows
 from replaylm.layers.moe.routing import select_experts
 from replaylm.layers.moe.torch_experts import torch_experts
 from replaylm.layers.moe.triton_experts import triton_experts
+from replaylm.layers.moe.weighted_sum import weighted_sum
 
 from graph_cells import CELLS, assert_cell_matches_eager, cell_engine, greedy, random_prompts
 from tiny_checkpoints import TINY_MOE_CONFIGS, write_tiny_checkpoint
@@ -92,7 +93,7 @@ def test_fused_kernels_equal_the_torch_path_at_qwen3_30b_a3bs_shape(tokens):
     assert (ours.float() - ref).norm() / ref.norm() < 1e-2
     if tokens > PAIR_TOKENS:  # the sorted route's rows, summed by the norm after the layer
         routed = triton_experts(x, w13, w2, weights, ids, defer_sum=True)
-        assert isinstance(routed, RoutedRows) and torch.equal(routed.summed(), ours)
+        assert isinstance(routed, RoutedRows) and torch.equal(weighted_sum(routed), ours)
         norm_weight, residual = rand(hidden, scale=1.0), rand(tokens, hidden, scale=1.0)
         got = rms_norm_of_expert_sum(*routed, norm_weight, 1e-6, residual)
         want = rms_norm(ours, norm_weight, 1e-6, residual)

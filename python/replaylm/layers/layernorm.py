@@ -47,7 +47,9 @@ class RMSNorm(nn.Module, QuantizesFor):
                 from replaylm.layers.kernels.rmsnorm import rms_norm_of_expert_sum
 
                 return rms_norm_of_expert_sum(*x, self.weight, self.eps, residual)
-            x = x.summed()
+            from replaylm.layers.moe.weighted_sum import weighted_sum
+
+            x = weighted_sum(x)
         if self.sum_site is not None:
             assert residual is not None  # every sum of partials is followed by a residual add
             peer = one_shot_peer(x, residual)

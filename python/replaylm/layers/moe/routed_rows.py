@@ -13,16 +13,9 @@ class RoutedRows(NamedTuple):
     int32 (an id outside 0..num_experts-1 adds nothing; its row was never written). The fused
     kernels' sorted route hands these to the residual-add RMSNorm after the layer, which sums
     them in its own launch (the weighted sum's launch saved: docs/tuning.md, "MoE weighted sum
-    in the norm"); every other reader takes `summed()`."""
+    in the norm"); every other reader sums them first (`weighted_sum.weighted_sum`)."""
 
     rows: torch.Tensor
     weights: torch.Tensor
     ids: torch.Tensor
     num_experts: int
-
-    def summed(self) -> torch.Tensor:
-        """The tokens' outputs `[T, H]`: their expert rows' weighted sum, in one launch."""
-        # imported here: triton is optional, and RoutedRows come from its route alone
-        from replaylm.layers.moe.triton_experts import weighted_sum
-
-        return weighted_sum(self)

@@ -45,10 +45,9 @@ from replaylm.layers.moe.moe_align import moe_align_block_size
 from replaylm.layers.moe.pair_experts import PAIR_TOKENS, pair_experts
 from replaylm.layers.moe.routed_rows import RoutedRows
 from replaylm.layers.moe.torch_experts import Fp8ExpertScales
+from replaylm.layers.moe.weighted_sum import weighted_sum
 from replaylm.layers.quantization.fp8 import FP8_DTYPE, Block, quantize_activation
 from replaylm.layers.quantization.layout import scale_shape
-
-_SUM_BLOCK = 1024  # columns per program of the weighted sum
 
 
 @triton.jit
@@ -184,34 +183,6 @@ def _grouped_gemm_kernel(
     if FP8 and not GROUP_K:
         acc *= _outer_scales(a_scales, b_scales, live, rows_ok)
     _store_tile(C, acc, slots, live, pid_n, N, stride_cm, BLOCK_M, BLOCK_N, GATED)
-
-
-@triton.jit
-def _weighted_sum_kernel(
-    Y,
-    Weights,
-    Ids,
-    Out,
-    H,
-    num_experts,
-    TOP_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """Out[t] = sum over slots s of Weights[t, s] * Y[t * TOP_K + s] in float32, slots of
-    experts outside 0..num_experts-1 skipped (their rows of Y were never written)."""
-    wait_for_producers(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < H
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for s in tl.static_range(TOP_K):
-        pair = token * TOP_K + s
-        expert = tl.load(Ids + pair)
-        if (expert >= 0) & (expert < num_experts):
-            y = tl.load(Y + pair * H + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc += tl.load(Weights + pair) * y
-    tl.store(Out + token * H + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
 
 
 class _Fp8Scales(NamedTuple):
@@ -398,27 +369,6 @@ def triton_experts(
     _grouped_gemm(a, w2, down, routing, 1, False, config, scales)
     routed = RoutedRows(down, topk_weights.to(torch.float32).contiguous(), ids, num_experts)
     return routed if defer_sum else weighted_sum(routed)
-
-
-def weighted_sum(routed: RoutedRows) -> torch.Tensor:
-    """The tokens' outputs `[T, H]` of `routed`: each one's expert rows weighted and summed in
-    float32, rounded once to the rows' dtype."""
-    tokens, top_k = routed.ids.shape
-    width = routed.rows.shape[1]
-    out = routed.rows.new_empty((tokens, width))
-    _weighted_sum_kernel[(tokens, triton.cdiv(width, _SUM_BLOCK))](
-        routed.rows,
-        routed.weights,
-        routed.ids,
-        out,
-        width,
-        routed.num_experts,
-        TOP_K=top_k,
-        BLOCK=_SUM_BLOCK,
-        num_warps=4,
-        **pdl_launch(),
-    )
-    return out
 
 
 def _op_fp8_args(
