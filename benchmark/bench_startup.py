@@ -170,9 +170,10 @@ def timeline(
             rows.append(_row(doc["process"], stage["name"], stage["seconds"], stage["cpu_s"], end))
     if first_token_s is not None:
         ready = spawn + front["total_s"]
-        # the server's clock and the bench's agree to a tick: a token at once reads as 0, not -0.001
+        # the server's clock and the bench's agree to a tick: a token at once reads as 0, not
+        # -0.001, and ends with the server's last stage, not a tick before it
         first = max(first_token_s - ready, 0.0)
-        rows.append(_row(BENCH, "first token", first, None, first_token_s))
+        rows.append(_row(BENCH, "first token", first, None, ready + first))
     return sorted(rows, key=lambda r: r["end_s"])
 
 
