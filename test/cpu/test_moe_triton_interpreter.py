@@ -418,3 +418,31 @@ def test_a_moe_block_hands_the_next_norm_its_rows(monkeypatch):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(norm(routed), norm(weighted_sum(routed)))
         assert isinstance(block(x[:1]), torch.Tensor)
+
+
+def test_a_tiny_moe_model_on_the_kernels_matches_native(monkeypatch, tmp_path):
+    """A 2-layer Qwen3-MoE (8 experts, top 2), dummy float32 weights, through the kernels: a
+    prefill of 15 tokens and a decode step of 3 (both past the pair route) give the native
+    route's logits, each layer's rows summed by the norm after it (the next layer's input norm,
+    then the final norm) in its launch."""
+    from replaylm.layers.kernels import rmsnorm as norm_module
+
+    from model_parity import scripted_logits, tiny_dummy_runner
+
+    shape = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    runner = tiny_dummy_runner(tmp_path, "qwen3-30b-a3b.json", shape)
+    with native_only():
+        want = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
+    monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
+    calls: list[int] = []
+    fused = norm_module.rms_norm_of_expert_sum
+
+    def counted(*args, **kwargs):
+        calls.append(args[2].shape[0])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(norm_module, "rms_norm_of_expert_sum", counted)
+    got = scripted_logits(runner, prompt_lens=(5, 9, 1), decode_steps=1)
+    assert calls == [15, 15, 3, 3]  # per forward: layer 1's input norm and the final norm
+    for ours, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
