@@ -138,13 +138,15 @@ def _norm_cases() -> list[tuple[str, str, dict[str, Any]]]:
         }
         label = f"rms norm top_k={top_k}"
         cases.append(("replaylm.layers.kernels.rmsnorm._rms_norm_kernel", label, norm))
-    quantize = {
-        **dict(X="*bf16", R="*bf16", W="*bf16", Q="*fp8e4nv", Scale="*fp32", ResOut="*bf16"),
-        **dict.fromkeys(["n_rows", "n_cols", "stride_x", "stride_r"], "i32"),
-        **dict(eps="fp32", HAS_RESIDUAL=True, BLOCK_D=4096, USE_PDL=True),
-    }
-    module = "replaylm.layers.quantization.fp8_kernels"
-    cases.append((f"{module}._rms_norm_quantize_kernel", "rms norm quantize", quantize))
+        quantize = {
+            **dict(X="*bf16", R="*bf16", W="*bf16", Q="*fp8e4nv", Scale="*fp32", ResOut="*bf16"),
+            **dict(ExpertWeights="*fp32", ExpertIds="*i32", eps="fp32"),
+            **dict.fromkeys(["n_rows", "n_cols", "stride_x", "stride_r", "num_experts"], "i32"),
+            **dict(HAS_RESIDUAL=True, BLOCK_D=4096, TOP_K=top_k, USE_PDL=True),
+        }
+        module = "replaylm.layers.quantization.fp8_kernels"
+        label = f"rms norm quantize top_k={top_k}"
+        cases.append((f"{module}._rms_norm_quantize_kernel", label, quantize))
     return cases
 
 

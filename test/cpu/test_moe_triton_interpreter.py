@@ -50,6 +50,7 @@ from replaylm.layers.moe.routing import (  # noqa: E402
 from replaylm.layers.moe.torch_experts import torch_experts  # noqa: E402
 from replaylm.layers.moe.triton_experts import triton_experts  # noqa: E402
 from replaylm.layers.moe.weighted_sum import weighted_sum  # noqa: E402
+from replaylm.layers.quantization.fp8_kernels import rms_norm_quantize  # noqa: E402
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
 DTYPES = [torch.float32, torch.float16]
@@ -383,7 +384,7 @@ def test_the_norm_after_the_experts_takes_their_weighted_sum_into_its_launch(dty
     """The sorted route's rows before their weighted sum (`defer_sum`, other ranks' slots among
     them): summed alone they are the route's summed output, and the residual-add RMSNorm that
     sums them in its own launch gives the sum's launch then the norm's, bit for bit (output and
-    new residual)."""
+    new residual), as does the norm that also quantizes its output to FP8."""
     weights, ids = _routing(5, 2, 4, seed=61, foreign=3)
     w13, w2 = _weights(4, 32, 16, dtype, seed=62)
     x = _hidden(5, 32, dtype, seed=63)
@@ -396,6 +397,13 @@ def test_the_norm_after_the_experts_takes_their_weighted_sum_into_its_launch(dty
     out, new_residual = rms_norm_of_expert_sum(*routed, norm_weight, 1e-6, residual)
     want_out, want_residual = rms_norm(summed, norm_weight, 1e-6, residual)
     assert torch.equal(out, want_out) and torch.equal(new_residual, want_residual)
+    # and quantized to FP8 in the same launch, as for a per-channel FP8 layer after it
+    experts = (routed.weights, routed.ids, routed.num_experts)
+    rows, quantized_residual = rms_norm_quantize(routed.rows, norm_weight, 1e-6, residual, experts)
+    want_rows, _ = rms_norm_quantize(summed, norm_weight, 1e-6, residual)
+    assert torch.equal(rows.q.view(torch.uint8), want_rows.q.view(torch.uint8))
+    assert torch.equal(rows.scale, want_rows.scale)
+    assert torch.equal(quantized_residual, want_residual)
 
 
 def test_a_moe_block_hands_the_next_norm_its_rows(monkeypatch):

@@ -23,6 +23,7 @@ from replaylm.layers.moe.routing import select_experts
 from replaylm.layers.moe.torch_experts import torch_experts
 from replaylm.layers.moe.triton_experts import triton_experts
 from replaylm.layers.moe.weighted_sum import weighted_sum
+from replaylm.layers.quantization.fp8_kernels import rms_norm_quantize
 
 from graph_cells import CELLS, assert_cell_matches_eager, cell_engine, greedy, random_prompts
 from tiny_checkpoints import TINY_MOE_CONFIGS, write_tiny_checkpoint
@@ -77,7 +78,8 @@ def test_every_cell_at_qwen3_30b_a3bs_shape(dummy_qwen3_30b_a3b, dummy_eager, ce
 def test_fused_kernels_equal_the_torch_path_at_qwen3_30b_a3bs_shape(tokens):
     """One Qwen3-30B-A3B MoE layer (128 experts of 768 columns, top 8, hidden 2048): the pair
     route at 1 and 2 tokens, the sorted one above; there its rows before the weighted sum, summed
-    in the residual-add RMSNorm's launch, give the summed output's norm bit for bit."""
+    in the residual-add RMSNorm's launch (and its FP8-quantizing twin's), give the summed output's
+    norm bit for bit."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     experts, hidden, inter = 128, 2048, 768
 
@@ -98,3 +100,7 @@ def test_fused_kernels_equal_the_torch_path_at_qwen3_30b_a3bs_shape(tokens):
         got = rms_norm_of_expert_sum(*routed, norm_weight, 1e-6, residual)
         want = rms_norm(ours, norm_weight, 1e-6, residual)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        experts = (routed.weights, routed.ids, routed.num_experts)
+        rows, _ = rms_norm_quantize(routed.rows, norm_weight, 1e-6, residual, experts)
+        want_rows, _ = rms_norm_quantize(ours, norm_weight, 1e-6, residual)
+        assert torch.equal(rows.q.view(torch.uint8), want_rows.q.view(torch.uint8))

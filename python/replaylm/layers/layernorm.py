@@ -28,8 +28,8 @@ class RMSNorm(nn.Module, QuantizesFor):
     quantized per token, from the same launch, whenever `layer` takes it so.
 
     `x` may be a mixture of experts' rows before their weighted sum (`RoutedRows`): with a
-    residual, no sum over ranks and no quantization, the sum runs in the norm's launch
-    (`rms_norm_of_expert_sum`); otherwise they are summed first.
+    residual and no sum over ranks the sum runs in the norm's launch (`rms_norm_of_expert_sum`,
+    or `rms_norm_quantize` where the output comes quantized); otherwise they are summed first.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -42,11 +42,9 @@ class RMSNorm(nn.Module, QuantizesFor):
         self, x: torch.Tensor | RoutedRows, residual: torch.Tensor | None = None
     ) -> Activation | tuple[Activation, torch.Tensor]:
         if isinstance(x, RoutedRows):  # a mixture of experts' rows, not yet summed
-            if residual is not None and self.sum_site is None and not self.quantizes():
-                # imported here: RoutedRows come from the Triton route alone
-                from replaylm.layers.kernels.rmsnorm import rms_norm_of_expert_sum
-
-                return rms_norm_of_expert_sum(*x, self.weight, self.eps, residual)
+            if residual is not None and self.sum_site is None:
+                return self._expert_sum_norm(x, residual)
+            # imported here: RoutedRows come from the Triton route alone
             from replaylm.layers.moe.weighted_sum import weighted_sum
 
             x = weighted_sum(x)
@@ -77,6 +75,23 @@ class RMSNorm(nn.Module, QuantizesFor):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def _expert_sum_norm(
+        self, x: RoutedRows, residual: torch.Tensor
+    ) -> tuple[Activation, torch.Tensor]:
+        """The norm of `x`'s weighted sum plus `residual`, the sum taken in the norm's launch
+        (quantized in it too where the norm `quantizes()`)."""
+        # imported here: the kernels' modules import triton
+        if self.quantizes() and _one_dtype(x.rows, self.weight, residual):
+            from replaylm.layers.quantization.fp8_kernels import rms_norm_quantize
+
+            experts = (x.weights, x.ids, x.num_experts)
+            rows, summed = rms_norm_quantize(x.rows, self.weight, self.eps, residual, experts)
+            assert summed is not None  # with a residual
+            return rows, summed
+        from replaylm.layers.kernels.rmsnorm import rms_norm_of_expert_sum
+
+        return rms_norm_of_expert_sum(*x, self.weight, self.eps, residual)
 
 
 def _one_dtype(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:

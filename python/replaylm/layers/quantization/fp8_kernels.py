@@ -167,12 +167,17 @@ def _rms_norm_quantize_kernel(
     stride_x,
     stride_r,
     eps,
+    ExpertWeights,
+    ExpertIds,
+    num_experts,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TOP_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Row `program_id(0)`'s RMSNorm (`norm_rows`), rounded to X's dtype as the norm's output
-    is, then quantized per token as `_quantize_kernel` quantizes it: e4m3 to Q, scale to Scale."""
+    """Row `program_id(0)`'s RMSNorm (`norm_rows`, with `TOP_K` of a weighted sum of X's expert
+    rows), rounded to X's dtype as the norm's output is, then quantized per token as
+    `_quantize_kernel` quantizes it: e4m3 to Q, scale to Scale."""
     wait_for_producers(USE_PDL)
     y, rows, cols, mask = norm_rows(
         X,
@@ -187,10 +192,10 @@ def _rms_norm_quantize_kernel(
         HAS_RESIDUAL,
         1,
         BLOCK_D,
-        X,
-        X,
-        0,
-        0,
+        ExpertWeights,
+        ExpertIds,
+        num_experts,
+        TOP_K,
     )
     y = y.to(X.dtype.element_ty).to(tl.float32)
     scale = _token_scale(y)
@@ -199,19 +204,28 @@ def _rms_norm_quantize_kernel(
 
 
 def rms_norm_quantize(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    experts: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[QuantizedRows, torch.Tensor | None]:
     """`rmsnorm.rms_norm` (its numbers; with `residual`, the sum is the new residual) with the
     output quantized per token as `quantize_activation` quantizes it, in one launch: (the
     output's `[T, K]` QuantizedRows, the new residual or None). `x`, `weight` and `residual` of
-    one dtype."""
+    one dtype. `experts` (weights `[T, top_k]` float32, ids `[T, top_k]`, the expert count):
+    `x` is a mixture of experts' rows `[T * top_k, K]`, summed first as
+    `rmsnorm.rms_norm_of_expert_sum` sums them."""
     width = x.shape[-1]
     x2 = as_rows(x, width)
-    n_rows = x2.shape[0]
+    n_rows = x2.shape[0] if experts is None else experts[1].shape[0]
     q, scale = _quantized_buffers(n_rows, width, x.device)
-    res_out = None if residual is None else torch.empty_like(x)
+    res_out = (
+        None if residual is None else torch.empty((n_rows, width), dtype=x.dtype, device=x.device)
+    )
     r2 = x2 if residual is None else as_rows(residual, width)
     block_d = triton.next_power_of_2(width)
+    expert_weights, expert_ids, num_experts = experts or (x2, x2, 0)
     if n_rows:
         _rms_norm_quantize_kernel[(n_rows,)](
             x2,
@@ -225,11 +239,17 @@ def rms_norm_quantize(
             x2.stride(0),
             r2.stride(0),
             eps,
+            expert_weights,
+            expert_ids,
+            num_experts,
             HAS_RESIDUAL=residual is not None,
             BLOCK_D=block_d,
+            TOP_K=0 if experts is None else expert_ids.shape[1],
             num_warps=min(max(block_d // 256, 1), 8),
             **pdl_launch(),
         )
+    if res_out is not None and experts is None:
+        res_out = res_out.view(x.shape)
     return QuantizedRows(q, scale, x.dtype), res_out
 
 
