@@ -220,9 +220,8 @@ def rms_norm_quantize(
     x2 = as_rows(x, width)
     n_rows = x2.shape[0] if experts is None else experts[1].shape[0]
     q, scale = _quantized_buffers(n_rows, width, x.device)
-    res_out = (
-        None if residual is None else torch.empty((n_rows, width), dtype=x.dtype, device=x.device)
-    )
+    # the new residual, shaped as the one it replaces
+    res_out = None if residual is None else residual.new_empty(residual.shape, dtype=x.dtype)
     r2 = x2 if residual is None else as_rows(residual, width)
     block_d = triton.next_power_of_2(width)
     expert_weights, expert_ids, num_experts = experts or (x2, x2, 0)
@@ -248,8 +247,6 @@ def rms_norm_quantize(
             num_warps=min(max(block_d // 256, 1), 8),
             **pdl_launch(),
         )
-    if res_out is not None and experts is None:
-        res_out = res_out.view(x.shape)
     return QuantizedRows(q, scale, x.dtype), res_out
 
 
