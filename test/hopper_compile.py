@@ -107,6 +107,16 @@ def _moe_cases() -> list[tuple[str, str, dict[str, Any]]]:
         **dict(TOP_K=8, BLOCK_E=128, BLOCK_K=8, RENORMALIZE=True, HAS_SLOTS=True, USE_PDL=True),
     }
     cases.append(("replaylm.layers.moe.fused_routing._route_kernel", "route", route))
+    for count_all in (True, False):  # a decode step's pairs in one launch; more in three
+        place = {
+            **dict(Ids="*i32", Hist="*i32", Totals="*i32", Base="*i32", SortedIds="*i32"),
+            **dict(ExpertIds="*i32", NumPostPad="*i32"),
+            **dict.fromkeys(["numel", "num_experts", "num_chunks"], "i32"),
+            **dict(BLOCK_M=16, BINS=256, SCAN=2048 if count_all else 1024, CHUNKS=1024),
+            **dict(COUNT_ALL=count_all, USE_PDL=True),
+        }
+        label = f"moe align place count_all={count_all}"
+        cases.append(("replaylm.layers.moe.moe_align._place_kernel", label, place))
     return cases
 
 

@@ -31,6 +31,7 @@ from replaylm.layers.layernorm import RMSNorm  # noqa: E402
 from replaylm.layers.linear import Linear  # noqa: E402
 from replaylm.layers.moe import fused_router as fused_router_module  # noqa: E402
 from replaylm.layers.moe import fused_routing  # noqa: E402
+from replaylm.layers.moe import moe_align as moe_align_module  # noqa: E402
 from replaylm.layers.moe import triton_experts as triton_module  # noqa: E402
 from replaylm.layers.moe.block_configs import MoeBlockConfig  # noqa: E402
 from replaylm.layers.moe.experts import fused_experts  # noqa: E402
@@ -133,14 +134,28 @@ def _check_aligned(ids: torch.Tensor, experts: int, block_m: int, chunk_tile: in
         (40, 2, 3, 16, (), 5),  # several blocks per expert
         (33, 4, 8, 32, (0, 5), 9),
         (5, 3, 6, 16, (), 15),  # every pair another rank's: nothing to compute
-        (300, 4, 5, 64, (2,), 40),  # more pairs than one launch takes: 10 chunks
-        (700, 4, 40, 16, (3, 17), 50),  # 22 chunks, the last ragged
+        (300, 4, 5, 64, (2,), 40),  # 1,200 pairs in one launch
+        (256, 8, 128, 16, (), 20),  # a decode step's most pairs in one launch: 2,048
+        (700, 4, 40, 16, (3, 17), 50),  # more than one launch takes: 22 chunks, the last ragged
         (600, 8, 128, 64, (), 30),  # Qwen3-30B-A3B's experts: 38 chunks
     ],
 )
 def test_align_is_a_block_aligned_permutation(tokens, top_k, experts, block_m, unused, foreign):
     _, ids = _routing(tokens, top_k, experts, seed=tokens, unused=unused, foreign=foreign)
     _check_aligned(ids, experts, block_m)
+
+
+def test_one_launch_and_three_sort_alike(monkeypatch):
+    """A decode step's 2,048 pairs sorted in one launch (each expert's program counting them
+    all) and in three (histograms, runs, scatter): the same runs, blocks and total."""
+    _, ids = _routing(256, 8, 128, seed=5, unused=(7,), foreign=30)
+    one = moe_align_block_size(ids, 128, 16)
+    monkeypatch.setattr(moe_align_module, "_ONE_LAUNCH_PAIRS", 0)
+    three = moe_align_block_size(ids, 128, 16)
+    total = int(one[2].item())
+    assert total == int(three[2].item())
+    assert torch.equal(one[0][:total], three[0][:total])
+    assert torch.equal(one[1][: total // 16], three[1][: total // 16])
 
 
 def test_align_reads_the_chunks_in_tiles():

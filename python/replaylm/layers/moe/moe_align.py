@@ -2,8 +2,9 @@
 
 The T x k routed (token, slot) pairs are numbered `token * k + slot`. Sorted by expert, each
 expert's run padded with a sentinel (T * k) to a multiple of `block_m`, they let the grouped GEMM
-give each program one expert's `block_m` rows. A decode step's few pairs take one launch of one
-program per expert, each counting them all. More pairs take three launches, each linear in the
+give each program one expert's `block_m` rows. A decode step's pairs (up to `_ONE_LAUNCH_PAIRS`)
+take one launch of one program per expert, each counting them all (a histogram) and placing
+its own. More pairs take three launches, each linear in the
 pairs: a histogram per chunk of `_CHUNK` pairs; one program per expert, which lays out its run and
 where each chunk's pairs of it start; one program per chunk, which writes each of its pairs there,
 after those of the chunk's earlier pairs with the same expert. No host sync, buffer sizes fixed by
@@ -21,8 +22,9 @@ import triton.language as tl
 from replaylm.layers.kernels import pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
 
-# up to this many pairs every program of the place kernel counts them all: one launch, not three
-_ONE_LAUNCH_PAIRS = 256
+# up to this many pairs (a decode step's of up to 256 tokens, top 8) every program of the place
+# kernel counts them all: one launch, not three and the totals' zeroing
+_ONE_LAUNCH_PAIRS = 2048
 # pairs per program of the histogram and scatter kernels (the scatter ranks them pairwise)
 _CHUNK = 128
 _CHUNK_TILE = 1024  # chunks the place kernel reads at a time
@@ -91,7 +93,7 @@ def _place_kernel(
     e = tl.arange(0, BINS)
     if COUNT_ALL:
         ids = _bins(Ids, 0, numel, num_experts, SCAN)
-        counts = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+        counts = tl.histogram(ids, BINS)
     else:
         counts = tl.load(Totals + e)
     counts = tl.where(e < num_experts, counts, 0)
