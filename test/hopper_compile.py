@@ -120,7 +120,7 @@ def _quantize_cases() -> list[tuple[str, str, dict[str, Any]]]:
     cases = [(f"{module}._quantize_kernel", "quantize activation", args)]
     split = {
         **dict(X="*bf16", Q="*fp8e4nv", Scale="*fp32", n_cols="i32", stride_x="i32"),
-        **dict(PIECE=1024, USE_PDL=True),
+        **dict(BLOCK=16384, PIECE=1024, USE_PDL=True),
     }
     cases.append((f"{module}._split_quantize_kernel", "quantize activation in pieces", split))
     for chunks in (1, 4):

@@ -123,22 +123,19 @@ def _quantize_kernel(
 
 @triton.jit
 def _split_quantize_kernel(
-    X, Q, Scale, n_cols, stride_x, PIECE: tl.constexpr, USE_PDL: tl.constexpr
+    X, Q, Scale, n_cols, stride_x, BLOCK: tl.constexpr, PIECE: tl.constexpr, USE_PDL: tl.constexpr
 ):
     """Token `program_id(0)`'s `program_id(1)`-th piece of PIECE columns to e4m3 in Q, by the
-    whole row's scale (its amax read a piece at a time; every piece's program finds the same
-    one, and the first stores it to Scale `[T, 1]`): `_quantize_kernel`'s numbers per token,
-    its divisions spread over the pieces' programs."""
+    whole row's scale (the row read at once, BLOCK columns, for its amax: every piece's program
+    finds the same one, and the first stores it to Scale `[T, 1]`): `_quantize_kernel`'s numbers
+    per token, its divisions spread over the pieces' programs."""
     wait_for_producers(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
-    offs = tl.arange(0, PIECE)
-    amax = tl.max(tl.zeros((PIECE,), tl.float32), axis=0)
-    for start in range(0, n_cols, PIECE):
-        part = tl.load(X + row * stride_x + start + offs, mask=start + offs < n_cols, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(part.to(tl.float32)), axis=0))
-    scale = _amax_scale(amax)
-    cols = piece * PIECE + offs
+    offs = tl.arange(0, BLOCK)
+    whole = tl.load(X + row * stride_x + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+    scale = _token_scale(whole)
+    cols = piece * PIECE + tl.arange(0, PIECE)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Q + row * n_cols + cols, _scaled_e4m3(x, scale).to(Q.dtype.element_ty), mask=mask)
@@ -166,8 +163,9 @@ def quantize_activation(
                 scale,
                 width,
                 x2.stride(0),
+                BLOCK=triton.next_power_of_2(width),
                 PIECE=SPLIT_PIECE,
-                num_warps=SPLIT_PIECE // 256,
+                num_warps=8,
                 **pdl_launch(),
             )
         return q, scale
