@@ -128,6 +128,11 @@ def _quantize_cases() -> list[tuple[str, str, dict[str, Any]]]:
     }
     module = "replaylm.layers.quantization.fp8_kernels"
     cases = [(f"{module}._quantize_kernel", "quantize activation", args)]
+    split = {
+        **dict(X="*bf16", Q="*fp8e4nv", Scale="*fp32", n_cols="i32", stride_x="i32"),
+        **dict(BLOCK=16384, PIECE=1024, USE_PDL=True),
+    }
+    cases.append((f"{module}._split_quantize_kernel", "quantize activation in pieces", split))
     for chunks in (1, 4):
         silu = {
             **dict(X="*bf16", Q="*fp8e4nv", Scale="*fp32", width="i32", stride_x="i32"),

@@ -122,6 +122,20 @@ def test_quantization_is_the_torch_codes_bit_for_bit(dtype: torch.dtype, group: 
     assert torch.equal(q[1].float(), torch.zeros(320)) and (scale[1] > 0).all()
 
 
+@pytest.mark.parametrize("rows", [1, fp8_kernels.SPLIT_ROWS, fp8_kernels.SPLIT_ROWS + 1])
+def test_decode_rows_split_into_pieces_quantize_bit_for_bit(rows: int) -> None:
+    """Up to SPLIT_ROWS rows wider than a piece (2,500 columns: three pieces of 1,024, the last
+    ragged; a column slice of a wider tensor) take a program a piece; past them one a row: the
+    torch code's numbers either way, and the pieces' scale is the whole row's."""
+    assert fp8_kernels.SPLIT_PIECE < 2500 <= 3 * fp8_kernels.SPLIT_PIECE
+    x = _activations(rows, 2600, torch.bfloat16, seed=3)[:, :2500]
+    q, scale = fp8_kernels.quantize_activation(x)
+    want_q, want_scale = quantize_activation(x)
+    assert scale.shape == (rows, 1) and q.shape == (rows, 2500)
+    assert _same_bits(q, want_q)
+    assert torch.equal(scale, want_scale)
+
+
 def test_ties_round_to_even_and_signed_zeros_stay():
     """A row whose amax is 448 has scale 1: e4m3's midpoints (ties) and their float32
     neighbours quantize as torch's cast does, and -0.0 keeps its sign."""

@@ -42,6 +42,9 @@ _MIN_NORMAL_FIELD = tl.constexpr(121 << 23)
 _SPACING_SHIFT = tl.constexpr(20 << 23)
 # decode: column tiles as wide as still give the GPU this many programs
 _MIN_TILES = 128
+# per-token quantization of at most this many rows (decode) takes a program a piece of this many
+# columns of a wider row
+SPLIT_ROWS, SPLIT_PIECE = 16, 1024
 # SiluAndMul's quantization holds at most this many columns of a row at once
 SILU_QUANT_CHUNK = 16384
 
@@ -118,14 +121,54 @@ def _quantize_kernel(
     tl.store(Scale + row * tl.num_programs(1) + g, scale)
 
 
+@triton.jit
+def _split_quantize_kernel(
+    X, Q, Scale, n_cols, stride_x, BLOCK: tl.constexpr, PIECE: tl.constexpr, USE_PDL: tl.constexpr
+):
+    """Token `program_id(0)`'s `program_id(1)`-th piece of PIECE columns to e4m3 in Q, by the
+    whole row's scale (the row read at once, BLOCK columns, for its amax: every piece's program
+    finds the same one, and the first stores it to Scale `[T, 1]`): `_quantize_kernel`'s numbers
+    per token, its divisions spread over the pieces' programs."""
+    wait_for_producers(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    whole = tl.load(X + row * stride_x + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+    scale = _token_scale(whole)
+    cols = piece * PIECE + tl.arange(0, PIECE)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Q + row * n_cols + cols, _scaled_e4m3(x, scale).to(Q.dtype.element_ty), mask=mask)
+    if piece == 0:
+        tl.store(Scale + row, scale)
+
+
 def quantize_activation(
     x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`fp8.quantize_activation`'s contract and numbers in one launch: `x` `[T, K]` (bf16, fp16
     or fp32, unit column stride) as (e4m3 `[T, K]`, contiguous float32 scales `[T, ceil(K /
-    group)]`, or `[T, 1]` per token or with `static_scale`, whose largest element is taken)."""
+    group)]`, or `[T, 1]` per token or with `static_scale`, whose largest element is taken).
+    Up to SPLIT_ROWS tokens per token, rows wider than SPLIT_PIECE take a program a piece of
+    SPLIT_PIECE columns (`_split_quantize_kernel`): one program's divisions over a whole row
+    are the launch's time at decode rows."""
     tokens, width = x.shape
     x2 = as_rows(x, width)
+    if static_scale is None and group is None and tokens <= SPLIT_ROWS and width > SPLIT_PIECE:
+        q, scale = _quantized_buffers(tokens, width, x.device)
+        if tokens:
+            _split_quantize_kernel[(tokens, triton.cdiv(width, SPLIT_PIECE))](
+                x2,
+                q,
+                scale,
+                width,
+                x2.stride(0),
+                BLOCK=triton.next_power_of_2(width),
+                PIECE=SPLIT_PIECE,
+                num_warps=8,
+                **pdl_launch(),
+            )
+        return q, scale
     if static_scale is not None or group is None:
         group = width
     groups = triton.cdiv(width, group)
