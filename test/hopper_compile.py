@@ -162,6 +162,8 @@ def _norm_cases() -> list[tuple[str, str, dict[str, Any]]]:
         module = "replaylm.layers.quantization.fp8_kernels"
         label = f"rms norm quantize top_k={top_k}"
         cases.append((f"{module}._rms_norm_quantize_kernel", label, quantize))
+        split = {**quantize, "PIECE": 1024}  # decode rows: a program a piece
+        cases.append((f"{module}._split_rms_norm_quantize_kernel", f"split {label}", split))
     return cases
 
 

@@ -431,13 +431,20 @@ def test_an_fp8_gate_up_layer_takes_the_one_launch_at_decode_rows(
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_quantize_is_the_norm_then_the_quantization(with_residual: bool) -> None:
+@pytest.mark.parametrize(
+    ("rows", "width"),
+    [(5, 320), (1, 2500), (fp8_kernels.SPLIT_ROWS, 2500), (fp8_kernels.SPLIT_ROWS + 1, 2500)],
+)
+def test_rms_norm_quantize_is_the_norm_then_the_quantization(
+    with_residual: bool, rows: int, width: int
+) -> None:
     """One launch gives what RMSNorm's kernel then the quantization kernel give, bit for bit:
-    the same e4m3 values and scales, and the same residual sum."""
-    x = torch.randn(5, 320, generator=_gen(31)).bfloat16()
-    residual = torch.randn(5, 320, generator=_gen(32)).bfloat16() if with_residual else None
-    weight = (torch.rand(320, generator=_gen(33)) + 0.5).bfloat16()
-    rows, summed = fp8_kernels.rms_norm_quantize(x, weight, 1e-6, residual)
+    the same e4m3 values and scales, and the same residual sum; also where decode rows wider
+    than a piece (2,500 columns: three pieces, the last ragged) take a program a piece."""
+    x = torch.randn(rows, width, generator=_gen(31)).bfloat16()
+    residual = torch.randn(rows, width, generator=_gen(32)).bfloat16() if with_residual else None
+    weight = (torch.rand(width, generator=_gen(33)) + 0.5).bfloat16()
+    got, summed = fp8_kernels.rms_norm_quantize(x, weight, 1e-6, residual)
     normed = rms_norm(x, weight, 1e-6, residual)
     if residual is not None:
         normed, want_sum = normed
@@ -445,9 +452,9 @@ def test_rms_norm_quantize_is_the_norm_then_the_quantization(with_residual: bool
     else:
         assert summed is None
     want_q, want_scale = fp8_kernels.quantize_activation(normed)
-    assert rows.dtype == torch.bfloat16
-    assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(rows.scale, want_scale)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got.scale, want_scale)
 
 
 @pytest.mark.parametrize("quant", [Fp8Config("channel"), Fp8Config("block", block_size=BLOCK)])

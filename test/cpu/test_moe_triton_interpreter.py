@@ -421,6 +421,21 @@ def test_the_norm_after_the_experts_takes_their_weighted_sum_into_its_launch(dty
     assert torch.equal(quantized_residual, want_residual)
 
 
+def test_the_fp8_norm_of_decode_rows_in_pieces_sums_their_experts():
+    """Decode rows wider than a piece (2,500 columns) take the FP8 norm a program a piece: with
+    their expert rows it gives the weighted sum's launch then the same norm, bit for bit."""
+    weights, ids = _routing(3, 2, 4, seed=91, foreign=1)
+    routed = RoutedRows(_hidden(3 * 2, 2500, torch.bfloat16, seed=92), weights, ids, 4)
+    norm_weight = (torch.rand(2500, generator=torch.Generator().manual_seed(93)) + 0.5).bfloat16()
+    residual = _hidden(3, 2500, torch.bfloat16, seed=94)
+    experts = (routed.weights, routed.ids, routed.num_experts)
+    rows, new_residual = rms_norm_quantize(routed.rows, norm_weight, 1e-6, residual, experts)
+    want_rows, want_residual = rms_norm_quantize(weighted_sum(routed), norm_weight, 1e-6, residual)
+    assert torch.equal(rows.q.view(torch.uint8), want_rows.q.view(torch.uint8))
+    assert torch.equal(rows.scale, want_rows.scale)
+    assert torch.equal(new_residual, want_residual)
+
+
 def test_a_moe_block_hands_the_next_norm_its_rows(monkeypatch):
     """On the kernels' device a MoE block's sorted route hands its rows unsummed to the RMSNorm
     after it, which gives the summed rows' numbers with a residual, and sums them first without

@@ -13,7 +13,14 @@ import torch
 
 from replaylm.cuda_graph_modes import DISABLED
 from replaylm.entrypoints.engine import Engine
+from replaylm.layers.kernels.rmsnorm import rms_norm
+from replaylm.layers.quantization import fp8
 from replaylm.layers.quantization.fp8 import FP8_DTYPE, quantize_weight
+from replaylm.layers.quantization.fp8_kernels import (
+    SPLIT_ROWS,
+    quantize_activation,
+    rms_norm_quantize,
+)
 from replaylm.layers.quantization.fp8_linear import _emulated, fp8_linear
 from replaylm.model_executor.model_runner import ModelRunner
 from replaylm.runtime.batch_ops import prepare_extend, release
@@ -47,6 +54,28 @@ def test_fp8_matmul_matches_the_float_reference(rows: int, block: tuple[int, int
     want = _emulated(x, weight, scale, block, None) + bias.float()
     assert got.dtype == torch.bfloat16
     assert rel_error(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("width", [2048, 4096, 14336])
+@pytest.mark.parametrize("rows", [1, SPLIT_ROWS, SPLIT_ROWS + 1, 300])
+def test_fp8_norm_is_the_norm_then_the_quantization_on_cuda(rows: int, width: int) -> None:
+    """The FP8-quantizing residual-add RMSNorm (at decode rows a program a piece of the row)
+    and the quantization alone (the same) give the norm's launch then the quantization's
+    numbers bit for bit on the GPU: the new residual, the e4m3 values and the scales."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + width)
+    x = torch.randn(rows, width, generator=gen, device="cuda").bfloat16()
+    residual = torch.randn(rows, width, generator=gen, device="cuda").bfloat16()
+    weight = (torch.rand(width, generator=gen, device="cuda") + 0.5).bfloat16()
+    got, new_residual = rms_norm_quantize(x, weight, 1e-6, residual)
+    normed, want_residual = rms_norm(x, weight, 1e-6, residual)
+    want_q, want_scale = quantize_activation(normed)
+    assert new_residual is not None and torch.equal(new_residual, want_residual)
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got.scale, want_scale)
+    # and the torch code's on the CPU (correctly rounded divisions there too)
+    q_cpu, scale_cpu = fp8.quantize_activation(normed.cpu())
+    assert torch.equal(got.scale.cpu(), scale_cpu)
+    assert torch.equal(got.q.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
 
 
 def _last_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:

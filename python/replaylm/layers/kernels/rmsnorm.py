@@ -19,6 +19,64 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 
 
 @triton.jit
+def summed_rows(
+    X,
+    R,
+    ResOut,
+    rows,
+    cols,
+    mask,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_r,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr,
+    ExpertWeights,
+    ExpertIds,
+    num_experts,
+    TOP_K: tl.constexpr,
+):
+    """The norm's input at `rows` x `cols` (int64 `[R, 1]`, `[1, C]`): X's rows, or with `TOP_K`
+    (> 0) the weighted sum of X's rows t * TOP_K + s by `ExpertWeights[t, s]` (slots of
+    `ExpertIds` outside 0..num_experts-1 skipped) in float32 rounded to X's dtype, as the MoE's
+    weighted-sum launch computes it; with `HAS_RESIDUAL` plus R's, rounded to ResOut's dtype
+    (and stored there with `STORE_RESIDUAL`)."""
+    if TOP_K > 0:
+        acc = tl.zeros((rows.shape[0], cols.shape[1]), tl.float32)
+        for s in tl.static_range(TOP_K):
+            pair = rows * TOP_K + s
+            expert = tl.load(ExpertIds + pair, mask=rows < n_rows, other=-1)
+            ok = (expert >= 0) & (expert < num_experts)
+            y = tl.load(X + pair * stride_x + cols, mask=mask & ok, other=0.0).to(tl.float32)
+            acc += tl.load(ExpertWeights + pair, mask=ok, other=0.0) * y
+        x = acc.to(X.dtype.element_ty)
+    else:
+        x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(ResOut.dtype.element_ty)
+        if STORE_RESIDUAL:
+            tl.store(ResOut + rows * n_cols + cols, x, mask=mask)
+    return x
+
+
+@triton.jit
+def row_rstd(x, n_cols, eps):
+    """`rsqrt(mean(x^2) + eps)` of each row of `x` (its whole rows, zeros past n_cols), `[R]`."""
+    xf = x.to(tl.float32)
+    return tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+
+
+@triton.jit
+def weighted_norm(x, rstd, W, cols, n_cols):
+    """`weight * (x * rstd)` at `cols`, the product rounded to x's dtype as the torch code
+    rounds it, the weight's product in float32 (not yet rounded)."""
+    normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+    return tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) * normed
+
+
+@triton.jit
 def norm_rows(
     X,
     R,
@@ -38,35 +96,32 @@ def norm_rows(
     TOP_K: tl.constexpr,
 ):
     """This program's BLOCK_ROWS rows normalized (the residual sum stored to ResOut first, with
-    `HAS_RESIDUAL`): (`weight * normed` in float32, not yet rounded, and the rows, columns and
-    mask to store it at, rows `[BLOCK_ROWS, 1]` and columns `[1, BLOCK_D]`). With `TOP_K` (> 0)
-    a row of x is the weighted sum of X's rows t * TOP_K + s by `ExpertWeights[t, s]` (slots of
-    `ExpertIds` outside 0..num_experts-1 skipped), in float32 and rounded to X's dtype, as the
-    MoE's weighted-sum launch computes it."""
+    `HAS_RESIDUAL`; with `TOP_K` each a weighted sum of expert rows: `summed_rows`): (`weight *
+    normed` in float32, not yet rounded, and the rows, columns and mask to store it at, rows
+    `[BLOCK_ROWS, 1]` and columns `[1, BLOCK_D]`)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
     rows = rows.to(tl.int64)
-    if TOP_K > 0:
-        acc = tl.zeros((BLOCK_ROWS, BLOCK_D), tl.float32)
-        for s in tl.static_range(TOP_K):
-            pair = rows * TOP_K + s
-            expert = tl.load(ExpertIds + pair, mask=rows < n_rows, other=-1)
-            ok = (expert >= 0) & (expert < num_experts)
-            y = tl.load(X + pair * stride_x + cols, mask=mask & ok, other=0.0).to(tl.float32)
-            acc += tl.load(ExpertWeights + pair, mask=ok, other=0.0) * y
-        x = acc.to(X.dtype.element_ty)
-    else:
-        x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(R + rows * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(ResOut.dtype.element_ty)
-        tl.store(ResOut + rows * n_cols + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
-    normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
-    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    return w * normed, rows, cols, mask
+    x = summed_rows(
+        X,
+        R,
+        ResOut,
+        rows,
+        cols,
+        mask,
+        n_rows,
+        n_cols,
+        stride_x,
+        stride_r,
+        HAS_RESIDUAL,
+        HAS_RESIDUAL,
+        ExpertWeights,
+        ExpertIds,
+        num_experts,
+        TOP_K,
+    )
+    return weighted_norm(x, row_rstd(x, n_cols, eps), W, cols, n_cols), rows, cols, mask
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # one variant for every row count

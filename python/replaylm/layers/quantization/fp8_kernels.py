@@ -30,7 +30,7 @@ import triton.language as tl
 
 from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
-from replaylm.layers.kernels.rmsnorm import norm_rows
+from replaylm.layers.kernels.rmsnorm import norm_rows, row_rstd, summed_rows, weighted_norm
 from replaylm.layers.kernels.silu_mul import silu_mul_columns
 from replaylm.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, Block, QuantizedRows
 
@@ -246,6 +246,83 @@ def _rms_norm_quantize_kernel(
     tl.store(Scale + rows, scale)
 
 
+@triton.jit
+def _split_rms_norm_quantize_kernel(
+    X,
+    R,
+    W,
+    Q,
+    Scale,
+    ResOut,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_r,
+    eps,
+    ExpertWeights,
+    ExpertIds,
+    num_experts,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PIECE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """`_rms_norm_quantize_kernel`'s numbers for row `program_id(0)`'s `program_id(1)`-th piece
+    of PIECE columns: the whole row read for its rstd and amax (every piece's program finds the
+    same), then the piece's columns read again, normalized, quantized and stored (with its new
+    residual), so that a row's divisions spread over its pieces' programs."""
+    wait_for_producers(USE_PDL)
+    rows = tl.program_id(0).to(tl.int64) + tl.zeros((1, 1), tl.int64)
+    piece = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    x = summed_rows(
+        X,
+        R,
+        ResOut,
+        rows,
+        cols,
+        cols < n_cols,
+        n_rows,
+        n_cols,
+        stride_x,
+        stride_r,
+        HAS_RESIDUAL,
+        False,
+        ExpertWeights,
+        ExpertIds,
+        num_experts,
+        TOP_K,
+    )
+    rstd = row_rstd(x, n_cols, eps)
+    y = weighted_norm(x, rstd, W, cols, n_cols).to(X.dtype.element_ty).to(tl.float32)
+    scale = _token_scale(y)
+    cols = piece * PIECE + tl.arange(0, PIECE)[None, :]
+    mask = cols < n_cols
+    x = summed_rows(
+        X,
+        R,
+        ResOut,
+        rows,
+        cols,
+        mask,
+        n_rows,
+        n_cols,
+        stride_x,
+        stride_r,
+        HAS_RESIDUAL,
+        HAS_RESIDUAL,
+        ExpertWeights,
+        ExpertIds,
+        num_experts,
+        TOP_K,
+    )
+    y = weighted_norm(x, rstd, W, cols, n_cols).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Q + rows * n_cols + cols, _scaled_e4m3(y, scale).to(Q.dtype.element_ty), mask=mask)
+    if piece == 0:
+        tl.store(Scale + rows, scale)
+
+
 def rms_norm_quantize(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -258,7 +335,8 @@ def rms_norm_quantize(
     output's `[T, K]` QuantizedRows, the new residual or None). `x`, `weight` and `residual` of
     one dtype. `experts` (weights `[T, top_k]` float32, ids `[T, top_k]`, the expert count):
     `x` is a mixture of experts' rows `[T * top_k, K]`, summed first as
-    `rmsnorm.rms_norm_of_expert_sum` sums them."""
+    `rmsnorm.rms_norm_of_expert_sum` sums them. Up to SPLIT_ROWS rows wider than SPLIT_PIECE
+    take a program a piece, as `quantize_activation`'s do."""
     width = x.shape[-1]
     x2 = as_rows(x, width)
     n_rows = x2.shape[0] if experts is None else experts[1].shape[0]
@@ -268,8 +346,12 @@ def rms_norm_quantize(
     r2 = x2 if residual is None else as_rows(residual, width)
     block_d = triton.next_power_of_2(width)
     expert_weights, expert_ids, num_experts = experts or (x2, x2, 0)
+    # decode rows: a program a piece of a wide row (`quantize_activation`'s split)
+    split = n_rows <= SPLIT_ROWS and width > SPLIT_PIECE
+    kernel = _split_rms_norm_quantize_kernel if split else _rms_norm_quantize_kernel
+    pieces = {"PIECE": SPLIT_PIECE} if split else {}
     if n_rows:
-        _rms_norm_quantize_kernel[(n_rows,)](
+        kernel[(n_rows, triton.cdiv(width, SPLIT_PIECE) if split else 1)](
             x2,
             r2,
             weight,
@@ -288,6 +370,7 @@ def rms_norm_quantize(
             BLOCK_D=block_d,
             TOP_K=0 if experts is None else expert_ids.shape[1],
             num_warps=min(max(block_d // 256, 1), 8),
+            **pieces,
             **pdl_launch(),
         )
     return QuantizedRows(q, scale, x.dtype), res_out
