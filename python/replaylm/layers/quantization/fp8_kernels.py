@@ -143,6 +143,13 @@ def _split_quantize_kernel(
         tl.store(Scale + row, scale)
 
 
+def _takes_pieces(rows: int, width: int) -> bool:
+    """Whether a per-token quantization of `rows` x `width` takes a program a SPLIT_PIECE piece
+    of a row: decode rows (at most SPLIT_ROWS) wider than a piece, where one program's
+    correctly rounded divisions over a whole row would be the launch's time."""
+    return rows <= SPLIT_ROWS and width > SPLIT_PIECE
+
+
 def quantize_activation(
     x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +161,7 @@ def quantize_activation(
     are the launch's time at decode rows."""
     tokens, width = x.shape
     x2 = as_rows(x, width)
-    if static_scale is None and group is None and tokens <= SPLIT_ROWS and width > SPLIT_PIECE:
+    if static_scale is None and group is None and _takes_pieces(tokens, width):
         q, scale = _quantized_buffers(tokens, width, x.device)
         if tokens:
             _split_quantize_kernel[(tokens, triton.cdiv(width, SPLIT_PIECE))](
@@ -346,8 +353,7 @@ def rms_norm_quantize(
     r2 = x2 if residual is None else as_rows(residual, width)
     block_d = triton.next_power_of_2(width)
     expert_weights, expert_ids, num_experts = experts or (x2, x2, 0)
-    # decode rows: a program a piece of a wide row (`quantize_activation`'s split)
-    split = n_rows <= SPLIT_ROWS and width > SPLIT_PIECE
+    split = _takes_pieces(n_rows, width)
     kernel = _split_rms_norm_quantize_kernel if split else _rms_norm_quantize_kernel
     pieces = {"PIECE": SPLIT_PIECE} if split else {}
     if n_rows:
