@@ -128,11 +128,12 @@ def shared_memory_bytes(config: MoeBlockConfig, dtype_bytes: int) -> int:
 def search_space(
     tokens: int, top_k: int, num_experts: int, dtype_bytes: int = 2, block: Block | None = None
 ) -> list[MoeBlockConfig]:
-    """The configs worth timing for `tokens` tokens: row blocks no taller than an expert's
-    expected rows (rounded up to a power of two, at least 16), 8 warps only for tiles of
-    64 x 64 and more, pipelines that fit in shared memory, K steps within FP8 blocks `block`."""
+    """The configs worth timing for `tokens` tokens: row blocks no taller than twice an expert's
+    expected rows (the busiest experts of a random routing take that many; rounded up to a power
+    of two, at least 16), 8 warps only for tiles of 64 x 64 and more, pipelines that fit in
+    shared memory, K steps within FP8 blocks `block`."""
     rows_per_expert = math.ceil(tokens * top_k / num_experts)
-    tallest = max(16, triton.next_power_of_2(rows_per_expert))
+    tallest = max(16, triton.next_power_of_2(2 * rows_per_expert))
     space = []
     for m, n, k, group, warps, stages in itertools.product(
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS, NUM_STAGES

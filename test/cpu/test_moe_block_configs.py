@@ -98,6 +98,8 @@ def test_tuning_tool_search_space_and_command_line(capsys):
     tool = import_script("benchmark/tuning/tune_moe.py")
     decode = tool.search_space(1, 8, 128)
     assert decode and {c.block_m for c in decode} == {16}
+    # 256 tokens average 16 rows an expert; the busiest take up to twice that
+    assert {c.block_m for c in tool.search_space(256, 8, 128)} == {16, 32}
     prefill = tool.search_space(4096, 8, 128)
     assert {c.block_m for c in prefill} == {16, 32, 64, 128}
     for config in prefill:
