@@ -12,6 +12,10 @@ from a CUDA graph; `sorted_us`, the sorted route (the sort by expert, the two gr
 the weighted sum) at every count;
 `cublas_us`, the torch code (`torch_experts`: per expert reached, its tokens gathered and two
 cuBLAS matmuls; it syncs with the host to find them, so it runs eagerly, timed by CUDA events);
+`grouped_mm_us`, torch's grouped GEMM (`torch._grouped_mm`, CUTLASS on Hopper; the route of
+torchtitan and of transformers' MoE integration): the pairs sorted by expert and their tokens
+gathered, one grouped GEMM a projection, SiLU-and-mul between, the weighted sum (no host sync;
+eager, CUDA events);
 `floor_us`, the bytes the layer must read (the experts the routing reached, whole, and the
 activations) over the device-to-device copy bandwidth measured in this run. The block config
 each count takes is named (a tuned table of this GPU, or the default).
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from replaylm.layers.moe.block_configs import device_name, moe_block_config
 from replaylm.layers.moe.pair_experts import PAIR_TOKENS
@@ -58,6 +63,28 @@ def floor_bytes(ids: torch.Tensor, hidden: int, inter: int, tokens: int, top_k: 
     return 2 * (weights + activations)
 
 
+def grouped_mm_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`torch_experts`'s result (every id an expert of this rank) through `torch._grouped_mm`:
+    the (token, slot) pairs sorted by expert, each expert's rows one group of both GEMMs."""
+    tokens, top_k = topk_ids.shape
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    ends = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    gate_up = torch._grouped_mm(x[order // top_k], w13.transpose(1, 2), offs=ends)
+    gate, up = gate_up.chunk(2, dim=-1)
+    down = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+    pairs = torch.empty_like(down)
+    pairs[order] = down
+    weighted = pairs.view(tokens, top_k, -1).float() * topk_weights[..., None]
+    return weighted.sum(1).to(x.dtype)
+
+
 def bench_tokens(
     shape: tuple[int, int, int, int, bool], tokens: int, bandwidth_gbs: float
 ) -> dict[str, Any]:
@@ -77,6 +104,7 @@ def bench_tokens(
     fused = replay_us(lambda: triton_experts(x, w13, w2, weights, ids))
     sorted_ = replay_us(lambda: triton_experts(x, w13, w2, weights, ids, config=config))
     cublas = cuda_time_ms(lambda: torch_experts(x, w13, w2, weights, ids)) * 1e3
+    grouped = cuda_time_ms(lambda: grouped_mm_experts(x, w13, w2, weights, ids)) * 1e3
     floor = floor_bytes(ids, hidden, inter, tokens, top_k) / (bandwidth_gbs * 1e3)
     return {
         "tokens": tokens,
@@ -85,6 +113,7 @@ def bench_tokens(
         "fused_us": round(fused, 1),
         "sorted_us": round(sorted_, 1),
         "cublas_us": round(cublas, 1),
+        "grouped_mm_us": round(grouped, 1),
         "floor_us": round(floor, 1),
         "fused_over_floor": round(fused / floor, 2),
         "cublas_over_fused": round(cublas / fused, 2),

@@ -1,6 +1,6 @@
 """The mixture-of-experts benchmarks' arithmetic: bench_one_batch's decode floor (the dense
 weights, the experts a step reaches, their expected count under uniform routing, and the batch's
-KV) and bench_moe_kernel's layer shapes and floor bytes."""
+KV) and bench_moe_kernel's layer shapes, floor bytes and grouped-GEMM baseline."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from replaylm.layers.moe.layer import FusedMoE
+from replaylm.layers.moe.routing import select_experts
+from replaylm.layers.moe.torch_experts import torch_experts
 
 from model_parity import make_runner
 from script_import import import_script
@@ -42,3 +44,20 @@ def test_the_kernel_benchmark_reads_the_layer_shape_and_counts_the_reached_exper
     hidden, inter = 16, 8
     expected = 2 * (3 * 3 * hidden * inter + 2 * hidden * 2 + 2 * 2 * (inter + hidden))
     assert bench.floor_bytes(ids, hidden, inter, tokens=2, top_k=2) == expected
+
+
+def test_the_grouped_mm_baseline_is_the_torch_experts():
+    """The kernel benchmark's `torch._grouped_mm` route gives `torch_experts`' output, empty
+    experts and all (CPU: torch's own grouped GEMM, 16-byte aligned rows)."""
+    bench = import_script("benchmark/bench_moe_kernel.py")
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter, tokens, top_k = 8, 64, 32, 12, 2
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / 8).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / 8).bfloat16()
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, 3] = -1e9  # expert 3 gets no token
+    weights, ids = select_experts(logits, top_k, True)
+    want = torch_experts(x, w13, w2, weights, ids)
+    got = bench.grouped_mm_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
