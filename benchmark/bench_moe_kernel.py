@@ -14,8 +14,8 @@ the weighted sum) at every count;
 cuBLAS matmuls; it syncs with the host to find them, so it runs eagerly, timed by CUDA events);
 `grouped_mm_us`, torch's grouped GEMM (`torch._grouped_mm`, CUTLASS on Hopper; the route of
 torchtitan and of transformers' MoE integration): the pairs sorted by expert and their tokens
-gathered, one grouped GEMM a projection, SiLU-and-mul between, the weighted sum (no host sync;
-eager, CUDA events);
+gathered, one grouped GEMM a projection, SiLU-and-mul between, the weighted sum (no host sync:
+replayed from a CUDA graph);
 `floor_us`, the bytes the layer must read (the experts the routing reached, whole, and the
 activations) over the device-to-device copy bandwidth measured in this run. The block config
 each count takes is named (a tuned table of this GPU, or the default).
@@ -73,9 +73,11 @@ def grouped_mm_experts(
     """`torch_experts`'s result (every id an expert of this rank) through `torch._grouped_mm`:
     the (token, slot) pairs sorted by expert, each expert's rows one group of both GEMMs."""
     tokens, top_k = topk_ids.shape
-    flat = topk_ids.flatten()
+    flat = topk_ids.flatten().long()
     order = flat.argsort(stable=True)
-    ends = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    # scatter_add, not bincount: bincount sizes its output from the ids' max, a host sync
+    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=flat.device)
+    ends = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
     gate_up = torch._grouped_mm(x[order // top_k], w13.transpose(1, 2), offs=ends)
     gate, up = gate_up.chunk(2, dim=-1)
     down = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
@@ -104,7 +106,7 @@ def bench_tokens(
     fused = replay_us(lambda: triton_experts(x, w13, w2, weights, ids))
     sorted_ = replay_us(lambda: triton_experts(x, w13, w2, weights, ids, config=config))
     cublas = cuda_time_ms(lambda: torch_experts(x, w13, w2, weights, ids)) * 1e3
-    grouped = cuda_time_ms(lambda: grouped_mm_experts(x, w13, w2, weights, ids)) * 1e3
+    grouped = replay_us(lambda: grouped_mm_experts(x, w13, w2, weights, ids))
     floor = floor_bytes(ids, hidden, inter, tokens, top_k) / (bandwidth_gbs * 1e3)
     return {
         "tokens": tokens,
