@@ -334,7 +334,10 @@ def _skinny_matmul_kernel(
         SWAP,
         USE_PDL,
     )
-    if SPLIT_K == 1:
+    last = True  # one slice writes its tile; of several, the last to arrive writes the sum
+    if SPLIT_K > 1:
+        last, acc = merge_slices(acc, Partials, Arrivals, pid_n, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
+    if last:
         write_tile(
             Y,
             B,
@@ -353,27 +356,6 @@ def _skinny_matmul_kernel(
             XScale,
             FP8,
         )
-    else:
-        last, total = merge_slices(acc, Partials, Arrivals, pid_n, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
-        if last:  # the last slice of this tile: write the sum
-            write_tile(
-                Y,
-                B,
-                Scale,
-                total,
-                offs_m,
-                offs_n,
-                pid_n,
-                M,
-                N,
-                stride_ym,
-                HAS_BIAS,
-                GATED,
-                BLOCK_M,
-                BLOCK_N,
-                XScale,
-                FP8,
-            )
 
 
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
