@@ -68,6 +68,18 @@ def test_timeline_orders_both_processes_stages_by_their_end():
     assert rows[-1]["seconds"] == 0.5 and rows[-1]["cpu_s"] is None
 
 
+def test_a_first_token_at_once_comes_after_stages_whose_rounding_adds_up_past_the_total():
+    bench = import_script("benchmark/bench_startup.py")
+    # two stages of 0.0015 s round to 0.002 each, their 0.003 s total to 0.003: the rounded
+    # stages add up to a tick past the total the process reports
+    http = _doc("http", 100.0, [("imports", 0.002), ("ready", 0.002)])
+    http["total_s"] = 0.003
+    rows = bench.timeline([http], spawned=100.0, first_token_s=0.0035)
+    assert [r["name"] for r in rows] == ["spawn", "imports", "ready", "first token"]
+    assert rows[-1]["seconds"] == 0.0
+    assert rows[-1]["end_s"] == pytest.approx(0.004)
+
+
 def test_a_cpu_server_start_is_explained_stage_by_stage(tmp_path):
     write_tiny_checkpoint("qwen3", tmp_path / "tiny")
     out = tmp_path / "startup.json"
