@@ -163,16 +163,15 @@ def timeline(
     front = processes[0]
     spawn = max(front["started_at"] - spawned, 0.0)  # the process's start, to a clock tick
     rows = [_row(BENCH, "spawn", spawn, None, spawn)]
-    ends = []
     for doc in processes:
         end = max(doc["started_at"] - spawned, 0.0)
         for stage in doc["stages"]:
             end += stage["seconds"]
             rows.append(_row(doc["process"], stage["name"], stage["seconds"], stage["cpu_s"], end))
-        ends.append(end)
     if first_token_s is not None:
-        # the front's last stage ends here: its rounded stages may add up a tick past total_s
-        ready = ends[0]
+        # where the front's last stage row ends (the same additions): its rounded stages may
+        # add up a tick past its rounded total_s
+        ready = sum((stage["seconds"] for stage in front["stages"]), spawn)
         # the server's clock and the bench's agree to a tick: a token at once reads as 0, not
         # -0.001, and ends with the server's last stage, not a tick before it
         first = max(first_token_s - ready, 0.0)
