@@ -11,7 +11,8 @@ them, as in a step), replayed and timed with CUDA events (median); microseconds 
 the weight bytes per second that makes. The choice of `--small-batch-matmul auto` is read off
 this table (docs/tuning.md, "Split-K skinny matmul"). `--configs`: instead, the skinny kernel's
 launch choices (`CONFIG_CHOICES`, with PDL) against cuBLAS per projection (the layers', not the
-LM head's); with `--fp8` over e4m3 weights, against bf16 cuBLAS.
+LM head's), at decode rows and past them (`--rows 32 64 128 256`: the row-tile choices, which
+split K over several row tiles too); with `--fp8` over e4m3 weights, against bf16 cuBLAS.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: comm
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from replaylm.layers import kernels
 from replaylm.layers.kernels.skinny_matmul import (
@@ -122,6 +124,38 @@ CONFIG_CHOICES: dict[str, dict[str, int | bool]] = {
         "split_k": 4,
         "num_stages": 3,
     },
+    # past 16 rows (a decode batch of up to 256): row tiles of 64 or 128
+    "64 rows": {"block_m": 64, "split_k": 1},
+    "64 rows, split 2": {"block_m": 64, "split_k": 2},
+    "64 rows, 64 cols, split 2": {"block_m": 64, "block_n": 64, "split_k": 2},
+    "128 rows, 64 cols, split 2": {"block_m": 128, "block_n": 64, "split_k": 2, "num_stages": 3},
+    "64 rows, 128 cols, split 2, 8 warps": {
+        "block_m": 64,
+        "block_n": 128,
+        "split_k": 2,
+        "num_warps": 8,
+        "num_stages": 3,
+    },
+    "swapped, 64 rows, 64 cols, split 2": {
+        "swap": True,
+        "block_m": 64,
+        "block_n": 64,
+        "split_k": 2,
+    },
+    "swapped, 128 rows, 64 cols, split 2": {
+        "swap": True,
+        "block_m": 128,
+        "block_n": 64,
+        "split_k": 2,
+    },
+    "swapped, 128 rows, 128 cols, 8 warps": {
+        "swap": True,
+        "block_m": 128,
+        "block_n": 128,
+        "split_k": 1,
+        "num_warps": 8,
+        "num_stages": 4,
+    },
 }
 
 
@@ -164,7 +198,7 @@ def sweep_configs(n: int, k: int, rows: int, layers: int, fp8: bool = False) -> 
                     ),
                     len(skinny_weights),
                 )
-            except ValueError:  # over the split-K workspace
+            except (ValueError, OutOfResources):  # over the split-K workspace or shared memory
                 continue
     return out
 

@@ -181,6 +181,14 @@ def test_qk_norm_rope_rejects_an_odd_head_dim():
         (16, 300, 700, False, None),
         (3, 64, 1536, False, None),  # K in 6 slices of one 256-wide block each
         (5, 70, 130, True, None),  # one slice (K < 4 blocks)
+        # split-K over 3 row tiles (the last ragged), each tile's slices merged apart
+        (
+            40,
+            96,
+            576,
+            True,
+            MatmulConfig(block_n=32, block_k=64, split_k=3, num_warps=4, num_stages=2),
+        ),
         (
             7,
             90,
@@ -217,6 +225,13 @@ def test_skinny_matmul_matches_linear_and_rows_do_not_depend_on_the_batch(
     [
         (1, 40, 576, False, None),  # split-K 4: the merging slice applies SiluAndMul
         (13, 300, 200, True, None),  # one slice; a part-filled last tile of columns
+        (
+            40,
+            48,
+            1024,
+            False,
+            MatmulConfig(block_n=64, block_k=64, split_k=3, num_warps=4, num_stages=2),
+        ),
         (
             16,
             48,
@@ -262,8 +277,8 @@ def test_skinny_matmul_writes_float32_sums_unrounded(config):
 
 
 def test_split_k_takes_any_tile_count_whose_partials_fit_the_workspace():
-    """The split-K workspace is bounded by its partials (8 MiB) and counters (4096 tiles), not
-    by a tile count: Llama-3.1-8B's gate_up in 4 slices (896 tiles) fits."""
+    """The split-K workspace is bounded by its partials (8 MiB) and counters (4096 tiles, of
+    every row tile), not by a tile count: Llama-3.1-8B's gate_up in 4 slices (896 tiles) fits."""
     config = MatmulConfig(block_n=16, block_k=32, split_k=2, num_warps=4, num_stages=2)
     x, w = (
         _randn(3, 64, dtype=torch.float32, seed=3),
@@ -279,9 +294,11 @@ def test_split_k_takes_any_tile_count_whose_partials_fit_the_workspace():
         skinny_matmul(x, _randn(64 * 200, 64, dtype=torch.float32, seed=5), config=wide)
     with pytest.raises(ValueError, match="exceeds the workspace"):  # 4097 counters
         skinny_matmul(x, _randn(16 * 4097, 64, dtype=torch.float32, seed=6), config=config)
+    with pytest.raises(ValueError, match="exceeds the workspace"):  # 33 x 128 row tiles' counters
+        skinny_matmul(torch.ones(2048, 64), torch.ones(33 * 16, 64), config=config)
 
 
-def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_only():
+def test_skinny_matmul_config_depends_on_the_weight_only():
     assert matmul_config(1024, 3072).split_k == 8 and matmul_config(4096, 1024).split_k == 1
     assert matmul_config(1024, 576).split_k == 4  # 4.5 blocks of K
     assert matmul_config(1024, 256).split_k == 1  # too few K blocks to split
@@ -300,8 +317,6 @@ def test_skinny_matmul_config_depends_on_the_weight_only_and_splits_few_rows_onl
     # FP8 past 16 rows: 64-row tiles, K unsplit, columns by the width
     assert fp8_rows_config(28672) == MatmulConfig(128, 128, 1, 8, 3, block_m=64)
     assert fp8_rows_config(6144).block_n == 64 and fp8_rows_config(4096).block_n == 32
-    with pytest.raises(ValueError, match="split-K takes at most 16 rows, got 17"):
-        skinny_matmul(torch.ones(17, 1024), torch.ones(64, 1024))
 
 
 def test_use_triton_kernels_is_false_on_cpu_in_native_only_and_under_compile(monkeypatch):

@@ -35,7 +35,10 @@ from replaylm.layers.moe import moe_align as moe_align_module  # noqa: E402
 from replaylm.layers.moe import triton_experts as triton_module  # noqa: E402
 from replaylm.layers.moe.block_configs import MoeBlockConfig  # noqa: E402
 from replaylm.layers.moe.experts import fused_experts  # noqa: E402
-from replaylm.layers.moe.fused_router import fused_router  # noqa: E402
+from replaylm.layers.moe.fused_router import (  # noqa: E402
+    fused_router,
+    route_hidden_rows,
+)
 from replaylm.layers.moe.fused_routing import fused_route  # noqa: E402
 from replaylm.layers.moe.layer import FusedMoE, SparseMoeBlock  # noqa: E402
 from replaylm.layers.moe.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
@@ -368,9 +371,29 @@ def test_fused_router_is_the_skinny_matmul_then_the_routing(
         fused_router(torch.zeros(17, width, dtype=dtype), weight, top_k, True, counts[1], None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tokens_routing_does_not_depend_on_its_batch_up_to_a_decode_batch(dtype):
+    """Past 16 tokens, up to SPLIT_ROUTER_ROWS, the router's matmul is the skinny matmul's split-K
+    launch over 16-token tiles, the tiles the fused router runs: each token of a 40-token batch
+    routes as it does alone, bit for bit, and the counts are the fused router's."""
+    width, experts, top_k = 576, 16, 4  # K in 4 slices
+    gen = torch.Generator().manual_seed(40)
+    hidden = torch.randn(40, width, generator=gen).to(dtype)
+    weight = (torch.randn(experts, width, generator=gen) / width**0.5).to(dtype)
+    counts = torch.zeros(experts, dtype=torch.int64)
+    weights, ids = route_hidden_rows(hidden, weight, top_k, True, counts, None)
+    alone_counts = torch.zeros(experts, dtype=torch.int64)
+    for t in range(40):
+        one = route_hidden_rows(hidden[t : t + 1], weight, top_k, True, alone_counts, None)
+        assert torch.equal(one[1][0], ids[t]) and torch.equal(one[0][0], weights[t])
+    assert torch.equal(counts, alone_counts) and int(counts.sum()) == 40 * top_k
+    assert int(split_k_workspace(hidden.device)[1].count_nonzero()) == 0
+
+
 def test_route_hidden_fuses_the_router_at_decode_rows(monkeypatch):
     """Where the kernels run, a skinny-matmul router's few tokens take the fused launch, more
-    tokens the router then `route`, inside native_only() the torch code; all route alike."""
+    tokens the router's matmul then the routing, inside native_only() the torch code; all route
+    alike (the weights within float32's rounding of the logits)."""
     monkeypatch.setattr(kernels, "KERNEL_DEVICE_TYPE", "cpu")
     calls: list[int] = []
 
@@ -390,7 +413,7 @@ def test_route_hidden_fuses_the_router_at_decode_rows(monkeypatch):
         with native_only():
             native = route_hidden(hidden, router, 4, True, counts[1], LiveTokens())
         assert torch.equal(fused[1], native[1]) and torch.equal(counts[0], counts[1])
-        torch.testing.assert_close(fused[0], native[0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(fused[0], native[0], **TOL[torch.float32])
     assert calls == [3]
 
 

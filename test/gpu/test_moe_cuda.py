@@ -17,6 +17,9 @@ import torch
 from replaylm.cuda_graph_modes import DISABLED
 from replaylm.entrypoints.engine import Engine
 from replaylm.layers.kernels.rmsnorm import rms_norm, rms_norm_of_expert_sum
+from replaylm.layers.kernels.skinny_matmul import MAX_ROWS, skinny_matmul, split_k_workspace
+from replaylm.layers.moe.fused_router import route_hidden_rows
+from replaylm.layers.moe.fused_routing import fused_route
 from replaylm.layers.moe.pair_experts import PAIR_TOKENS
 from replaylm.layers.moe.routed_rows import RoutedRows
 from replaylm.layers.moe.routing import select_experts
@@ -72,6 +75,27 @@ def dummy_eager(dummy_qwen3_30b_a3b) -> tuple[Engine, list[list[int]], list[list
 @pytest.mark.parametrize("cell", CELLS, ids="-".join)
 def test_every_cell_at_qwen3_30b_a3bs_shape(dummy_qwen3_30b_a3b, dummy_eager, cell):
     assert_cell_matches_eager(*dummy_eager, dummy_qwen3_30b_a3b, cell, load_format="dummy")
+
+
+@pytest.mark.parametrize("tokens", [17, 128, 256])
+def test_the_router_past_16_tokens_is_the_skinny_matmul_of_each_tile_then_the_routing(tokens):
+    """Qwen3-30B-A3B's router (128 experts over hidden 2048, top 8) at a decode batch past 16
+    tokens: the skinny matmul's split-K launch over every 16-token tile gives each tile's logits
+    as a launch over that tile alone (bit for bit, the workspace's counters back at zero), and
+    nearly every token gets the experts of cuBLAS's logits."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    hidden = torch.randn(tokens, 2048, generator=gen, device="cuda").bfloat16()
+    weight = (torch.randn(128, 2048, generator=gen, device="cuda") * 0.02).bfloat16()
+    counts = [torch.zeros(128, dtype=torch.int64, device="cuda") for _ in range(2)]
+    got = route_hidden_rows(hidden, weight, 8, True, counts[0], None)
+    logits = torch.cat([skinny_matmul(tile, weight) for tile in torch.split(hidden, MAX_ROWS)])
+    want = fused_route(logits, 8, True, counts[1], None)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert torch.equal(counts[0], counts[1]) and int(counts[0].sum()) == tokens * 8
+    assert int(split_k_workspace(hidden.device)[1].count_nonzero()) == 0
+    _, cublas_ids = select_experts(torch.nn.functional.linear(hidden, weight).float(), 8, True)
+    same = (got[1].sort(1).values == cublas_ids.to(got[1].dtype).sort(1).values).all(1)
+    assert same.float().mean() > 0.9
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 8, 64, 300, 4096])

@@ -42,8 +42,8 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
 # FP8 rows the kernel takes: up to here it reads the weight once, faster than cuBLASLt's FP8 GEMM
 FP8_MAX_ROWS = 64
-# the workspace's bounds: fp32 partials of a split-K launch (tiles x slices x BLOCK_M x BLOCK_N;
-# 8 MiB) and output tiles (one arrival counter each)
+# the workspace's bounds: fp32 partials of a split-K launch (output tiles, of every row tile, x
+# slices x BLOCK_M x BLOCK_N; 8 MiB) and output tiles (one arrival counter each)
 _PARTIAL_FLOATS, _MAX_SPLIT_TILES = 2**21, 4096
 
 
@@ -313,7 +313,8 @@ def _skinny_matmul_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = weight_rows(pid_n, N, BLOCK_N, GATED)
     acc = slice_product(
         X,
@@ -336,7 +337,8 @@ def _skinny_matmul_kernel(
     )
     last = True  # one slice writes its tile; of several, the last to arrive writes the sum
     if SPLIT_K > 1:
-        last, acc = merge_slices(acc, Partials, Arrivals, pid_n, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
+        tile = pid_m * tl.num_programs(0) + pid_n  # every row tile's output tiles apart
+        last, acc = merge_slices(acc, Partials, Arrivals, tile, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
     if last:
         write_tile(
             Y,
@@ -397,8 +399,8 @@ def skinny_matmul(
     `weight * weight_scale`) and `x` e4m3 with `x_scale` (float32, one per row), given together,
     and `out_dtype` then required;
     a new `[..., N]` tensor in `out_dtype` (default x's: the float32 sums are rounded to it once,
-    e.g. float32 logits unrounded). `config` overrides `matmul_config(N, K, fp8)`; a split-K config
-    takes at most its `block_m` (<= 16) rows. `gated_silu`: `weight` is `[gate; up]` (N even)
+    e.g. float32 logits unrounded). `config` overrides `matmul_config(N, K, fp8)` (a split-K launch
+    over as many row tiles as the workspace holds). `gated_silu`: `weight` is `[gate; up]` (N even)
     and the result `[..., N / 2]` is SiluAndMul of the product, bit-equal to
     `silu_and_mul(skinny_matmul(...))` in one launch (x's dtype; FP8: `out_dtype`). `out`: a
     contiguous tensor of the result's shape and dtype to write (and return) instead of a new one
@@ -418,8 +420,6 @@ def skinny_matmul(
         cfg = fp8_rows_config(n)
     else:
         cfg = matmul_config(n, k, fp8=fp8)
-    if cfg.split_k > 1 and m > min(cfg.block_m, MAX_ROWS):
-        raise ValueError(f"split-K takes at most {min(cfg.block_m, MAX_ROWS)} rows, got {m}")
     if weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError("the weight must be contiguous [N, K]")
     if gated_silu and n % 2:
@@ -437,14 +437,17 @@ def skinny_matmul(
         )
     y = out if out is not None else torch.empty(shape, dtype=out_dtype, device=x.device)
     tiles = triton.cdiv(width, cfg.block_n // 2) if gated_silu else triton.cdiv(n, cfg.block_n)
+    row_tiles = triton.cdiv(m, cfg.block_m)
     if cfg.split_k > 1 and (
-        tiles > _MAX_SPLIT_TILES
-        or tiles * cfg.split_k * cfg.block_m * cfg.block_n > _PARTIAL_FLOATS
+        tiles * row_tiles > _MAX_SPLIT_TILES
+        or tiles * row_tiles * cfg.split_k * cfg.block_m * cfg.block_n > _PARTIAL_FLOATS
     ):
-        raise ValueError(f"split-K launch {cfg} over {tiles} tiles exceeds the workspace")
+        raise ValueError(
+            f"split-K launch {cfg} over {tiles} x {row_tiles} tiles exceeds the workspace"
+        )
     partials, arrivals = split_k_workspace(x.device) if cfg.split_k > 1 else (y, y)  # y: unused
     if m:
-        _skinny_matmul_kernel[(tiles, cfg.split_k, triton.cdiv(m, cfg.block_m))](
+        _skinny_matmul_kernel[(tiles, cfg.split_k, row_tiles)](
             x2,
             weight,
             weight if bias is None else bias,

@@ -7,6 +7,12 @@ on one more counter of the split-K workspace then routes every token: the softma
 renormalisation, id shift and count of `fused_routing.py`, all rows at once. That saves the
 routing's own launch, one of the few a small decode step's MoE layer takes. No host sync: CUDA
 graphs capture it.
+
+The rest of a decode batch, up to `SPLIT_ROUTER_ROWS` tokens, takes the skinny matmul alone (the
+same tiles over each 16 tokens, K split as at decode rows, so a token's logits do not depend on
+its batch up to there) and then the routing's launch. cuBLAS reads the router's small weight
+slower, and one launch for both does not pay past 16 tokens (docs/tuning.md, "LM head above 16
+rows").
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ from replaylm.layers.kernels.skinny_matmul import (
     MAX_ROWS,
     matmul_config,
     merge_slices,
+    skinny_matmul,
     slice_product,
     split_k_workspace,
     weight_rows,
 )
 from replaylm.layers.moe.fused_routing import fused_route, live_rows, route_rows, store_routes
+
+SPLIT_ROUTER_ROWS = 256  # the most tokens whose router runs on the skinny matmul (a decode batch)
 
 
 # one variant for every batch size: the token count is not specialized
@@ -179,9 +188,12 @@ def route_hidden_rows(
     slots: torch.Tensor | None,
     first_expert: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_router` at up to MAX_ROWS tokens, else the router's matmul (`F.linear`, what the
-    skinny-matmul router takes there) then `fused_route`."""
+    """`fused_router` at up to MAX_ROWS tokens, else the router's matmul (up to
+    SPLIT_ROUTER_ROWS tokens the skinny matmul's split-K launch, then `F.linear`, as the
+    skinny-matmul router takes them) then `fused_route`."""
     rows = as_rows(hidden, hidden.shape[-1])
-    if rows.shape[0] <= MAX_ROWS:
+    tokens = rows.shape[0]
+    if tokens <= MAX_ROWS:
         return fused_router(rows, weight, top_k, renormalize, counts, slots, first_expert)
-    return fused_route(F.linear(rows, weight), top_k, renormalize, counts, slots, first_expert)
+    logits = skinny_matmul(rows, weight) if tokens <= SPLIT_ROUTER_ROWS else F.linear(rows, weight)
+    return fused_route(logits, top_k, renormalize, counts, slots, first_expert)
