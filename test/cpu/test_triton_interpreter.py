@@ -20,10 +20,15 @@ from replaylm.layers.attention.triton import TritonAttnBackend  # noqa: E402
 from replaylm.layers.attention.triton.backend import DETERMINISTIC_SPLITS  # noqa: E402
 from replaylm.layers.attention.triton.common import KernelConfig  # noqa: E402
 from replaylm.layers.attention.triton.decode import (  # noqa: E402
+    CONFIG,
+    FEW_KV_HEADS_CONFIG,
+    FP8_CONFIG,
     MAX_RUN,
     decode_attention,
     decode_workspace,
+    launch_config,
     longest_first,
+    starts_longest_first,
 )
 from replaylm.layers.attention.triton.kv_store import store_kv  # noqa: E402
 from replaylm.model_executor.forward_batch import ForwardMode  # noqa: E402
@@ -138,6 +143,29 @@ def test_decode_in_longest_first_order_equals_request_order(splits):
         outs.append(out)
     assert torch.equal(outs[1], outs[0])
     assert rel_error(outs[1], reference(case)) < TOL[torch.float16]
+
+
+def test_one_slice_over_few_kv_heads_takes_blocks_of_128_keys_longest_first():
+    """A one-slice launch of one row a program over at most 4 KV heads of a 16-bit cache, heads
+    of at most 128, takes FEW_KV_HEADS_CONFIG and starts longest first; split launches, verify
+    rows, more KV heads, wider heads and an fp8 cache keep their launches."""
+    f16, fp8 = torch.float16, torch.float8_e4m3fn
+    assert launch_config(f16, f16, 4, 128, 1, 1) == FEW_KV_HEADS_CONFIG
+    assert launch_config(f16, f16, 4, 128, 2, 1) == CONFIG
+    assert launch_config(f16, f16, 4, 128, 1, 4) == CONFIG
+    assert launch_config(f16, f16, 8, 128, 1, 1) == CONFIG
+    assert launch_config(f16, f16, 4, 256, 1, 1) == CONFIG
+    assert launch_config(f16, fp8, 4, 128, 1, 1) == FP8_CONFIG
+    assert starts_longest_first(2, 4, 132) and not starts_longest_first(66, 8, 132)
+    assert starts_longest_first(67, 8, 132)
+    # the default launch: blocks of 128 keys, the last one masked, across two blocks and one
+    case = make_case(
+        ForwardMode.DECODE, [300, 4, 129, 0], [1] * 4, 8, 2, 32, torch.float16, "cpu", seed=8
+    )
+    _store(case)
+    out = torch.full_like(case.q, float("nan"))
+    triton_decode(case, out, 1, order=longest_first(case.batch.seq_lens))
+    assert rel_error(out, reference(case)) < TOL[torch.float16]
 
 
 def _verify_rows(case, padding: int) -> tuple[torch.Tensor, torch.Tensor]:

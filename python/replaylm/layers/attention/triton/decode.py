@@ -24,7 +24,8 @@ A launch of more than two waves of programs (large batches, one slice each) may 
 in an `order` of its own: longest first (`longest_first`), so that the last programs
 to start are the shortest and the GPU is not left with a few long ones at the end of a batch of
 mixed lengths (docs/tuning.md, "Decode attention: longest requests first"). Every request's
-result is the same in any order.
+result is the same in any order. A one-slice launch over few KV heads (`FEW_KV_HEADS`) has few
+programs: it takes blocks of 128 keys, one program an SM, always longest first.
 
 A verify step's rows (speculative decoding: one row per verified token of a request, over the
 request's table row, each row's length one more than the row before) are taken `rows` at a time
@@ -59,6 +60,11 @@ CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
 # them below: docs/tuning.md, "FP8 KV cache at decode"
 FP8_CONFIG = KernelConfig(block_n=64, num_warps=2, num_stages=3)
 FLOAT32_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)  # full-precision dots: FMA
+# a one-slice launch over at most FEW_KV_HEADS KV heads (Qwen3-MoE's 4) has few programs for its
+# bytes: blocks of 128 keys in two stages (one program an SM) keep more of them in flight, the
+# requests longest first: docs/tuning.md, "Decode attention over few KV heads"
+FEW_KV_HEADS = 4
+FEW_KV_HEADS_CONFIG = KernelConfig(block_n=128, num_warps=4, num_stages=2)
 MERGE_WARPS = 4  # warps of the merge kernel: docs/tuning.md, "Decode attention merge kernel"
 MIN_SPLIT_LEN = 64  # tokens (one block): docs/tuning.md, "Decode attention slices"
 # slices per request: about PROGRAMS_PER_SM programs per multiprocessor over the batch's
@@ -98,7 +104,10 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
 def starts_longest_first(batch_size: int, num_kv_heads: int, sm_count: int) -> bool:
     """Whether a one-slice launch of `batch_size` requests should start them longest first
     (`longest_first`): when its (request, KV head) programs fill more than two waves, so that
-    the order decides which programs finish last."""
+    the order decides which programs finish last; always over few KV heads, whose launch holds
+    one program an SM (`FEW_KV_HEADS_CONFIG`)."""
+    if num_kv_heads <= FEW_KV_HEADS:
+        return True
     return batch_size * num_kv_heads > LONGEST_FIRST_PROGRAMS_PER_SM * sm_count
 
 
@@ -297,11 +306,23 @@ def _decode_kernel(
                         )
 
 
-def launch_config(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> KernelConfig:
-    """The decode kernel's launch for a query of `q_dtype` over a cache of `cache_dtype`."""
+def launch_config(
+    q_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    num_kv_heads: int,
+    head_dim: int,
+    num_splits: int,
+    rows_per_program: int,
+) -> KernelConfig:
+    """The decode kernel's launch for a query of `q_dtype` over a cache of `cache_dtype`:
+    `FEW_KV_HEADS_CONFIG` for one slice of one row a program over at most FEW_KV_HEADS KV heads
+    of a 16-bit cache, heads of at most 128 (its two stages of 128 keys fill shared memory)."""
     if q_dtype == torch.float32:
         return FLOAT32_CONFIG
-    return FP8_CONFIG if cache_dtype == torch.float8_e4m3fn else CONFIG
+    if cache_dtype == torch.float8_e4m3fn:
+        return FP8_CONFIG
+    few = num_kv_heads <= FEW_KV_HEADS and head_dim <= 128
+    return FEW_KV_HEADS_CONFIG if few and num_splits == 1 and rows_per_program == 1 else CONFIG
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -475,7 +496,9 @@ def decode_attention(
     num_heads, num_kv_heads, head_dim = check_inputs(q, k_cache, v_cache)
     bs = q.shape[0]
     group = num_heads // num_kv_heads
-    cfg = config or launch_config(q.dtype, k_cache.dtype)
+    cfg = config or launch_config(
+        q.dtype, k_cache.dtype, num_kv_heads, head_dim, num_splits, rows_per_program
+    )
     ws = workspace or decode_workspace(q, num_kv_heads, num_splits)
     mid_o, mid_lse = ws.mid_o, ws.mid_lse
     separate = separate_merge and num_splits > 1  # one slice: written directly either way
