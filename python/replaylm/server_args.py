@@ -296,7 +296,8 @@ class ServerArgs:
             "Smaller chunks keep streams smoother; larger ones finish long prompts sooner. "
             "Default: 2048, or 8192 on a GPU of 35 GiB or more; for a mixture of experts at least "
             "enough tokens that each expert gets about 512 rows a step (experts x 512 / top-k, at "
-            "most 8192), which its grouped GEMMs need to run near peak."
+            "most 8192), which its grouped GEMMs need to run near peak; in the offline Engine "
+            "about 1024 rows, at most 16384."
         ),
     )
     max_prefill_tokens: int | None = field(

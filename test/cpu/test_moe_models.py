@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from replaylm.distributed.parallel_state import TPPlace
+from replaylm.entrypoints.engine import Engine
 from replaylm.layers.moe.layer import FusedMoE
 from replaylm.model_executor.prefill_chunk import default_prefill_chunk, prefill_chunk
 from replaylm.models import llama
@@ -282,21 +283,48 @@ def test_shrunk_real_configs_on_dummy_weights_match_on_two_ranks(
 
 
 @pytest.mark.parametrize(
-    ("config", "chunk", "why"),
+    ("config", "offline", "chunk", "why"),
     [
-        ("qwen3-30b-a3b.json", 8192, "128 experts, top 8: about 512 rows per expert a step"),
-        ("mixtral-8x7b.json", 2048, "8 experts, top 2: about 512 rows per expert a step"),
-        ("qwen3-0.6b.json", 2048, "the default"),
+        ("qwen3-30b-a3b.json", False, 8192, "128 experts, top 8: about 512 rows per expert a step"),
+        ("mixtral-8x7b.json", False, 2048, "8 experts, top 2: about 512 rows per expert a step"),
+        ("qwen3-0.6b.json", False, 2048, "the default"),
+        (
+            "qwen3-30b-a3b.json",
+            True,
+            16384,
+            "128 experts, top 8: about 1024 rows per expert a step, offline",
+        ),
+        (
+            "mixtral-8x7b.json",
+            True,
+            4096,
+            "8 experts, top 2: about 1024 rows per expert a step, offline",
+        ),
+        ("qwen3-0.6b.json", True, 2048, "the default"),
     ],
 )
 def test_the_default_prefill_chunk_gives_each_expert_its_rows(
-    config: str, chunk: int, why: str
+    config: str, offline: bool, chunk: int, why: str
 ) -> None:
     """Without --chunked-prefill-size a mixture of experts prefills chunks that give each expert
-    about 512 rows (its grouped GEMMs' tiles full), at most 8192; a dense model keeps 2048."""
+    about 512 rows (its grouped GEMMs' tiles full), at most 8192, and offline 1024 rows, at most
+    16384; a dense model keeps 2048 either way."""
     model_config = ModelConfig.from_json_file(str(CONFIGS / config))
     with torch.device("meta"):
         model = get_model_class(model_config.architecture)(model_config)
-    assert default_prefill_chunk(model) == (chunk, why)
-    assert prefill_chunk(None, model) == (chunk, why)
-    assert prefill_chunk(1024, model) == (1024, "--chunked-prefill-size")
+    assert default_prefill_chunk(model, offline) == (chunk, why)
+    assert prefill_chunk(None, model, offline) == (chunk, why)
+    assert prefill_chunk(1024, model, offline) == (1024, "--chunked-prefill-size")
+
+
+def test_the_offline_engine_prefills_the_offline_chunk(tmp_path: Path) -> None:
+    """The offline Engine's scheduler takes the offline chunk (8 experts, top 2: 1024 rows per
+    expert, 4096 tokens) where a server's takes 512 rows (the CPU's dense chunk, 2048)."""
+    write_tiny_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine(model_path=str(tmp_path), device="cpu", max_total_tokens=2000)
+    try:
+        assert engine.config.offline
+        assert engine.scheduler.chunk_size == 4096
+        assert default_prefill_chunk(engine.runner.model)[0] == 2048
+    finally:
+        engine.shutdown()

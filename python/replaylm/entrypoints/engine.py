@@ -73,7 +73,8 @@ class Engine:
         args.validate()
         if args.nnodes > 1:
             raise ValueError("the offline Engine runs every tensor-parallel rank here: nnodes 1")
-        self.config = with_dist_init_addr(_rank_zero_all_reduce(resolve_engine_config(args)))
+        resolved = dataclasses.replace(resolve_engine_config(args), offline=True)
+        self.config = with_dist_init_addr(_rank_zero_all_reduce(resolved))
         self.config.log()
         self.server_args = self.config.args  # with the defaults resolved for the device
         # the other ranks load alongside this one, and follow its scheduler
@@ -91,7 +92,12 @@ class Engine:
         self._grammar: GrammarCompiler | None = None  # made for the first constrained request
         self._rank_grammars: _RankGrammars | None = None  # with other ranks, likewise
         self.scheduler = Scheduler.from_args(
-            self.runner, self.eos_token_ids, self._decode, self.server_args, self.draft_runner
+            self.runner,
+            self.eos_token_ids,
+            self._decode,
+            self.server_args,
+            self.draft_runner,
+            offline=self.config.offline,
         )
         self.startup.mark("scheduler")
         self.startup.log_summary()

@@ -42,6 +42,9 @@ class EngineConfig:
     notes: tuple[str, ...] = ()  # how defaults were chosen
     # speculation with a draft model or an EAGLE head: the drafter's, at TP 1
     draft: EngineConfig | None = None
+    # the offline Engine's, which streams to no one (its defaults favour throughput:
+    # model_executor/prefill_chunk.py)
+    offline: bool = False
 
     @property
     def device_type(self) -> str:

@@ -93,7 +93,7 @@ def load_model_runners(
         config.args, [m.kv_shape for m in loaded], target.tp, target.device, features_bytes
     )
     if draft is not None and isinstance(draft.model, EagleHead):
-        chunk, _ = prefill_chunk(config.args.chunked_prefill_size, target.model)
+        chunk, _ = prefill_chunk(config.args.chunked_prefill_size, target.model, config.offline)
         rows = _head_rows(draft.config, chunk)
         attach_head(draft.model, target.model, tokens + 1, rows, target.device)
     runners = [_make_runner(m, tokens, stages) for m in loaded]

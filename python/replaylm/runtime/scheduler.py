@@ -214,10 +214,11 @@ class Scheduler:
         decode_text: Callable[[list[int]], str] | None,
         args: ServerArgs,
         draft: ModelRunner | None = None,
+        offline: bool = False,
     ) -> Scheduler:
         """The scheduler the server's flags describe (`draft`: the draft model's or EAGLE
-        head's runner, for speculation with one)."""
-        chunk, why = prefill_chunk(args.chunked_prefill_size, runner.model)
+        head's runner, for speculation with one; `offline`: the offline Engine's)."""
+        chunk, why = prefill_chunk(args.chunked_prefill_size, runner.model, offline)
         logger.info("prefill chunks: up to %d tokens a step (%s)", chunk, why)
         return cls(
             runner,
