@@ -188,9 +188,9 @@ def route_hidden_rows(
     slots: torch.Tensor | None,
     first_expert: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_router` at up to MAX_ROWS tokens, else the router's matmul (up to
-    SPLIT_ROUTER_ROWS tokens the skinny matmul's split-K launch, then `F.linear`, as the
-    skinny-matmul router takes them) then `fused_route`."""
+    """`fused_router` at up to MAX_ROWS tokens, else the router's matmul then `fused_route`:
+    up to SPLIT_ROUTER_ROWS tokens the skinny matmul's split-K launch, past them `F.linear` (as
+    the skinny-matmul router takes them)."""
     rows = as_rows(hidden, hidden.shape[-1])
     tokens = rows.shape[0]
     if tokens <= MAX_ROWS:
