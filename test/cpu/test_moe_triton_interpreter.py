@@ -198,6 +198,29 @@ def test_fused_matches_torch_experts(
         assert torch.equal(got, torch.zeros_like(got))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["default", "small"])
+def test_weights_through_a_descriptor_and_by_pointer_agree(dtype, config):
+    """The grouped GEMMs read the expert weights through a tensor descriptor (TMA on the GPU) by
+    default here, or by pointer where asked: both give `torch_experts`' numbers, with column tiles
+    and K steps that do not divide the weights (gate and up 24 wide, hidden 40), experts with
+    no token and other ranks' ids. FP8 weights cannot take the descriptor."""
+    weights, ids = _routing(9, 3, 8, seed=11, unused=(4,), foreign=2)
+    w13, w2 = _weights(8, 40, 24, dtype, seed=12)
+    x = _hidden(9, 40, dtype, seed=13)
+    assert triton_module.tma_weights(w13, None) and triton_module.tma_weights(w2, None)
+    want = torch_experts(x, w13, w2, weights, ids)
+    for weight_tma in (True, False):
+        got = triton_experts(x, w13, w2, weights, ids, config=config, weight_tma=weight_tma)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    odd = _weights(8, 41, 24, dtype, seed=12)[0]  # rows of 41 columns: not 16-byte aligned
+    assert not triton_module.tma_weights(odd, None)
+    every_other_row = torch.cat([w13, w13], dim=1)[:, ::2]  # rows contiguous, the tensor not
+    assert not triton_module.tma_weights(every_other_row, None)
+    with pytest.raises(ValueError, match="tensor descriptor"):
+        triton_experts(x, every_other_row, w2, weights, ids, weight_tma=True)
+
+
 def test_strided_hidden_and_empty_batch():
     """A column slice of a wider tensor (a row stride above H) reads right; no tokens, no
     launches."""

@@ -2,13 +2,15 @@
 
 The routed (token, slot) pairs are sorted by expert into blocks of `block_m` rows
 (`moe_align`); a grouped GEMM gives each program one block of one expert, its A rows gathered
-from the pairs' tokens. It runs twice: gate_up with SiluAndMul in its epilogue (a tile
-interleaves gate and up rows of the same columns), then down; a last kernel sums each token's k
+from the pairs' tokens. It runs twice: gate_up with SiluAndMul in its epilogue (a tile covers
+gate and up rows of the same columns), then down; a last kernel sums each token's k
 rows weighted by the router in float32, skipping other ranks' experts. Four launches (six for
 more than a decode step's pairs), no host sync, buffers sized by T, k, E and the block config
 alone: CUDA graphs capture it. A batch of up to `PAIR_TOKENS` tokens of non-FP8 experts skips
-the sort and the sum (`pair_experts.py`: two launches). Under torch.compile (inside
-`kernels_in_compiled_code`) it is the custom op `replaylm::fused_experts`.
+the sort and the sum (`pair_experts.py`: two launches). Unquantized weights' tiles come by TMA
+through a tensor descriptor where the GPU has it (`tma_weights`: docs/tuning.md, "MoE weights by
+TMA"). Under torch.compile (inside `kernels_in_compiled_code`) it is the custom op
+`replaylm::fused_experts`.
 
 FP8 (e4m3) experts run w8a8, as vLLM's and SGLang's `use_fp8_w8a8`: each GEMM's A is quantized
 to e4m3 first (`quantize_activation`: per token, per token and block-column group for block
@@ -25,11 +27,13 @@ requantization can land on the neighbouring e4m3 value.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
@@ -75,6 +79,15 @@ def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul(gate, up, dtype):
+    """`silu(gate) * up` of float32 tiles, each step rounded to `dtype` as the torch code rounds
+    it."""
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return silu * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _store_tile(
     C,
     acc,
@@ -87,19 +100,46 @@ def _store_tile(
     BLOCK_N: tl.constexpr,
     GATED: tl.constexpr,
 ):
-    """Store `acc` to the pairs' rows `slots` of C in C's dtype; with `GATED`, first
-    `silu(gate) * up` over its column pairs, each step rounded as the torch code rounds it."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    width = N
-    if GATED:
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-        g = gate.to(C.dtype.element_ty).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(C.dtype.element_ty).to(tl.float32)
-        acc = silu * up.to(C.dtype.element_ty).to(tl.float32)
-        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        width = N // 2
+    """Store `acc` to the pairs' rows `slots` of C in C's dtype; with `GATED` (N = 2I output
+    columns of gate, then up), `acc` is already `silu(gate) * up` over `BLOCK_N // 2` columns."""
+    width = N // 2 if GATED else N
+    TILE_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    cols = pid_n * TILE_N + tl.arange(0, TILE_N)
     ptrs = C + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
     tl.store(ptrs, acc.to(C.dtype.element_ty), mask=live[:, None] & (cols[None, :] < width))
+
+
+@triton.jit
+def _descriptor_products(
+    a_rows,
+    live,
+    WeightRows,
+    first_row,
+    K,
+    half,
+    BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The float32 `[BLOCK_M, ROWS]` products of A rows `a_rows` with the weight rows from
+    `first_row` of the descriptor `WeightRows` and, with `GATED`, with those `half` rows further
+    on (else the first product twice). A TMA tile is one run of consecutive rows, so gate and up
+    are two products here, their K steps sharing each A tile."""
+    acc = tl.zeros((BLOCK_M, ROWS), tl.float32)
+    second = tl.zeros((BLOCK_M, ROWS), tl.float32)
+    for k_block in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + offs_k[None, :], mask=live[:, None] & (offs_k < K)[None, :], other=0.0)
+        b = WeightRows.load([first_row, k_block * BLOCK_K])
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        if GATED:
+            b = WeightRows.load([first_row + half, k_block * BLOCK_K])
+            second = tl.dot(a, b.T, second, input_precision=PRECISION)
+    if GATED:
+        return acc, second
+    return acc, acc
 
 
 @triton.jit
@@ -116,6 +156,7 @@ def _outer_scales(a_scales, b_scales, live, rows_ok):
 def _grouped_gemm_kernel(
     A,
     B,
+    WeightRows,
     C,
     SortedIds,
     ExpertIds,
@@ -148,10 +189,13 @@ def _grouped_gemm_kernel(
     USE_PDL: tl.constexpr,
 ):
     """C[pair] = A[pair // PAIRS_PER_ROW] @ B[expert]^T for the `BLOCK_M` sorted pairs of one
-    block (padding rows masked); programs of blocks past the padded total exit. With `FP8`, A
-    and B are e4m3 with float32 scales: AScale `[rows, groups]`, BScale per weight row
-    (`GROUP_N` 1, `GROUP_K` 0: per channel, applied once) or per `GROUP_N` x `GROUP_K` block
-    (applied at each K step, which `BLOCK_K` dividing `GROUP_K` keeps within one group)."""
+    block (padding rows masked); programs of blocks past the padded total exit. With `GATED`, a
+    tile covers gate and up columns c..c + BLOCK_N / 2 and stores silu(gate) * up. `WeightRows`:
+    B as a `[E * N, K]` tensor descriptor (None: B's rows by pointer, gate and up rows
+    interleaved in one tile). With `FP8`, A and B are e4m3 with float32 scales: AScale `[rows,
+    groups]`, BScale per weight row (`GROUP_N` 1, `GROUP_K` 0: per channel, applied once) or per
+    `GROUP_N` x `GROUP_K` block (applied at each K step, which `BLOCK_K` dividing `GROUP_K` keeps
+    within one group)."""
     wait_for_producers(USE_PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), max_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(NumPostPad):
@@ -160,8 +204,18 @@ def _grouped_gemm_kernel(
     live = slots < num_pairs
     a_index = (slots // PAIRS_PER_ROW).to(tl.int64)
     a_rows = A + a_index[:, None] * stride_am
-    rows, rows_ok = _weight_rows(pid_n, N, BLOCK_N, GATED)
     expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+    if WeightRows is not None:
+        TILE_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+        first = (expert * N + pid_n * TILE_N).to(tl.int32)
+        acc, up = _descriptor_products(
+            a_rows, live, WeightRows, first, K, N // 2, BLOCK_M, TILE_N, BLOCK_K, GATED, PRECISION
+        )
+        if GATED:
+            acc = _silu_mul(acc, up, C.dtype.element_ty)
+        _store_tile(C, acc, slots, live, pid_n, N, stride_cm, BLOCK_M, BLOCK_N, GATED)
+        return
+    rows, rows_ok = _weight_rows(pid_n, N, BLOCK_N, GATED)
     b_rows = B + expert * stride_be + rows.to(tl.int64)[None, :] * stride_bn
     if FP8:
         a_scales = AScale + a_index * stride_asm
@@ -182,6 +236,9 @@ def _grouped_gemm_kernel(
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if FP8 and not GROUP_K:
         acc *= _outer_scales(a_scales, b_scales, live, rows_ok)
+    if GATED:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        acc = _silu_mul(gate, up, C.dtype.element_ty)
     _store_tile(C, acc, slots, live, pid_n, N, stride_cm, BLOCK_M, BLOCK_N, GATED)
 
 
@@ -247,17 +304,24 @@ def _grouped_gemm(
     gated: bool,
     config: MoeBlockConfig,
     scales: _Fp8Scales | None = None,
+    weight_tma: bool = False,
 ) -> None:
     """Launch the grouped GEMM of `a` `[rows, K]` by `weight` `[E, N, K]` into `out`, over the
     sorted pairs `routing` (`moe_align_block_size`'s result); FP8 (e4m3 `a` and `weight`) with
-    `scales`."""
+    `scales`; `weight_tma`: the weight's tiles through a tensor descriptor (`tma_weights`)."""
     sorted_ids, expert_ids, num_post_pad = routing
-    n, k = weight.shape[1], weight.shape[2]
+    experts, n, k = weight.shape
     max_rows = sorted_ids.numel()
     tiles_n = triton.cdiv(n, config.block_n)
+    descriptor = None
+    if weight_tma:
+        rows = config.block_n // 2 if gated else config.block_n
+        flat = weight.view(experts * n, k)
+        descriptor = TensorDescriptor.from_tensor(flat, [rows, config.block_k])
     _grouped_gemm_kernel[(triton.cdiv(max_rows, config.block_m) * tiles_n,)](
         a,
         weight,
+        descriptor,
         out,
         sorted_ids,
         expert_ids,
@@ -282,6 +346,22 @@ def _grouped_gemm(
         num_stages=config.num_stages,
         **pdl_launch(),
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _has_tma(device: torch.device) -> bool:
+    """Whether `device` loads tiles by TMA: a CUDA GPU of compute capability 9.0 or newer, or the
+    CPU, where the kernels run only in Triton's interpreter (which emulates descriptors)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_weights(weight: torch.Tensor, fp8: Fp8ExpertScales | None) -> bool:
+    """Whether the grouped GEMMs read `weight` `[E, N, K]` through a tensor descriptor: its tiles
+    then come by TMA, which keeps more of them in flight than pointer loads do. Unquantized,
+    contiguous weights whose rows start 16-byte aligned (TMA's rule), on a GPU that has TMA;
+    FP8 experts keep the pointer loads, whose tiles the scales follow."""
+    aligned = weight.data_ptr() % 16 == 0 and weight.shape[2] * weight.element_size() % 16 == 0
+    return fp8 is None and weight.is_contiguous() and aligned and _has_tma(weight.device)
 
 
 def _check(
@@ -334,6 +414,7 @@ def triton_experts(
     fp8: Fp8ExpertScales | None = None,
     config: MoeBlockConfig | None = None,
     defer_sum: bool = False,
+    weight_tma: bool | None = None,
 ) -> torch.Tensor | RoutedRows:
     """`torch_experts`'s contract (an id outside 0..E-1 adds nothing; `fp8`: the scales of e4m3
     weights, run w8a8) in four to six launches, plus each GEMM's input quantization with FP8, and no
@@ -341,7 +422,8 @@ def triton_experts(
     `config` overrides `moe_block_config`'s choice for this shape and token count and takes the
     sorted route (with block scales its BLOCK_K must divide the blocks' columns: ValueError).
     `defer_sum`: the sorted route returns its rows before the weighted sum (`RoutedRows`), one
-    launch less, for a reader that sums them itself."""
+    launch less, for a reader that sums them itself. `weight_tma` overrides `tma_weights`' choice
+    for the sorted route (True needs weights it would take)."""
     _check(hidden, w13, w2, topk_ids, fp8)
     tokens, width = hidden.shape
     num_experts, intermediate, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
@@ -363,12 +445,21 @@ def triton_experts(
     routing = moe_align_block_size(ids, num_experts, config.block_m)
     act = hidden.new_empty((tokens * top_k, intermediate))
     a, scales = _quantized(as_rows(hidden, width), fp8, first=True)
-    _grouped_gemm(a, w13, act, routing, top_k, True, config, scales)
+    _grouped_gemm(a, w13, act, routing, top_k, True, config, scales, _tma(w13, fp8, weight_tma))
     down = hidden.new_empty((tokens * top_k, width))
     a, scales = _quantized(act, fp8, first=False)
-    _grouped_gemm(a, w2, down, routing, 1, False, config, scales)
+    _grouped_gemm(a, w2, down, routing, 1, False, config, scales, _tma(w2, fp8, weight_tma))
     routed = RoutedRows(down, topk_weights.to(torch.float32).contiguous(), ids, num_experts)
     return routed if defer_sum else weighted_sum(routed)
+
+
+def _tma(weight: torch.Tensor, fp8: Fp8ExpertScales | None, asked: bool | None) -> bool:
+    """`triton_experts`' `weight_tma` for `weight`: `asked`, else `tma_weights`' choice."""
+    if asked is None:
+        return tma_weights(weight, fp8)
+    if asked and not tma_weights(weight, fp8):
+        raise ValueError("these expert weights cannot be read through a tensor descriptor")
+    return asked
 
 
 def _op_fp8_args(
