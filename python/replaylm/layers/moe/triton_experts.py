@@ -348,6 +348,10 @@ def _grouped_gemm(
     )
 
 
+# fewer tokens reach few experts, whose weight tiles came slower by TMA than by pointer
+TMA_MIN_TOKENS = 16
+
+
 @functools.lru_cache(maxsize=16)
 def _has_tma(device: torch.device) -> bool:
     """Whether `device` loads tiles by TMA: a CUDA GPU of compute capability 9.0 or newer, or the
@@ -356,8 +360,8 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def tma_weights(weight: torch.Tensor, fp8: Fp8ExpertScales | None) -> bool:
-    """Whether the grouped GEMMs read `weight` `[E, N, K]` through a tensor descriptor: its tiles
-    then come by TMA, which keeps more of them in flight than pointer loads do. Unquantized,
+    """Whether the grouped GEMMs can read `weight` `[E, N, K]` through a tensor descriptor: its
+    tiles then come by TMA, which keeps more of them in flight than pointer loads do. Unquantized,
     contiguous weights whose rows start 16-byte aligned (TMA's rule), on a GPU that has TMA;
     FP8 experts keep the pointer loads, whose tiles the scales follow."""
     aligned = weight.data_ptr() % 16 == 0 and weight.shape[2] * weight.element_size() % 16 == 0
@@ -422,8 +426,8 @@ def triton_experts(
     `config` overrides `moe_block_config`'s choice for this shape and token count and takes the
     sorted route (with block scales its BLOCK_K must divide the blocks' columns: ValueError).
     `defer_sum`: the sorted route returns its rows before the weighted sum (`RoutedRows`), one
-    launch less, for a reader that sums them itself. `weight_tma` overrides `tma_weights`' choice
-    for the sorted route (True needs weights it would take)."""
+    launch less, for a reader that sums them itself. `weight_tma` overrides the choice of weight
+    loads for the sorted route (`_tma`; True needs weights `tma_weights` allows)."""
     _check(hidden, w13, w2, topk_ids, fp8)
     tokens, width = hidden.shape
     num_experts, intermediate, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
@@ -445,18 +449,23 @@ def triton_experts(
     routing = moe_align_block_size(ids, num_experts, config.block_m)
     act = hidden.new_empty((tokens * top_k, intermediate))
     a, scales = _quantized(as_rows(hidden, width), fp8, first=True)
-    _grouped_gemm(a, w13, act, routing, top_k, True, config, scales, _tma(w13, fp8, weight_tma))
+    _grouped_gemm(
+        a, w13, act, routing, top_k, True, config, scales, _tma(w13, fp8, weight_tma, tokens)
+    )
     down = hidden.new_empty((tokens * top_k, width))
     a, scales = _quantized(act, fp8, first=False)
-    _grouped_gemm(a, w2, down, routing, 1, False, config, scales, _tma(w2, fp8, weight_tma))
+    _grouped_gemm(a, w2, down, routing, 1, False, config, scales, _tma(w2, fp8, weight_tma, tokens))
     routed = RoutedRows(down, topk_weights.to(torch.float32).contiguous(), ids, num_experts)
     return routed if defer_sum else weighted_sum(routed)
 
 
-def _tma(weight: torch.Tensor, fp8: Fp8ExpertScales | None, asked: bool | None) -> bool:
-    """`triton_experts`' `weight_tma` for `weight`: `asked`, else `tma_weights`' choice."""
+def _tma(
+    weight: torch.Tensor, fp8: Fp8ExpertScales | None, asked: bool | None, tokens: int
+) -> bool:
+    """`triton_experts`' `weight_tma` for `weight` and a batch of `tokens`: `asked`, else from
+    `TMA_MIN_TOKENS` tokens (the count `config_tokens` gives) where `tma_weights` allows."""
     if asked is None:
-        return tma_weights(weight, fp8)
+        return config_tokens(tokens) >= TMA_MIN_TOKENS and tma_weights(weight, fp8)
     if asked and not tma_weights(weight, fp8):
         raise ValueError("these expert weights cannot be read through a tensor descriptor")
     return asked
