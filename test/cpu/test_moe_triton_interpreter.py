@@ -202,9 +202,9 @@ def test_fused_matches_torch_experts(
 @pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["default", "small"])
 def test_weights_through_a_descriptor_and_by_pointer_agree(dtype, config):
     """The grouped GEMMs read the expert weights through a tensor descriptor (TMA on the GPU),
-    by default from `TMA_MIN_TOKENS` tokens, or by pointer: both give `torch_experts`' numbers, with column tiles
-    and K steps that do not divide the weights (gate and up 24 wide, hidden 40), experts with
-    no token and other ranks' ids. FP8 weights cannot take the descriptor."""
+    by default from `TMA_MIN_TOKENS` tokens, or by pointer: both give `torch_experts`' numbers,
+    with column tiles and K steps that do not divide the weights (gate and up 24 wide, hidden
+    40), experts with no token and other ranks' ids. Weights TMA cannot read take the pointers."""
     weights, ids = _routing(9, 3, 8, seed=11, unused=(4,), foreign=2)
     w13, w2 = _weights(8, 40, 24, dtype, seed=12)
     x = _hidden(9, 40, dtype, seed=13)
