@@ -16,14 +16,22 @@ from replaylm.layers.kernels.pdl import wait_for_producers
 
 
 @triton.jit
+def silu_mul_rounded(gate, up, dtype):
+    """float32 `silu(gate) * up` of float32 tiles, as the torch code computes SiluAndMul of a
+    `dtype` input: gate and up rounded to `dtype` first, silu rounded to it before the product.
+    Every kernel with SiluAndMul in it (this launch, the matmuls' gated epilogues) takes it."""
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return silu * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def silu_mul_columns(X, row, cols, mask, width, stride_x):
     """`silu(gate) * up` of `row`'s columns `cols` (gate and up the row's halves, `width` each),
     in the input dtype, rounded as the torch code rounds it (zeros where not `mask`)."""
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(X + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    return (silu * up).to(gate.dtype)
+    up = tl.load(X + row * stride_x + width + cols, mask=mask, other=0.0)
+    return silu_mul_rounded(gate.to(tl.float32), up.to(tl.float32), gate.dtype).to(gate.dtype)
 
 
 @triton.jit

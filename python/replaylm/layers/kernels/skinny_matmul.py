@@ -38,6 +38,7 @@ import triton.language as tl
 from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
+from replaylm.layers.kernels.silu_mul import silu_mul_rounded
 
 MAX_ROWS = 16  # the row tile: one program covers every row of a decode batch up to this
 # FP8 rows the kernel takes: up to here it reads the weight once, faster than cuBLASLt's FP8 GEMM
@@ -155,9 +156,7 @@ def write_tile(
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-        g = gate.to(Y.dtype.element_ty).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-        acc = silu * up.to(Y.dtype.element_ty).to(tl.float32)
+        acc = silu_mul_rounded(gate, up, Y.dtype.element_ty)
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         N = N // 2
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)

@@ -38,6 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from replaylm.layers.attention.triton.common import dot_precision
 from replaylm.layers.kernels import as_rows, pdl_launch
 from replaylm.layers.kernels.pdl import wait_for_producers
+from replaylm.layers.kernels.silu_mul import silu_mul_rounded
 from replaylm.layers.moe.block_configs import (
     MoeBlockConfig,
     config_tokens,
@@ -76,15 +77,6 @@ def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
         return (j % 2) * (N // 2) + cols, cols < N // 2
     rows = pid_n * BLOCK_N + j
     return rows, rows < N
-
-
-@triton.jit
-def _silu_mul(gate, up, dtype):
-    """`silu(gate) * up` of float32 tiles, each step rounded to `dtype` as the torch code rounds
-    it."""
-    g = gate.to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return silu * up.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -212,7 +204,7 @@ def _grouped_gemm_kernel(
             a_rows, live, WeightRows, first, K, N // 2, BLOCK_M, TILE_N, BLOCK_K, GATED, PRECISION
         )
         if GATED:
-            acc = _silu_mul(acc, up, C.dtype.element_ty)
+            acc = silu_mul_rounded(acc, up, C.dtype.element_ty)
         _store_tile(C, acc, slots, live, pid_n, N, stride_cm, BLOCK_M, BLOCK_N, GATED)
         return
     rows, rows_ok = _weight_rows(pid_n, N, BLOCK_N, GATED)
@@ -238,7 +230,7 @@ def _grouped_gemm_kernel(
         acc *= _outer_scales(a_scales, b_scales, live, rows_ok)
     if GATED:
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-        acc = _silu_mul(gate, up, C.dtype.element_ty)
+        acc = silu_mul_rounded(gate, up, C.dtype.element_ty)
     _store_tile(C, acc, slots, live, pid_n, N, stride_cm, BLOCK_M, BLOCK_N, GATED)
 
 
