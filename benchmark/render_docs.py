@@ -135,7 +135,8 @@ SECTIONS = (
     Section(
         "Mixture of experts: offline throughput",
         ("offline_moe",),
-        "nano-vllm's offline workload on dummy Qwen3-30B-A3B, full decode graphs.",
+        "nano-vllm's offline workload on dummy Qwen3-30B-A3B, full decode graphs. H200s differ "
+        'by up to about 2% on it (docs/tuning.md, "MoE offline workload: where the time goes").',
         offline_table,
     ),
     Section(
