@@ -7,10 +7,9 @@ take one launch of one program per expert, each counting them all (a histogram) 
 its own. More pairs take three launches, each linear in the pairs: a histogram per chunk of
 `_CHUNK` pairs; one program per expert, which lays out its run and where each chunk's pairs of it
 start; one program per chunk, which writes each of its pairs there, after those of the chunk's
-earlier pairs with the same expert. No host sync, buffer sizes fixed by
-T, k, E and `block_m`: CUDA graphs capture it. Ids outside 0..E-1 (experts of other ranks) belong to
-no run, so their pairs are left out. Within an expert the pairs keep their order: the result is
-deterministic.
+earlier pairs with the same expert. No host sync, buffer sizes fixed by T, k, E and `block_m`:
+CUDA graphs capture it. Ids outside 0..E-1 (experts of other ranks) belong to no run, so their
+pairs are left out. Within an expert the pairs keep their order: the result is deterministic.
 """
 
 from __future__ import annotations
